@@ -277,8 +277,7 @@ def read_record_into(fd: int, direct_fd: Optional[int], layout: RecordLayout, of
     is used when every destination is page-aligned, else the record is read into an aligned staging buffer and
     copied.  Returns the bytes the read call returned."""
     secs = layout.sections
-    end = secs[-1].offset + secs[-1].nbytes
-    length = end if direct_fd is None else _round_up(end)
+    length = layout.record_len     # the whole record (trailing padding included): bytes_read == record lengths
     targets = [dests[s.name].reshape(-1).view(np.uint8) for s in secs]   # must be contiguous views
     if direct_fd is not None and not all(_is_direct_ok(t) for t in targets):
         stage = _scratch(length)

@@ -1,0 +1,500 @@
+"""ExpertStore: routed experts streamed from disk through a RAM-bounded per-layer cache.
+
+Contract (used by the engine's Python layer loop and by its io_callback fetch mode)::
+
+    store = ExpertStore.open(model_dir, cfg, cache_cap=None, ram_gb=None, direct_io=False, io_threads=4,
+                             pin=None | "auto" | PATH, pin_gb=0.0, policy="lru" | "lfu",
+                             dense_bytes=0, kv_bytes=0, max_working_set=None)
+    bank, slot_of = store.fetch(layer, expert_ids)     # every id present in bank; slot_of int32 [E], -1 absent
+    store.resident_mask(layer) / store.pinned_mask(layer) -> bool [E]
+    store.prefetch_hint(layer, expert_ids)             # async readahead (posix_fadvise WILLNEED), no slot writes
+    store.stats() / store.reset_stats() / store.close()
+
+Memory layout.  Each expert layer owns a slot arena: one page-aligned (anonymous mmap) numpy array per record
+section (``gate_up [S, ...]``, ``gate_up_scale``, ``down``, ``down_scale``), wrapped once as the jax arrays of an
+``ExpertBank``.  ``S = min(E, pinned + max(cache_cap, max_working_set))``: the pinned experts, then room for the
+retained cache OR the whole expert union of one forward, whichever is larger (a union larger than the cap is
+served, then trimmed back to ``cache_cap`` retained experts at the end of the call).  A miss is ONE ``preadv`` of
+the expert's record scattered straight into its slot rows of the four arrays (padding goes to scratch).
+
+No re-transfer of hits.  On XLA:CPU ``jax.device_put`` of a 64-byte-aligned numpy array aliases it (checked at
+open with ``unsafe_buffer_pointer``; ``aliased`` in stats), so a read into a slot IS the device update and a hit
+costs nothing.  On other backends (or if aliasing is not observed) the arena is host staging and only the missed
+slots are sent, with a jitted, donated ``bank.at[slots].set(rows)``.
+
+Why overwriting a slot is safe.  A slot is only overwritten inside ``fetch`` (never by ``prefetch_hint``), and
+only if its expert is not in the current call's union.  The engine calls ``fetch(L, ids)`` after reading layer
+L's routing decision back to the host, and it runs one forward at a time.  Those ids depend on the hidden state
+entering layer L, which depends on every earlier layer's MoE output of this forward, which in turn depends on
+the previous forward's output (the sampled token).  So when ``fetch`` runs, every computation dispatched
+earlier that could read ANY bank of this store (earlier layers of this forward, all layers of earlier forwards)
+has finished.  A slot evicted at the end of a call keeps its bytes until a later ``fetch`` reuses it, so the
+computation dispatched with this call's ``slot_of`` (a fresh copy per call) reads valid data.  Slots beyond
+``pinned + cache_cap`` that held a transient working set are returned to the OS (``MADV_DONTNEED``) at the start
+of a later fetch, under the same argument, so resident memory stays near ``(pinned + cap) x record`` per layer.
+On non-CPU backends the donated scatter is ordered by JAX after earlier readers of the bank.
+
+Counters are taken where the bytes move: ``bytes_read`` is the sum of what the read calls returned.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import mmap
+import os
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from glm_jax.config import GlmJaxError, ModelConfig
+from glm_jax.container import config_hash, expert_layers, open_expert_source
+
+USAGE_FILE = ".glm_jax_usage.json"
+USAGE_VERSION = 1
+
+
+class StoreError(GlmJaxError):
+    pass
+
+
+class RamBudgetError(StoreError):
+    pass
+
+
+# ----------------------------------------------------------------------------- policies
+class LRUPolicy:
+    """Least recently used.  Within one call, ids are 'used' in the order given."""
+    name = "lru"
+
+    def __init__(self, E: int):
+        self.last = np.zeros(E, np.int64)
+        self.t = 0
+
+    def touch(self, ids):
+        for e in ids:
+            self.t += 1
+            self.last[e] = self.t
+
+    def victims(self, candidates) -> list:
+        """Candidates sorted eviction-first."""
+        return sorted(candidates, key=lambda e: self.last[e])
+
+
+class LFUDecayPolicy(LRUPolicy):
+    """Frequency-aware: score = exponentially decayed use count (half-life in layer calls); ties -> LRU."""
+    name = "lfu"
+
+    def __init__(self, E: int, half_life: float = 64.0):
+        super().__init__(E)
+        self.score = np.zeros(E, np.float64)
+        self.at = np.zeros(E, np.int64)
+        self.calls = 0
+        self.decay = 0.5 ** (1.0 / half_life)
+
+    def touch(self, ids):
+        self.calls += 1
+        for e in ids:
+            self.score[e] = self.score[e] * self.decay ** (self.calls - self.at[e]) + 1.0
+            self.at[e] = self.calls
+        super().touch(ids)
+
+    def victims(self, candidates) -> list:
+        now = self.calls
+        return sorted(candidates, key=lambda e: (self.score[e] * self.decay ** (now - self.at[e]), self.last[e]))
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUDecayPolicy}
+
+
+class CacheIndex:
+    """Bookkeeping of one layer's cache (no data): shared by ExpertStore and tools/cache_sim.py.
+
+    ``room`` = slots available to non-pinned experts (>= cap).  ``access(union)`` returns
+    (hits_pinned, hits_cache, misses, evict_now, evict_after): ``evict_now`` frees room for the misses before
+    they are loaded (only experts outside the union), ``evict_after`` trims the retained set back to ``cap``
+    after the call (possibly experts of this union that do not fit)."""
+
+    def __init__(self, E: int, cap: int, room: int, policy: str = "lru", pinned: Optional[np.ndarray] = None):
+        if policy not in POLICIES:
+            raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
+        self.E, self.cap, self.room = E, cap, max(room, cap)
+        self.policy = POLICIES[policy](E)
+        self.pinned = np.zeros(E, bool) if pinned is None else pinned.copy()
+        self.cached: set = set()
+
+    def access(self, union: list):
+        hp = [e for e in union if self.pinned[e]]
+        hc = [e for e in union if not self.pinned[e] and e in self.cached]
+        miss = [e for e in union if not self.pinned[e] and e not in self.cached]
+        if len(hc) + len(miss) > self.room:
+            raise StoreError(f"the expert union of one call ({len(hc) + len(miss)} unpinned experts) exceeds the "
+                             f"working-set slots ({self.room}); open the store with a larger max_working_set")
+        need = len(self.cached) + len(miss) - self.room
+        evict_now = []
+        if need > 0:
+            u = set(union)
+            evict_now = self.policy.victims([e for e in self.cached if e not in u])[:need]
+            self.cached.difference_update(evict_now)
+        self.cached.update(miss)
+        self.policy.touch(union)
+        evict_after = []
+        if len(self.cached) > self.cap:
+            evict_after = self.policy.victims(list(self.cached))[:len(self.cached) - self.cap]
+            self.cached.difference_update(evict_after)
+        return hp, hc, miss, evict_now, evict_after
+
+
+# ----------------------------------------------------------------------------- helpers
+def mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def _mmap_array(shape: tuple, dtype) -> tuple[np.ndarray, mmap.mmap]:
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    mm = mmap.mmap(-1, max(n, 1))
+    return np.frombuffer(mm, dtype=np.uint8, count=n).view(dtype).reshape(shape), mm
+
+
+def load_usage(path: str, cfg: Optional[ModelConfig] = None) -> dict:
+    """{layer: float counts [E]} from a usage-history file (``{}`` if absent/unreadable/other model)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(d, dict) or d.get("version") != USAGE_VERSION:
+        return {}
+    if cfg is not None and d.get("config_hash") not in (None, config_hash(cfg)):
+        return {}
+    return {int(k): np.asarray(v, np.float64) for k, v in d.get("layers", {}).items()}
+
+
+def choose_pins(usage: dict, rec_bytes: dict, pin_bytes: float) -> dict:
+    """Hottest (layer, expert) pairs by count, greedily within ``pin_bytes``: {layer: [experts]}."""
+    items = sorted(((c, L, e) for L, cs in usage.items() if L in rec_bytes for e, c in enumerate(cs) if c > 0),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    out, used = {}, 0
+    for c, L, e in items:
+        if used + rec_bytes[L] > pin_bytes:
+            continue
+        used += rec_bytes[L]
+        out.setdefault(L, []).append(e)
+    return out
+
+
+class _Layer:
+    def __init__(self, layer, source, E, slots, aliased_ok, device):
+        import jax
+        from glm_jax.quant import ExpertBank
+        self.layer, self.E, self.S = layer, E, slots
+        self.layout = source.layout(layer)
+        self.arrays, self._mms = {}, []
+        for s in self.layout.sections:
+            a, mm = _mmap_array((slots,) + tuple(s.shape), s.np_dtype)
+            self.arrays[s.name] = a
+            self._mms.append(mm)
+        self.slot_bytes = {n: a[0].nbytes if slots else 0 for n, a in self.arrays.items()}
+        dev = {n: jax.device_put(a, device) for n, a in self.arrays.items()}
+        self.aliased = aliased_ok and all(dev[n].unsafe_buffer_pointer() == a.ctypes.data
+                                          for n, a in self.arrays.items())
+        if not self.aliased:   # host staging + device copy updated per miss
+            dev = {n: jax.device_put(np.array(a), device) for n, a in self.arrays.items()}
+        self.bank = ExpertBank(dev["gate_up"], dev["down"], dev.get("gate_up_scale"), dev.get("down_scale"),
+                               fmt=self.layout.fmt)
+        self.slot_of = np.full(E, -1, np.int32)
+        self.free = list(range(slots - 1, -1, -1))
+        self.touched: set = set()
+        self.release: list = []
+
+    def dests(self, slot: int) -> dict:
+        return {n: a[slot] for n, a in self.arrays.items()}
+
+    def release_pages(self, keep: int):
+        """MADV_DONTNEED free slots beyond ``keep`` touched slots (transient working set)."""
+        if not self.release:
+            return
+        rel, self.release = self.release, []
+        for slot in rel:
+            if len(self.touched) <= keep:
+                break
+            if slot not in self.touched or self.slot_of_slot(slot) >= 0:
+                continue
+            ok = True
+            for (n, a), mm in zip(self.arrays.items(), self._mms):
+                nb = self.slot_bytes[n]
+                if nb % mmap.PAGESIZE:
+                    ok = False
+                    continue
+                try:
+                    mm.madvise(mmap.MADV_DONTNEED, slot * nb, nb)
+                except (AttributeError, OSError, ValueError):
+                    ok = False
+            if ok:
+                self.touched.discard(slot)
+
+    def slot_of_slot(self, slot: int) -> int:
+        hit = np.nonzero(self.slot_of == slot)[0]
+        return int(hit[0]) if len(hit) else -1
+
+    def close(self):
+        self.arrays = {}
+        self.bank = None
+
+
+class ExpertStore:
+    """See the module docstring."""
+
+    def __init__(self, source, cfg: ModelConfig, model_dir: str, cache_cap: int, pins: dict, policy: str,
+                 io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict):
+        import jax
+        self.source, self.cfg, self.model_dir = source, cfg, model_dir
+        self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
+        self.sizing = sizing
+        self.usage_path = usage_path
+        self._lock = threading.Lock()
+        self._pool = cf.ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="glm-jax-io") if io_threads > 1 else None
+        self._hint_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="glm-jax-hint")
+        self.io_threads = io_threads
+        device = jax.devices()[0]
+        on_cpu = device.platform == "cpu"
+        self.layers: dict = {}
+        self.index: dict = {}
+        self._usage: dict = {}
+        for L in source.expert_layers:
+            E = source.num_experts(L)
+            pinned = np.zeros(E, bool)
+            pinned[pins.get(L, [])] = True
+            P = int(pinned.sum())
+            S = min(E, P + max(cache_cap, max_working_set))
+            self.layers[L] = _Layer(L, source, E, S, on_cpu, device)
+            self.index[L] = CacheIndex(E, min(cache_cap, E - P), S - P, policy, pinned)
+            self._usage[L] = np.zeros(E, np.float64)
+        self.aliased = all(lc.aliased for lc in self.layers.values())
+        self._scatter = None
+        self.reset_stats()
+        # load pinned experts (counted: pin_bytes_read and bytes_read)
+        t0 = time.perf_counter()
+        for L, lc in self.layers.items():
+            pe = np.nonzero(self.index[L].pinned)[0].tolist()
+            if pe:
+                slots = [lc.free.pop() for _ in pe]
+                n = self._read_many(L, pe, slots)
+                self._stats["pin_bytes_read"] += n
+                self._stats["pinned_experts"] += len(pe)
+                for e, s in zip(pe, slots):
+                    lc.slot_of[e] = s
+                self._sync_device(lc, slots)
+        self._stats["pin_load_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def open(cls, model_dir: str, cfg: ModelConfig, cache_cap: Optional[int] = None, ram_gb: Optional[float] = None,
+             direct_io: bool = False, io_threads: int = 4, pin=None, pin_gb: float = 0.0, policy: str = "lru",
+             dense_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
+             verify: str = "first", source=None) -> "ExpertStore":
+        if policy not in POLICIES:
+            raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
+        src = source if source is not None else (
+            open_expert_source(model_dir, cfg, verify=verify, direct_io=direct_io))
+        layers = list(src.expert_layers)
+        if not layers:
+            raise StoreError(f"{model_dir}: no routed expert layers to stream")
+        E = max(src.num_experts(L) for L in layers)
+        W = min(E, max_working_set if max_working_set else cfg.num_experts_per_tok)
+        rec = {L: src.layout(L).record_len for L in layers}
+        rec_sum = sum(rec.values())
+        max_rec = max(rec.values())
+        usage_path = os.path.join(model_dir, USAGE_FILE)
+        pins = {}
+        if pin:
+            ppath = usage_path if pin == "auto" else pin
+            if pin != "auto" and not os.path.exists(ppath):
+                raise StoreError(f"--pin={pin}: file not found")
+            pins = choose_pins(load_usage(ppath, cfg), rec, pin_gb * 1e9)
+        pin_bytes = sum(rec[L] * len(v) for L, v in pins.items())
+        budget = (ram_gb * 1e9) if ram_gb else 0.8 * mem_available()
+        buffers = max(1, io_threads) * max_rec + max(0, W) * max_rec   # scratch + one layer's transient set
+        avail = budget - dense_bytes - kv_bytes - buffers - pin_bytes
+        fit = int(avail // rec_sum) if rec_sum else E
+        sizing = dict(budget_bytes=int(budget), dense_bytes=int(dense_bytes), kv_bytes=int(kv_bytes),
+                      buffer_bytes=int(buffers), pin_bytes=int(pin_bytes), per_cap_bytes=int(rec_sum),
+                      cap_that_fits=max(0, min(fit, E)))
+        if cache_cap is None:
+            if fit < 1:
+                need = (dense_bytes + kv_bytes + buffers + pin_bytes + rec_sum) / 1e9
+                src.close()
+                raise RamBudgetError(
+                    f"RAM budget {budget / 1e9:.2f} GB ({'--ram_gb' if ram_gb else '0.8 x MemAvailable'}) too small: "
+                    f"dense {dense_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + buffers {buffers / 1e9:.2f} + pinned "
+                    f"{pin_bytes / 1e9:.2f} GB leave {max(avail, 0) / 1e9:.2f} GB, but one expert per layer needs "
+                    f"{rec_sum / 1e9:.2f} GB; --ram_gb >= {need:.2f} would fit (or --dense_format=int8, a shorter "
+                    f"context, a smaller --pin_gb)")
+            cache_cap = min(fit, E)
+        cache_cap = int(max(1, min(cache_cap, E)))
+        return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing)
+
+    # ------------------------------------------------------------------ I/O
+    def _read_one(self, L: int, e: int, slot: int) -> tuple[int, float]:
+        t = time.perf_counter()
+        n = self.source.read_expert(L, e, self.layers[L].dests(slot))
+        return n, time.perf_counter() - t
+
+    def _read_many(self, L: int, experts: list, slots: list) -> int:
+        if self._pool is None or len(experts) == 1:
+            res = [self._read_one(L, e, s) for e, s in zip(experts, slots)]
+        else:
+            futs = [self._pool.submit(self._read_one, L, e, s) for e, s in zip(experts, slots)]
+            res = [f.result() for f in futs]
+        n = sum(r[0] for r in res)
+        self._stats["bytes_read"] += n
+        self._stats["read_s"] += sum(r[1] for r in res)
+        self.layers[L].touched.update(slots)
+        return n
+
+    def _sync_device(self, lc: _Layer, slots: list):
+        """Non-aliased backends: send only the given slots to the device bank (donated in-place update)."""
+        if lc.aliased or not slots:
+            return
+        import jax
+        import jax.numpy as jnp
+        if self._scatter is None:
+            def scatter(bank, idx, rows):
+                upd = {n: getattr(bank, n).at[idx].set(r) for n, r in rows.items()}
+                return type(bank)(upd["gate_up"], upd["down"], upd.get("gate_up_scale"), upd.get("down_scale"),
+                                  fmt=bank.fmt)
+            self._scatter = jax.jit(scatter, donate_argnums=(0,))
+        idx = np.asarray(slots, np.int32)
+        rows = {n: a[idx] for n, a in lc.arrays.items()}
+        lc.bank = self._scatter(lc.bank, jnp.asarray(idx), rows)
+
+    # ------------------------------------------------------------------ the contract
+    def _layer(self, layer: int) -> _Layer:
+        try:
+            return self.layers[layer]
+        except KeyError:
+            raise StoreError(f"layer {layer} has no streamed routed experts (expert layers: "
+                             f"{sorted(self.layers)})") from None
+
+    def fetch(self, layer: int, expert_ids):
+        """Make every id in ``expert_ids`` resident; returns (ExpertBank, slot_of int32 [E])."""
+        t0 = time.perf_counter()
+        lc = self._layer(layer)
+        ids = np.asarray(expert_ids).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= lc.E):
+            raise StoreError(f"layer {layer}: expert id out of range [0, {lc.E}): {ids.min()}..{ids.max()}")
+        union = list(dict.fromkeys(int(e) for e in ids))
+        with self._lock:
+            self._usage[layer] += np.bincount(ids.astype(np.int64), minlength=lc.E)[:lc.E]
+            # earlier computations are finished (module docstring): return transient pages to the OS
+            for L2, lc2 in self.layers.items():
+                lc2.release_pages(int(self.index[L2].pinned.sum()) + self.index[L2].cap)
+            idx = self.index[layer]
+            hp, hc, miss, ev_now, ev_after = idx.access(union)
+            for e in ev_now:
+                lc.free.append(int(lc.slot_of[e]))
+                lc.slot_of[e] = -1
+            slots = [lc.free.pop() for _ in miss]
+            t1 = time.perf_counter()
+            if miss:
+                self._read_many(layer, miss, slots)
+            t2 = time.perf_counter()
+            for e, s in zip(miss, slots):
+                lc.slot_of[e] = s
+            self._sync_device(lc, slots)
+            out_slot_of = lc.slot_of.copy()
+            for e in ev_after:
+                s = int(lc.slot_of[e])
+                lc.slot_of[e] = -1
+                lc.free.append(s)
+                lc.release.append(s)
+            st = self._stats
+            st["fetch_calls"] += 1
+            st["requested"] += len(union)
+            st["hits_pinned"] += len(hp)
+            st["hits_cache"] += len(hc)
+            st["misses"] += len(miss)
+            st["expert_loads"] += len(miss)
+            st["evictions"] += len(ev_now) + len(ev_after)
+            st["loads_per_layer"][layer] = st["loads_per_layer"].get(layer, 0) + len(miss)
+            st["io_wait_s"] += t2 - t1
+            st["fetch_s"] += time.perf_counter() - t0
+            return lc.bank, out_slot_of
+
+    def resident_mask(self, layer: int) -> np.ndarray:
+        idx = self.index[self._layer(layer).layer]
+        m = idx.pinned.copy()
+        m[list(idx.cached)] = True
+        return m
+
+    def pinned_mask(self, layer: int) -> np.ndarray:
+        return self.index[self._layer(layer).layer].pinned.copy()
+
+    def prefetch_hint(self, layer: int, expert_ids):
+        """Async readahead of non-resident experts into the page cache (no slot is written)."""
+        if layer not in self.layers:
+            return
+        res = self.resident_mask(layer)
+        todo = [int(e) for e in dict.fromkeys(np.asarray(expert_ids).reshape(-1).tolist()) if not res[int(e)]]
+        if not todo:
+            return
+        self._stats["prefetch_hints"] += len(todo)
+        self._stats["prefetch_hint_bytes"] += len(todo) * self.layers[layer].layout.record_len
+        self._hint_pool.submit(lambda: [self.source.hint(layer, e) for e in todo])
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s["loads_per_layer"] = dict(s["loads_per_layer"])
+        s["hits"] = s["hits_pinned"] + s["hits_cache"]
+        s["hit_rate"] = s["hits"] / s["requested"] if s["requested"] else 0.0
+        s["read_gbps"] = s["bytes_read"] / s["io_wait_s"] / 1e9 if s["io_wait_s"] > 0 else 0.0
+        s.update(cache_cap=self.cache_cap, policy=self.policy_name, aliased=self.aliased,
+                 max_working_set=self.max_working_set, io_threads=self.io_threads)
+        return s
+
+    def reset_stats(self):
+        self._stats = dict(bytes_read=0, expert_loads=0, hits_pinned=0, hits_cache=0, misses=0, evictions=0,
+                           requested=0, fetch_calls=0, io_wait_s=0.0, read_s=0.0, fetch_s=0.0,
+                           loads_per_layer={}, prefetch_hints=0, prefetch_hint_bytes=0, pin_bytes_read=0,
+                           pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0)
+
+    def save_usage(self, decay: float = 1.0):
+        """Merge this session's routing counts into the usage-history file (best effort)."""
+        if not self.usage_path:
+            return
+        old = load_usage(self.usage_path, self.cfg)
+        layers = {}
+        for L, c in self._usage.items():
+            prev = old.get(L)
+            tot = c + (decay * prev if prev is not None and len(prev) == len(c) else 0.0)
+            layers[str(L)] = [round(float(x), 3) for x in tot]
+        for L, c in old.items():
+            layers.setdefault(str(L), c.tolist())
+        tmp = self.usage_path + f".{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"version": USAGE_VERSION, "config_hash": config_hash(self.cfg), "layers": layers}, f)
+            os.replace(tmp, self.usage_path)
+        except OSError:
+            pass
+
+    def close(self, save_usage: bool = True):
+        if save_usage and any(c.any() for c in self._usage.values()):
+            self.save_usage()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._hint_pool.shutdown(wait=True)
+        self.source.close()
+        for lc in self.layers.values():
+            lc.close()
+        self.layers = {}
