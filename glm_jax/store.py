@@ -256,7 +256,7 @@ class ExpertStore:
     """See the module docstring."""
 
     def __init__(self, source, cfg: ModelConfig, model_dir: str, cache_cap: int, pins: dict, policy: str,
-                 io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict):
+                 io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict, alias: bool = True):
         import jax
         self.source, self.cfg, self.model_dir = source, cfg, model_dir
         self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
@@ -267,7 +267,7 @@ class ExpertStore:
         self._hint_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="glm-jax-hint")
         self.io_threads = io_threads
         device = jax.devices()[0]
-        on_cpu = device.platform == "cpu"
+        on_cpu = device.platform == "cpu" and alias
         self.layers: dict = {}
         self.index: dict = {}
         self._usage: dict = {}
@@ -302,7 +302,8 @@ class ExpertStore:
     def open(cls, model_dir: str, cfg: ModelConfig, cache_cap: Optional[int] = None, ram_gb: Optional[float] = None,
              direct_io: bool = False, io_threads: int = 4, pin=None, pin_gb: float = 0.0, policy: str = "lru",
              dense_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
-             verify: str = "first", source=None) -> "ExpertStore":
+             verify: str = "first", source=None, alias: bool = True) -> "ExpertStore":
+        """``alias=False`` forces the non-CPU path (host staging + donated scatter of missed slots; tests)."""
         if policy not in POLICIES:
             raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
         src = source if source is not None else (
@@ -342,7 +343,7 @@ class ExpertStore:
                     f"context, a smaller --pin_gb)")
             cache_cap = min(fit, E)
         cache_cap = int(max(1, min(cache_cap, E)))
-        return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing)
+        return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing, alias)
 
     # ------------------------------------------------------------------ I/O
     def _read_one(self, L: int, e: int, slot: int) -> tuple[int, float]:
