@@ -1,0 +1,305 @@
+"""The Python API (a contract: scripts outside the repo call it).
+
+    engine = glm_jax.Engine.load(path, **options)      # options mirror the CLI flags (glm_jax/options.py)
+    engine.logits(token_ids) -> np.ndarray [T, vocab]   # full forward, no cache
+    out = engine.generate("To be", max_new_tokens=32, temperature=0.0)
+    out.tokens, out.text, out.stats                      # stats: prefill_tokens, prefill_s, decode_tokens, decode_tok_s...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+from . import options as O
+from .config import GlmJaxError, ModelConfig, load_config
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+
+
+def default_model_path() -> str:
+    return DEFAULT_MODEL_DIR
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list
+    text: str
+    stats: dict
+    prompt_tokens: list = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "text": self.text, "stats": self.stats, "prompt_tokens": self.prompt_tokens}
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+def _round_up(n: int, m: int) -> int:
+    return ((n + m - 1) // m) * m
+
+
+class Tokenizer:
+    """tokenizer.json via the `tokenizers` library, plus GLM chat formatting."""
+
+    CHAT_TOKENS = ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as HFTok
+
+        self.path = path
+        try:
+            self.tok = HFTok.from_file(path)
+        except Exception as e:
+            raise GlmJaxError(f"{path}: cannot load tokenizer ({e})") from None
+
+    def encode(self, text: str) -> list:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_id(self, s: str) -> Optional[int]:
+        return self.tok.token_to_id(s)
+
+    @property
+    def supports_chat(self) -> bool:
+        return all(self.token_id(t) is not None for t in self.CHAT_TOKENS)
+
+    def chat_ids(self, prompt: str) -> list:
+        if not self.supports_chat:
+            raise GlmJaxError(f"{self.path}: --chat needs the tokens {', '.join(self.CHAT_TOKENS)} in the tokenizer")
+        g, sop, u, a = (self.token_id(t) for t in self.CHAT_TOKENS)
+        return [g, sop, u] + self.encode("\n" + prompt) + [a] + self.encode("\n")
+
+
+class Engine:
+    """A loaded model: config, params (dense resident; experts resident or behind an expert store), tokenizer."""
+
+    def __init__(self, path: str, cfg: ModelConfig, params: dict, opts: dict, tokenizer: Optional[Tokenizer],
+                 store=None):
+        self.path = path
+        self.cfg = cfg
+        self.params = params
+        self.opts = opts
+        self.tokenizer = tokenizer
+        self.store = store
+        self.dtype = params["embed"].dtype
+        self.moe_layers = cfg.moe_layers
+        self._cache = None
+        self._cache_len = 0
+        self.plugin = _build_plugin(opts)
+        self.lossy = self.plugin is not None
+        self._jits = {}
+        self._aot = {}
+        self.compile_s = 0.0
+        self._route_acc = {}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: Optional[str] = None, **options) -> "Engine":
+        opts = O.resolve(options)
+        path = path or default_model_path()
+        if not os.path.isdir(path):
+            raise GlmJaxError(f"{path}: model directory not found")
+        cfg = load_config(path)
+        from . import weights as W
+
+        container = os.path.exists(os.path.join(path, "manifest.json"))
+        fetch = opts["fetch"]
+        if fetch == "auto":
+            fetch = "loop" if container else "resident"
+        opts["fetch"] = fetch
+        dtype = _pick_dtype(opts["dtype"], path, cfg)
+        store = None
+        if fetch == "resident" and not container:
+            params = W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"])
+        else:
+            from . import store as S
+
+            if container:
+                from .container import load_dense_params
+
+                params = load_dense_params(path, cfg, dtype=dtype)
+            else:
+                params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None)
+            store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None, ram_gb=opts["ram_gb"] or None,
+                                       direct_io=opts["direct_io"], io_threads=opts["io_threads"],
+                                       pin=opts["pin"] or None, pin_gb=opts["pin_gb"], policy=opts["cache_policy"],
+                                       dense_bytes=_tree_bytes(params))
+            if fetch == "resident":
+                raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint (this is a converted "
+                                  "container); use --fetch=loop or --fetch=callback")
+        tok_path = os.path.join(path, "tokenizer.json")
+        tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
+        return cls(path, cfg, params, opts, tok, store)
+
+    # ------------------------------------------------------------------ jitted pieces
+    def _jit(self, name, fn, **kw):
+        f = self._jits.get(name)
+        if f is None:
+            f = self._jits[name] = jax.jit(fn, **kw)
+        return f
+
+    def _step_resident(self):
+        cfg, plugin = self.cfg, self.plugin or M.identity_plugin
+        want_stats = self.plugin is not None
+
+        def f(params, cache, tokens, start, lengths, resident):
+            logits, hidden, cache, routing = M.step(cfg, params, cache, tokens, start, lengths, resident, plugin)
+            return logits, hidden, cache, _routing_summary(routing, want_stats)
+
+        return self._jit("step", f, donate_argnums=(1,))
+
+    def _compiled(self, name, jitted, args):
+        """Ahead-of-time compile per input shape, so compile time is counted apart (``compile_s``) and never
+        lands in prefill or decode timings."""
+        key = (name,) + tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args[1:]))
+        c = self._aot.get(key)
+        if c is None:
+            t = time.perf_counter()
+            c = self._aot[key] = jitted.lower(*args).compile()
+            self.compile_s += time.perf_counter() - t
+        return c
+
+    # ------------------------------------------------------------------ core forward
+    def _ensure_cache(self, batch: int, need: int):
+        cap = self.opts["max_seq_len"] or _round_up(max(need, 64), 256)
+        if need > cap:
+            raise GlmJaxError(f"option 'max_seq_len': {cap} tokens is too small for this request ({need} needed)")
+        if self._cache is None or self._cache_len < cap or self._cache_batch != batch:
+            self._cache = M.init_cache(self.cfg, batch, cap, self.dtype, with_mtp=self.params.get("mtp") is not None)
+            self._cache_len = cap
+            self._cache_batch = batch
+        return self._cache
+
+    def _resident_masks(self):
+        n = len(self.moe_layers)
+        E = self.cfg.n_routed_experts
+        if self.store is None or self.opts["budget_residency"] == "none":
+            return jnp.zeros((n, E), bool)
+        getter = self.store.pinned_mask if self.opts["budget_residency"] == "pinned" else self.store.resident_mask
+        return jnp.asarray(np.stack([getter(l) for l in self.moe_layers]))
+
+    def forward(self, tokens: np.ndarray, start: np.ndarray, lengths: np.ndarray):
+        """Run tokens [B, T] at positions start[b] on the engine's cache.  Returns (logits, hidden, summary)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        start = jnp.asarray(start, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if self.opts["fetch"] == "resident":
+            args = (self.params, self._cache, tokens, start, lengths, self._resident_masks())
+            logits, hidden, self._cache, summ = self._compiled("step", self._step_resident(), args)(*args)
+            self._accumulate(summ)
+            return logits, hidden
+        from .streaming import stream_step
+
+        logits, hidden, self._cache = stream_step(self, tokens, start, lengths)
+        return logits, hidden
+
+    def _accumulate(self, summ):
+        if summ:
+            acc = self._route_acc
+            for k, v in summ.items():
+                acc[k] = acc.get(k, 0.0) + float(v)
+
+    # ------------------------------------------------------------------ public API
+    def logits(self, token_ids) -> np.ndarray:
+        """Full forward over token_ids (a list / 1-D array -> [T, V]; a list of lists -> list of [T_i, V])."""
+        if len(token_ids) and isinstance(token_ids[0], (list, tuple, np.ndarray)):
+            return self.batch_logits(token_ids)
+        return self.batch_logits([token_ids])[0]
+
+    def batch_logits(self, seqs: Sequence[Sequence[int]]) -> list:
+        """Teacher-forced logits for a batch of sequences (right-padded, one forward)."""
+        seqs = [list(map(int, s)) for s in seqs]
+        for s in seqs:
+            if not s:
+                raise GlmJaxError("logits: empty token sequence")
+            bad = [t for t in s if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise GlmJaxError(f"logits: token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        B = len(seqs)
+        T = _bucket(max(len(s) for s in seqs))
+        self._route_acc = {}
+        self._ensure_cache(B, T)
+        toks = np.zeros((B, T), np.int32)
+        for i, s in enumerate(seqs):
+            toks[i, : len(s)] = s
+        logits, _ = self.forward(toks, np.zeros(B, np.int32), np.array([len(s) for s in seqs], np.int32))
+        logits = np.asarray(logits)
+        return [logits[i, : len(s)] for i, s in enumerate(seqs)]
+
+    def encode(self, text: str, chat: bool = False) -> list:
+        if self.tokenizer is None:
+            raise GlmJaxError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer.chat_ids(text) if chat else self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def generate(self, prompt_or_ids: Union[str, Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
+                 stop_on_eos: bool = True) -> GenerationResult:
+        from .generate import generate
+
+        return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos)
+
+    def close(self):
+        if self.store is not None:
+            self.store.close()
+
+
+# ----------------------------------------------------------------------------- helpers
+def _pick_dtype(name: str, path: str, cfg: ModelConfig):
+    if name == "float32":
+        return jnp.float32
+    if name == "bfloat16":
+        return jnp.bfloat16
+    # auto: f32 for small models (exact parity with the oracle), bf16 for big ones
+    return jnp.float32 if cfg.hidden_size <= 1024 else jnp.bfloat16
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")))
+
+
+def _build_plugin(opts: dict):
+    """The composed routing plugin (None when every lossy knob is off)."""
+    import glm_jax_plugins as P
+
+    topp = opts["expert_topp"] if opts["expert_topp"] < 1.0 else None
+    budget = opts["expert_budget"] if opts["expert_budget"] > 0 else None
+    cr = None if opts["cache_route"] == "off" else opts["cache_route"]
+    if topp is None and budget is None and cr is None:
+        return None
+    return P.build(expert_topp=topp, expert_budget=budget, budget_scope=opts["budget_scope"],
+                   budget_max_positions=opts["budget_max_positions"] or None, cache_route=cr,
+                   route_j=opts["route_j"], route_m=opts["route_m"], route_alpha=opts["route_alpha"],
+                   route_lambda=opts["route_lambda"])
+
+
+def _routing_summary(routing, want_stats: bool) -> dict:
+    """Per-forward routing numbers summed over MoE layers (inside jit): plugin stats when a plugin is active."""
+    if not want_stats or not routing:
+        return {}
+    import glm_jax_plugins as P
+
+    out = {}
+    for before, after in routing:
+        for k, v in P.stats(before, after).items():
+            out[k] = out.get(k, 0.0) + v
+    out["layers"] = jnp.asarray(len(routing), jnp.float32)
+    return out

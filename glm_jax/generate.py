@@ -1,0 +1,157 @@
+"""Token generation: prefill, the decode loop, sampling (greedy / temperature / top-k / nucleus top-p), stats."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import GlmJaxError
+
+F32 = jnp.float32
+
+
+def filtered_probs(logits, temperature: float, top_k: int, top_p: float):
+    """The sampling distribution [..., V] after temperature, top-k and nucleus top-p (greedy: one-hot argmax)."""
+    logits = logits.astype(F32)
+    V = logits.shape[-1]
+    if temperature <= 0.0:
+        return jax.nn.one_hot(jnp.argmax(logits, -1), V, dtype=F32)
+    z = logits / temperature
+    if 0 < top_k < V:
+        kth = jax.lax.top_k(z, top_k)[0][..., -1:]
+        z = jnp.where(z < kth, -jnp.inf, z)
+    p = jax.nn.softmax(z, -1)
+    if top_p < 1.0:
+        order = jnp.argsort(-p, axis=-1)
+        ps = jnp.take_along_axis(p, order, -1)
+        cum = jnp.cumsum(ps, -1)
+        keep_sorted = (cum - ps) < top_p                 # always keeps the most likely token
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), -1)
+        p = jnp.where(keep, p, 0.0)
+        p = p / p.sum(-1, keepdims=True)
+    return p
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def sample(logits, key, temperature: float, top_k: int, top_p: float):
+    """Sample one token per row of logits [..., V]."""
+    if temperature <= 0.0:
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+    p = filtered_probs(logits, temperature, top_k, top_p)
+    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+
+
+def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0, chat=False,
+             stop_on_eos=True):
+    if isinstance(prompt_or_ids, str):
+        ids = engine.encode(prompt_or_ids, chat=chat)
+    else:
+        ids = [int(t) for t in prompt_or_ids]
+        if chat:
+            raise GlmJaxError("generate: chat=True needs a text prompt")
+    if not ids:
+        raise GlmJaxError("generate: empty prompt")
+    V = engine.cfg.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise GlmJaxError(f"generate: token id {bad[0]} outside the vocabulary [0, {V})")
+    if max_new_tokens < 0:
+        raise GlmJaxError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    if top_p <= 0.0 or top_p > 1.0:
+        raise GlmJaxError(f"option 'top_p': must be in (0, 1], got {top_p}")
+    eos = set(engine.cfg.eos_token_ids) if stop_on_eos else set()
+    engine._route_acc = {}
+    if engine.store is not None:
+        engine.store.reset_stats()
+
+    from .speculative import draft_plan
+
+    plan = draft_plan(engine)
+    P = len(ids)
+    need = P + max_new_tokens + (plan.k + 2 if plan else 1)
+    engine._ensure_cache(1, need)
+    key = jax.random.PRNGKey(seed)
+    samp = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+
+    compile0 = engine.compile_s
+    t0 = time.perf_counter()
+    T = _bucket(P)
+    toks = np.zeros((1, T), np.int32)
+    toks[0, :P] = ids
+    logits, hidden = engine.forward(toks, np.zeros(1, np.int32), np.array([P], np.int32))
+    key, sk = jax.random.split(key)
+    nxt = int(sample(logits[0, P - 1], sk, **samp))
+    prefill_s = time.perf_counter() - t0 - (engine.compile_s - compile0)
+    compile1 = engine.compile_s
+    store_prefill = engine.store.stats() if engine.store is not None else None
+    route_prefill = dict(engine._route_acc)
+    engine._route_acc = {}
+
+    out = []
+    t1 = time.perf_counter()
+    forwards = 0
+    spec_stats = {}
+    if max_new_tokens > 0:
+        out.append(nxt)
+        if plan is not None and not (nxt in eos):
+            out, forwards, spec_stats, key = plan.run(engine, ids, out, hidden[0, P - 1], key, samp,
+                                                      max_new_tokens, eos)
+        else:
+            pos = P
+            while len(out) < max_new_tokens and out[-1] not in eos:
+                logits, hidden = engine.forward(np.array([[out[-1]]], np.int32), np.array([pos], np.int32),
+                                                np.array([1], np.int32))
+                forwards += 1
+                key, sk = jax.random.split(key)
+                out.append(int(sample(logits[0, 0], sk, **samp)))
+                pos += 1
+    decode_s = time.perf_counter() - t1 - (engine.compile_s - compile1)
+    # the first new token comes from the prefill forward; decode tokens are the ones after it
+    n_dec = max(len(out) - 1, 0)
+    stats = {
+        "prefill_tokens": P, "prefill_s": prefill_s,
+        "decode_tokens": n_dec, "decode_s": decode_s,
+        "decode_tok_s": (n_dec / decode_s) if decode_s > 0 and n_dec else 0.0,
+        "new_tokens": len(out), "forwards": forwards,
+        "tokens_per_forward": (n_dec / forwards) if forwards else 0.0,
+        "fetch": engine.opts["fetch"], "compile_s": engine.compile_s - compile0,
+    }
+    stats.update(spec_stats)
+    stats.update(_route_stats(engine._route_acc))
+    if engine.store is not None:
+        st = engine.store.stats()
+        stats.update(_store_stats(st, store_prefill, n_dec))
+    text = engine.decode(out)
+    from .engine import GenerationResult
+
+    return GenerationResult(tokens=out, text=text, stats=stats, prompt_tokens=ids)
+
+
+def _bucket(n):
+    from .engine import _bucket as b
+
+    return b(n)
+
+
+def _route_stats(acc: dict) -> dict:
+    if not acc:
+        return {"experts_dropped": 0}
+    out = {k: v for k, v in acc.items() if k not in ("layers",)}
+    out.setdefault("experts_dropped", 0)
+    return out
+
+
+def _store_stats(total: dict, prefill: dict, n_dec: int) -> dict:
+    """Store counters for the whole call and for decode only (total minus what prefill had done)."""
+    out = {k: v for k, v in total.items() if isinstance(v, (int, float))}
+    if prefill is not None:
+        for k in ("bytes_read", "expert_loads", "hits", "misses"):
+            if k in total and k in prefill:
+                out["decode_" + k] = total[k] - prefill[k]
+        if n_dec and "decode_bytes_read" in out:
+            out["bytes_read_per_token"] = out["decode_bytes_read"] / n_dec
+    return out

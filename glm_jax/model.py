@@ -1,0 +1,244 @@
+"""The GLM MoE forward pass in JAX (glm4_moe; glm_moe_dsa attention lives in mla.py).
+
+Plain functions over the params pytree documented in WORKSPACE.md.  Shapes:
+B batch, T query tokens, S cache slots (= positions), H hidden, nh/nkv heads, hd head_dim, E experts, K top-k.
+
+The layer is split into the pieces a streaming engine needs between host round trips:
+``attn_block`` (attention + residual), ``route`` (post-norm + router -> RoutingState), the routing plugins
+(``glm_jax_plugins``), ``moe_routed`` (THE MOE SEAM: routed experts for a routing plan and an ExpertBank) and
+``moe_finish`` (shared expert + residual).  ``step`` chains them for resident experts inside one jit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm_jax_plugins.routing import RoutingState
+
+from .config import ModelConfig
+from .quant import ExpertBank, bank_all, bank_take
+
+F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------- basic pieces
+def rms_norm(x, w, eps):
+    """transformers numerics: f32 statistics, cast back to the input dtype *before* the weight multiply."""
+    x32 = x.astype(F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def linear(x, w, b=None):
+    """x [..., in] @ w[out, in].T (+ b)."""
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
+
+
+def rope_cos_sin(positions, rot_dim: int, theta: float, dtype):
+    """cos/sin tables [..., rot_dim] for half-split ("NeoX") RoPE, as transformers computes them (f32)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.int64).astype(np.float32) / rot_dim))
+    freqs = positions.astype(F32)[..., None] * jnp.asarray(inv_freq, F32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope_half(x, cos, sin):
+    """Half-split RoPE on the first cos.shape[-1] dims of x [B, T, heads, hd]; cos/sin [B, T, rot]."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([xr * c + rotated * s, xp], axis=-1)
+
+
+def mlp(p, x):
+    return linear(jax.nn.silu(linear(x, p["gate_w"])) * linear(x, p["up_w"]), p["down_w"])
+
+
+def positions_of(start, T):
+    return start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+
+# ----------------------------------------------------------------------------- attention (glm4_moe, GQA)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool = False) -> list:
+    """One dict per layer (+ the MTP layer at the end when ``with_mtp``)."""
+    n = cfg.num_hidden_layers + (1 if with_mtp else 0)
+    if cfg.model_type == "glm_moe_dsa":
+        from . import mla
+
+        return [mla.init_mla_cache(cfg, i, batch, max_len, dtype) for i in range(n)]
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(n)]
+
+
+def gqa_attention(cfg: ModelConfig, p, x, cache, start):
+    """x [B, T, H] (input-normed).  Writes K/V at positions start..start+T-1 and attends causally over the cache."""
+    B, T, _ = x.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = linear(x, p["q_w"], p.get("q_b")).reshape(B, T, nh, hd)
+    k = linear(x, p["k_w"], p.get("k_b")).reshape(B, T, nkv, hd)
+    v = linear(x, p["v_w"], p.get("v_b")).reshape(B, T, nkv, hd)
+    if "q_norm" in p:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    pos = positions_of(start, T)                                     # [B, T]
+    cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+    q = apply_rope_half(q, cos, sin)
+    k = apply_rope_half(k, cos, sin)
+    bidx = jnp.arange(B)[:, None]
+    ck = cache["k"].at[bidx, pos].set(k.astype(cache["k"].dtype), mode="drop")
+    cv = cache["v"].at[bidx, pos].set(v.astype(cache["v"].dtype), mode="drop")
+    S = ck.shape[1]
+    g = nh // nkv
+    qg = q.reshape(B, T, nkv, g, hd)
+    scores = jnp.einsum("btngd,bsnd->bngts", qg, ck.astype(q.dtype), preferred_element_type=F32) * (hd ** -0.5)
+    allowed = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]   # [B, T, S]
+    scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bngts,bsnd->btngd", probs, cv.astype(q.dtype)).reshape(B, T, nh * hd)
+    return linear(out, p["o_w"]), {"k": ck, "v": cv}, None
+
+
+def attention(cfg: ModelConfig, p, x, cache, start, layer: int, prev_sel):
+    if cfg.model_type == "glm_moe_dsa":
+        from . import mla
+
+        return mla.mla_attention(cfg, p, x, cache, start, layer, prev_sel)
+    return gqa_attention(cfg, p, x, cache, start)
+
+
+def attn_block(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel=None):
+    """h = x + Attn(RMSNorm_in(x)).  Returns (h, cache, sel) — sel is the DSA selection (None for GQA)."""
+    a, cache, sel = attention(cfg, lp["attn"], rms_norm(x, lp["input_norm"], cfg.rms_norm_eps), cache, start, layer,
+                              prev_sel)
+    return x + a, cache, sel
+
+
+# ----------------------------------------------------------------------------- router + MoE
+def route(cfg: ModelConfig, mp, hn, positions_valid, resident) -> RoutingState:
+    """The GLM "noaux_tc" router in f32 on hn [T, H] (post-attention-normed).  Returns the routing state."""
+    T = hn.shape[0]
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    logits = jnp.einsum("th,eh->te", hn.astype(F32), mp["router_w"].astype(F32))
+    scores = jax.nn.sigmoid(logits)
+    biased = scores + mp["router_bias"].astype(F32)[None, :]
+    if cfg.n_group > 1:
+        G = cfg.n_group
+        grouped = biased.reshape(T, G, E // G)
+        gscore = jax.lax.top_k(grouped, 2)[0].sum(-1)                      # [T, G]
+        _, gidx = jax.lax.top_k(gscore, cfg.topk_group)
+        gmask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], gidx].set(True)
+        biased = jnp.where(jnp.repeat(gmask, E // G, axis=1), biased, -jnp.inf)
+    _, ids = jax.lax.top_k(biased, K)
+    ids = ids.astype(jnp.int32)
+    w = jnp.take_along_axis(scores, ids, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    w = w * cfg.routed_scaling_factor
+    valid = jnp.broadcast_to(positions_valid[:, None], (T, K))
+    return RoutingState(ids=ids, weights=w, valid=valid, scores=scores, biased=biased,
+                        resident=resident.astype(bool), positions=positions_valid.astype(bool),
+                        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=float(cfg.routed_scaling_factor))
+
+
+def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None):
+    """THE MOE SEAM.  x [T, H]; ids/weights/valid [T, K]; bank: S expert slots; slot_of [E] id -> slot (None: identity).
+
+    out[t] = sum_k valid[t,k] * weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k].
+    Small T*K gathers the selected slots; otherwise every slot is computed for every token and combined with a
+    [T, S] weight matrix (no data-dependent shapes either way)."""
+    T, K = ids.shape
+    S = bank.num_slots
+    slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
+    slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
+    w = jnp.where(valid, weights, 0.0).astype(F32)
+    dt = x.dtype
+    if T * K <= S:
+        gu, dn = bank_take(bank, slots, dt)                                 # [T,K,2I,H], [T,K,H,I]
+        I = dn.shape[-1]
+        h = jnp.einsum("th,tkih->tki", x, gu)
+        a = jax.nn.silu(h[..., :I]) * h[..., I:]
+        y = jnp.einsum("tki,tkhi->tkh", a, dn)
+        out = jnp.einsum("tkh,tk->th", y.astype(F32), w)
+    else:
+        gu, dn = bank_all(bank, dt)                                         # [S,2I,H], [S,H,I]
+        I = dn.shape[-1]
+        comb = jnp.zeros((T, S), F32).at[jnp.arange(T)[:, None], slots].add(w)
+        h = jnp.einsum("th,sih->tsi", x, gu)
+        a = jax.nn.silu(h[..., :I]) * h[..., I:]
+        y = jnp.einsum("tsi,shi->tsh", a, dn)
+        out = jnp.einsum("tsh,ts->th", y.astype(F32), comb)
+    return out.astype(dt)
+
+
+def moe_finish(mp, h, hn, routed):
+    """y = h + routed + Shared(hn)."""
+    return h + routed + mlp(mp["shared"], hn)
+
+
+# ----------------------------------------------------------------------------- one decoder layer, full model
+def identity_plugin(state: RoutingState) -> RoutingState:
+    return state
+
+
+def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, valid_bt, resident,
+                  plugin: Callable = identity_plugin, bank: Optional[ExpertBank] = None, slot_of=None):
+    """One decoder layer on x [B, T, H] with resident experts (lp["experts"] or ``bank``).
+    Returns (y, cache, sel, routing) where routing is (before, after) RoutingState or None for dense layers."""
+    B, T, H = x.shape
+    h, cache, sel = attn_block(cfg, lp, x, cache, start, layer, prev_sel)
+    hn = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+    if "moe" not in lp:
+        return h + mlp(lp["mlp"], hn), cache, sel, None
+    flat = hn.reshape(B * T, H)
+    before = route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident)
+    after = plugin(before)
+    bank = bank if bank is not None else lp["experts"]
+    routed = moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
+    y = moe_finish(lp["moe"], h, hn, routed.reshape(B, T, H))
+    return y, cache, sel, (before, after)
+
+
+def embed(params, tokens):
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def head(params, h):
+    """Final norm is applied by the caller; logits in f32."""
+    return jnp.einsum("bth,vh->btv", h, params["lm_head"], preferred_element_type=F32)
+
+
+def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=None,
+         plugin: Callable = identity_plugin):
+    """Run tokens [B, T] at positions start[b].. through every layer with resident experts.
+
+    lengths [B]: number of real (non-padding) tokens per row (default T).  resident [n_moe_layers, E] bool: what the
+    plugins see as resident.  Returns (logits [B,T,V] f32, hidden [B,T,H] post-final-norm, cache, routing) where
+    routing is a list (one per MoE layer) of (before, after) RoutingState."""
+    B, T = tokens.shape
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+    x = embed(params, tokens)
+    new_cache = []
+    routing = []
+    sel = None
+    mi = 0
+    for i, lp in enumerate(params["layers"]):
+        res = None
+        if "moe" in lp:
+            res = resident[mi] if resident is not None else jnp.zeros((cfg.n_routed_experts,), bool)
+            mi += 1
+        x, c, sel, r = layer_forward(cfg, lp, x, cache[i], start, i, sel, valid_bt, res, plugin)
+        new_cache.append(c)
+        if r is not None:
+            routing.append(r)
+    new_cache.extend(cache[len(params["layers"]):])        # the MTP layer's cache rides along untouched
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return head(params, hidden), hidden, new_cache, routing

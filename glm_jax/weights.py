@@ -1,0 +1,249 @@
+"""Load Hugging Face safetensors checkpoints into the params pytree (see WORKSPACE.md).
+
+* single ``model.safetensors`` or sharded with ``model.safetensors.index.json``;
+* bf16 / f16 / f32 (cast to the requested dtype), FP8 (``weight_scale_inv`` 128x128 blocks) dequantized on read;
+* routed experts per-expert (``mlp.experts.{e}.gate_proj.weight``, what the hub and ``save_pretrained`` write) or
+  fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
+
+A missing key or a wrong shape raises :class:`WeightError` naming the key and the expected shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+from .config import GlmJaxError, ModelConfig
+
+
+class WeightError(GlmJaxError):
+    pass
+
+
+class TensorSource:
+    """Key -> numpy tensor over a directory of safetensors files (memory-mapped, read lazily)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._handles: dict = {}
+        index = os.path.join(path, "model.safetensors.index.json")
+        files: dict[str, str] = {}
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    wm = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise WeightError(f"{index}: invalid index file ({e})") from None
+            for k, fn in wm.items():
+                files[k] = os.path.join(path, fn)
+        else:
+            cands = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors")) if os.path.isdir(path) else []
+            if not cands:
+                raise WeightError(f"{path}: no model.safetensors or model.safetensors.index.json found")
+            for fn in cands:
+                full = os.path.join(path, fn)
+                for k in self._open(full).keys():
+                    files[k] = full
+        self._files = files
+
+    def _open(self, fn):
+        from safetensors import safe_open
+
+        h = self._handles.get(fn)
+        if h is None:
+            if not os.path.exists(fn):
+                raise WeightError(f"{fn}: shard listed in the index is missing")
+            try:
+                h = safe_open(fn, framework="numpy")
+            except Exception as e:  # corrupt header etc.
+                raise WeightError(f"{fn}: cannot read safetensors file ({e})") from None
+            self._handles[fn] = h
+        return h
+
+    def keys(self):
+        return self._files.keys()
+
+    def __contains__(self, key):
+        return key in self._files
+
+    def shape(self, key) -> tuple:
+        return tuple(self._open(self._files[key]).get_slice(key).get_shape())
+
+    def raw(self, key) -> np.ndarray:
+        if key not in self._files:
+            raise WeightError(f"{self.path}: missing tensor '{key}'")
+        try:
+            return self._open(self._files[key]).get_tensor(key)
+        except WeightError:
+            raise
+        except Exception as e:
+            raise WeightError(f"{self._files[key]}: cannot read tensor '{key}' ({e})") from None
+
+    def get(self, key: str, shape: Optional[tuple] = None, dtype=np.float32) -> np.ndarray:
+        """Read ``key`` as ``dtype``; FP8 tensors are dequantized with their ``weight_scale_inv``."""
+        if key not in self._files:
+            exp = f" (expected shape {list(shape)})" if shape is not None else ""
+            raise WeightError(f"{self.path}: missing tensor '{key}'{exp}")
+        a = self.raw(key)
+        if a.dtype.name.startswith("float8"):
+            a = dequant_fp8(a, self.raw(key + "_scale_inv") if (key + "_scale_inv") in self._files
+                            else self.raw(key.rsplit(".", 1)[0] + ".weight_scale_inv"))
+        if shape is not None and tuple(a.shape) != tuple(shape):
+            raise WeightError(f"{self._files[key]}: tensor '{key}' has shape {list(a.shape)}, expected {list(shape)}")
+        if dtype is not None and a.dtype != dtype:
+            a = a.astype(dtype)
+        return a
+
+
+def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: int = 128) -> np.ndarray:
+    """DeepSeek/GLM FP8 block dequant: ``w[i, j] * scale_inv[i // 128, j // 128]``."""
+    w = w.astype(np.float32)
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=0), block, axis=1)
+    return w * s[: w.shape[0], : w.shape[1]]
+
+
+# ----------------------------------------------------------------------------- key map
+def _attn_gqa(get, pre: str, cfg: ModelConfig) -> dict:
+    H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    p = {
+        "q_w": get(pre + "q_proj.weight", (nh * hd, H)),
+        "k_w": get(pre + "k_proj.weight", (nkv * hd, H)),
+        "v_w": get(pre + "v_proj.weight", (nkv * hd, H)),
+        "o_w": get(pre + "o_proj.weight", (H, nh * hd)),
+    }
+    if cfg.attention_bias:
+        p["q_b"] = get(pre + "q_proj.bias", (nh * hd,))
+        p["k_b"] = get(pre + "k_proj.bias", (nkv * hd,))
+        p["v_b"] = get(pre + "v_proj.bias", (nkv * hd,))
+    if cfg.use_qk_norm:
+        p["q_norm"] = get(pre + "q_norm.weight", (hd,))
+        p["k_norm"] = get(pre + "k_norm.weight", (hd,))
+    return p
+
+
+def _mlp(get, pre: str, H: int, I: int) -> dict:
+    return {"gate_w": get(pre + "gate_proj.weight", (I, H)), "up_w": get(pre + "up_proj.weight", (I, H)),
+            "down_w": get(pre + "down_proj.weight", (H, I))}
+
+
+def load_experts(src: TensorSource, cfg: ModelConfig, layer: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Routed experts of one layer as fused stacks ``gate_up [E, 2I, H]``, ``down [E, H, I]``."""
+    E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    pre = f"model.layers.{layer}.mlp.experts."
+    if pre + "gate_up_proj" in src:
+        gu = src.get(pre + "gate_up_proj", (E, 2 * I, H), dtype)
+        dn = src.get(pre + "down_proj", (E, H, I), dtype)
+        return gu, dn
+    gu = np.empty((E, 2 * I, H), dtype)
+    dn = np.empty((E, H, I), dtype)
+    for e in range(E):
+        gu[e, :I] = src.get(f"{pre}{e}.gate_proj.weight", (I, H), dtype)
+        gu[e, I:] = src.get(f"{pre}{e}.up_proj.weight", (I, H), dtype)
+        dn[e] = src.get(f"{pre}{e}.down_proj.weight", (H, I), dtype)
+    return gu, dn
+
+
+def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
+    """Everything of layer i except its routed experts."""
+    H = cfg.hidden_size
+    pre = f"model.layers.{i}."
+    lp = {"input_norm": get(pre + "input_layernorm.weight", (H,)),
+          "post_norm": get(pre + "post_attention_layernorm.weight", (H,))}
+    if cfg.model_type == "glm_moe_dsa":
+        from . import mla
+        lp["attn"] = mla.load_mla_params(get, pre + "self_attn.", cfg, i)
+    else:
+        lp["attn"] = _attn_gqa(get, pre + "self_attn.", cfg)
+    if moe:
+        E = cfg.n_routed_experts
+        lp["moe"] = {
+            "router_w": get(pre + "mlp.gate.weight", (E, H), np.float32),
+            "router_bias": get(pre + "mlp.gate.e_score_correction_bias", (E,), np.float32),
+            "shared": _mlp(get, pre + "mlp.shared_experts.", H, cfg.moe_intermediate_size * cfg.n_shared_experts),
+        }
+    else:
+        lp["mlp"] = _mlp(get, pre + "mlp.", H, cfg.intermediate_size)
+    return lp
+
+
+_F32_KEYS = ("router_w", "router_bias")
+
+
+def _cast_tree(tree, dtype):
+    import jax.numpy as jnp
+
+    def cast(path_key, a):
+        if a is None:
+            return None
+        if path_key in _F32_KEYS:
+            return jnp.asarray(a, jnp.float32)
+        return jnp.asarray(a, dtype)
+
+    def walk(t, k=None):
+        if isinstance(t, dict):
+            return {kk: walk(v, kk) for kk, v in t.items()}
+        if isinstance(t, list):
+            return [walk(v, k) for v in t]
+        if isinstance(t, np.ndarray) or hasattr(t, "dtype"):
+            return cast(k, t)
+        return t
+
+    return walk(tree)
+
+
+def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[str] = "f32",
+                load_mtp: bool = True, src: Optional[TensorSource] = None) -> dict:
+    """Build the params pytree.  ``expert_fmt=None`` leaves routed experts out (they are streamed by a store);
+    otherwise they are stored resident as an ExpertBank in that format (f32 / bf16 / int8_row / int4_g64 ...)."""
+    import jax.numpy as jnp
+
+    from .quant import bank_from_float
+
+    dtype = dtype or jnp.float32
+    src = src or TensorSource(path)
+    get = src.get
+    H, V = cfg.hidden_size, cfg.vocab_size
+    params = {"embed": get("model.embed_tokens.weight", (V, H)), "norm": get("model.norm.weight", (H,))}
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = params["embed"]
+    else:
+        params["lm_head"] = get("lm_head.weight", (V, H))
+    layers = []
+    banks = {}
+    for i in range(cfg.num_hidden_layers):
+        moe = cfg.is_moe_layer(i)
+        layers.append(load_layer(get, cfg, i, moe))
+        if moe and expert_fmt is not None:
+            banks[i] = bank_from_float(*load_experts(src, cfg, i), _bank_fmt(expert_fmt, dtype))
+    params["layers"] = layers
+    params["mtp"] = None
+    L = cfg.num_hidden_layers
+    if load_mtp and cfg.has_mtp and f"model.layers.{L}.eh_proj.weight" in src:
+        pre = f"model.layers.{L}."
+        mtp = {"enorm": get(pre + "enorm.weight", (H,)), "hnorm": get(pre + "hnorm.weight", (H,)),
+               "eh_proj": get(pre + "eh_proj.weight", (H, 2 * H)),
+               "head_norm": get(pre + "shared_head.norm.weight", (H,)),
+               "head": get(pre + "shared_head.head.weight", (V, H)) if pre + "shared_head.head.weight" in src else None,
+               "embed": get(pre + "embed_tokens.weight", (V, H)) if pre + "embed_tokens.weight" in src else None,
+               "layer": load_layer(get, cfg, L, True)}
+        params["mtp"] = mtp
+        if expert_fmt is not None:
+            banks[L] = bank_from_float(*load_experts(src, cfg, L), _bank_fmt(expert_fmt, dtype))
+    params = _cast_tree(params, dtype)
+    for i, b in banks.items():
+        if i == L:
+            params["mtp"]["layer"]["experts"] = b
+        else:
+            params["layers"][i]["experts"] = b
+    return params
+
+
+def _bank_fmt(expert_fmt: str, dtype) -> str:
+    import jax.numpy as jnp
+
+    if expert_fmt in ("auto", "native"):
+        return "bf16" if dtype == jnp.bfloat16 else "f32"
+    return expert_fmt
