@@ -1,0 +1,252 @@
+"""ExpertStore: correctness of fetched banks, exact counters, caps 1..E, pinning, RAM sizing, aliasing."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm_jax import quant
+from glm_jax.config import load_config
+from glm_jax.container import open_container
+from glm_jax.store import USAGE_FILE, CacheIndex, ExpertStore, RamBudgetError, StoreError
+from glm_jax_tools.convert import convert
+from glm_jax_tools.synth_model import tiny_config, write_hf_checkpoint
+
+E = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    write_hf_checkpoint(str(root / "hf"), tiny_config(), seed=3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cont(model):
+    dst = str(model / "c_int4")
+    convert(str(model / "hf"), dst, expert_format="int4_g32", group_size=32, progress=False)
+    return dst
+
+
+def _fresh(cont, tmp_path):
+    """A private copy of the container dir (usage files are written into the model dir)."""
+    import shutil
+    d = str(tmp_path / "m")
+    shutil.copytree(cont, d)
+    return d, load_config(d)
+
+
+def _reference(c, L, e):
+    r = c.load_expert(L, e)
+    f = c.layout(L).fmt
+    return (quant.dequantize(r["gate_up"], r.get("gate_up_scale"), f),
+            quant.dequantize(r["down"], r.get("down_scale"), f))
+
+
+_take = jax.jit(lambda bank, slots: quant.bank_take(bank, slots, jnp.float32))
+
+
+def _check(bank, slot_of, ids, c, L):
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    assert (slot_of[ids] >= 0).all()
+    gu, dn = _take(bank, jnp.asarray(slot_of[ids]))
+    for k, e in enumerate(ids):
+        rgu, rdn = _reference(c, L, e)
+        np.testing.assert_array_equal(np.asarray(gu[k]), rgu)
+        np.testing.assert_array_equal(np.asarray(dn[k]), rdn)
+
+
+def test_counters_known_sequence(cont, tmp_path):
+    d, cfg = _fresh(cont, tmp_path)
+    st = ExpertStore.open(d, cfg, cache_cap=2, io_threads=2, max_working_set=3)
+    rl = st.layers[1].layout.record_len
+    seq = [[0, 1], [1, 0], [2], [0, 2], [3, 4, 5], [5]]
+    # LRU cap 2: [0,1] 2 miss | [1,0] 2 hit | [2] miss, evict 1 | [0,2] 2 hit |
+    # [3,4,5] 3 miss, evict 0,2 (early: room 3 -> 0 before loading... ) then trim to 2 | [5] hit
+    c = open_container(d, cfg)
+    for ids in seq:
+        bank, so = st.fetch(1, np.array(ids, np.int32))
+        _check(bank, so, ids, c, 1)
+        assert st.resident_mask(1).sum() <= 2
+    s = st.stats()
+    assert s["misses"] == s["expert_loads"] == 6
+    assert s["hits"] == s["hits_cache"] == 5 and s["hits_pinned"] == 0
+    assert s["bytes_read"] == 6 * rl                    # counted at the read call: whole records
+    # evictions: 1 ([2]) + 2 ([3,4,5] needs room 3: evicts 0 and 2 first) + 1 (trim to 2 after) = 4
+    assert s["evictions"] == 4
+    assert s["loads_per_layer"] == {1: 6}
+    assert s["requested"] == 11 and abs(s["hit_rate"] - 5 / 11) < 1e-9
+    assert list(np.nonzero(st.resident_mask(1))[0]) == [4, 5]
+    st.reset_stats()
+    assert st.stats()["bytes_read"] == 0
+    st.close()
+
+
+@pytest.mark.parametrize("cap", list(range(1, E + 1)))
+def test_caps_1_to_E(cont, tmp_path, cap):
+    d, cfg = _fresh(cont, tmp_path)
+    st = ExpertStore.open(d, cfg, cache_cap=cap, io_threads=2, max_working_set=4)
+    c = open_container(d, cfg)
+    rng = np.random.default_rng(cap)
+    sim = {L: CacheIndex(E, cap, max(cap, 4)) for L in (1, 2, 3)}
+    misses = 0
+    for t in range(12):
+        for L in (1, 2, 3):
+            ids = rng.choice(E, size=rng.integers(1, 5), replace=False)
+            bank, so = st.fetch(L, ids)
+            if t % 4 == 0 or cap in (1, E):
+                _check(bank, so, ids, c, L)
+            assert st.resident_mask(L).sum() <= cap
+            misses += len(sim[L].access(list(dict.fromkeys(ids.tolist())))[2])
+    s = st.stats()
+    assert s["misses"] == misses                         # the store follows its cache index exactly
+    assert s["bytes_read"] == sum(st.layers[L].layout.record_len * n for L, n in s["loads_per_layer"].items())
+    if cap == E:
+        assert s["misses"] <= 3 * E                      # everything loaded at most once
+    st.close()
+
+
+@pytest.mark.parametrize("fmt", ["int4_row", "int8_row", "bf16"])
+def test_formats_through_store(model, tmp_path, fmt):
+    dst = str(tmp_path / fmt)
+    convert(str(model / "hf"), dst, expert_format=fmt, progress=False)
+    cfg = load_config(dst)
+    st = ExpertStore.open(dst, cfg, cache_cap=1, io_threads=1, max_working_set=3)
+    c = open_container(dst, cfg)
+    for L in (1, 3):
+        for ids in ([0, 7, 3], [3], [1, 2]):
+            bank, so = st.fetch(L, np.array(ids))
+            _check(bank, so, ids, c, L)
+    st.close()
+
+
+def test_alias_and_no_retransfer(cont, tmp_path):
+    d, cfg = _fresh(cont, tmp_path)
+    st = ExpertStore.open(d, cfg, cache_cap=4, io_threads=2)
+    assert st.aliased                                    # XLA:CPU aliases the page-aligned arena
+    lc = st.layers[1]
+    for n, a in lc.arrays.items():
+        assert getattr(lc.bank, n).unsafe_buffer_pointer() == a.ctypes.data
+    bank1, _ = st.fetch(1, np.array([2, 3]))
+    bank2, _ = st.fetch(1, np.array([3, 2]))            # hits: nothing read, same buffers
+    assert bank2 is bank1 and st.stats()["bytes_read"] == 2 * lc.layout.record_len
+    st.close()
+
+
+def test_non_aliased_path_matches(cont, tmp_path):
+    """The non-CPU code path (host staging + donated scatter of missed slots) gives the same banks."""
+    d, cfg = _fresh(cont, tmp_path)
+    a = ExpertStore.open(d, cfg, cache_cap=2, io_threads=2, max_working_set=3)
+    b = ExpertStore.open(d, cfg, cache_cap=2, io_threads=2, max_working_set=3, alias=False)
+    assert not b.aliased
+    c = open_container(d, cfg)
+    for ids in ([0, 1], [2, 3, 4], [4, 0], [7]):
+        ba, sa = a.fetch(2, np.array(ids))
+        bb, sb = b.fetch(2, np.array(ids))
+        np.testing.assert_array_equal(sa, sb)
+        _check(bb, sb, ids, c, 2)
+    assert a.stats()["bytes_read"] == b.stats()["bytes_read"]
+    a.close()
+    b.close()
+
+
+def test_pinning_from_usage(cont, tmp_path):
+    d, cfg = _fresh(cont, tmp_path)
+    rl = ExpertStore.open(d, cfg, cache_cap=1).layers[1].layout.record_len
+    # a first session writes the usage history at close
+    st = ExpertStore.open(d, cfg, cache_cap=1, max_working_set=2)
+    for _ in range(5):
+        st.fetch(1, np.array([6, 5]))
+        st.fetch(2, np.array([1]))
+    st.fetch(1, np.array([0]))
+    st.close()
+    u = json.load(open(os.path.join(d, USAGE_FILE)))
+    assert u["layers"]["1"][6] == 5 and u["layers"]["2"][1] == 5
+    # pin the hottest within pin_gb = 2.5 records: (1,5), (1,6) or (2,1) -> 2 of the 3 count-5 experts
+    st = ExpertStore.open(d, cfg, cache_cap=1, max_working_set=2, pin="auto", pin_gb=2.5 * rl / 1e9)
+    pinned = {(L, int(e)) for L in (1, 2, 3) for e in np.nonzero(st.pinned_mask(L))[0]}
+    assert len(pinned) == 2 and pinned <= {(1, 5), (1, 6), (2, 1)}
+    assert st.stats()["pin_bytes_read"] == 2 * rl
+    st.reset_stats()
+    c = open_container(d, cfg)
+    for ids in ([5, 6], [0, 1], [2, 3], [6, 5]):
+        bank, so = st.fetch(1, np.array(ids))
+        _check(bank, so, ids, c, 1)
+    s = st.stats()
+    npin1 = sum(1 for L, e in pinned if L == 1)
+    assert s["hits_pinned"] == 2 * npin1
+    assert all(st.pinned_mask(1)[e] for (L, e) in pinned if L == 1)   # pins are never evicted
+    st.close(save_usage=False)
+    with pytest.raises(StoreError, match="not found"):
+        ExpertStore.open(d, cfg, pin=str(tmp_path / "nope.json"), pin_gb=1.0)
+
+
+def test_ram_sizing(cont, tmp_path):
+    d, cfg = _fresh(cont, tmp_path)
+    probe = ExpertStore.open(d, cfg, cache_cap=1)
+    per_cap = probe.sizing["per_cap_bytes"]
+    buf = probe.sizing["buffer_bytes"]
+    probe.close(save_usage=False)
+    gb = (1_000_000 + buf + 3 * per_cap + 10) / 1e9
+    st = ExpertStore.open(d, cfg, ram_gb=gb, dense_bytes=1_000_000)
+    assert st.cache_cap == 3
+    st.close(save_usage=False)
+    with pytest.raises(RamBudgetError) as ei:
+        ExpertStore.open(d, cfg, ram_gb=0.001, dense_bytes=1_000_000, kv_bytes=500_000)
+    msg = str(ei.value)
+    assert "\n" not in msg and "one expert per layer needs" in msg and "--ram_gb >=" in msg
+
+
+def test_working_set_beyond_cap_and_errors(cont, tmp_path):
+    d, cfg = _fresh(cont, tmp_path)
+    st = ExpertStore.open(d, cfg, cache_cap=1, max_working_set=E)
+    c = open_container(d, cfg)
+    bank, so = st.fetch(2, np.arange(E))                # a whole union with cap 1
+    _check(bank, so, list(range(E)), c, 2)
+    assert st.resident_mask(2).sum() == 1
+    with pytest.raises(StoreError, match="layer 0 has no streamed"):
+        st.fetch(0, np.array([1]))
+    with pytest.raises(StoreError, match="out of range"):
+        st.fetch(1, np.array([E]))
+    st.close(save_usage=False)
+    small = ExpertStore.open(d, cfg, cache_cap=1, max_working_set=2)
+    with pytest.raises(StoreError, match="max_working_set"):
+        small.fetch(1, np.array([0, 1, 2]))
+    small.close(save_usage=False)
+
+
+def test_lfu_policy_and_prefetch(cont, tmp_path):
+    d, cfg = _fresh(cont, tmp_path)
+    st = ExpertStore.open(d, cfg, cache_cap=2, policy="lfu", max_working_set=4)
+    c = open_container(d, cfg)
+    for _ in range(4):
+        st.fetch(1, np.array([0]))
+    st.fetch(1, np.array([1, 2]))                       # LRU would evict 0; LFU keeps the frequent 0
+    assert st.resident_mask(1)[0]
+    st.prefetch_hint(1, np.array([3, 0]))
+    before = st.stats()["bytes_read"]
+    bank, so = st.fetch(1, np.array([3, 0]))
+    _check(bank, so, [3, 0], c, 1)
+    assert st.stats()["bytes_read"] - before == st.layers[1].layout.record_len
+    assert st.stats()["prefetch_hints"] == 1
+    st.close(save_usage=False)
+    with pytest.raises(StoreError, match="unknown cache policy"):
+        ExpertStore.open(d, cfg, cache_cap=1, policy="fifo")
+
+
+def test_plain_hf_dir_through_store(model):
+    d = str(model / "hf")
+    cfg = load_config(d)
+    st = ExpertStore.open(d, cfg, cache_cap=2, io_threads=2, max_working_set=2)
+    assert st.layers[1].layout.fmt == "f32"
+    bank, so = st.fetch(1, np.array([4, 6]))
+    gu, dn = _take(bank, jnp.asarray(so[[4, 6]]))
+    from glm_jax.container import SafeTensorsDir
+    sd = SafeTensorsDir(d)
+    np.testing.assert_array_equal(np.asarray(dn[1]), sd.read("model.layers.1.mlp.experts.6.down_proj.weight"))
+    assert st.stats()["bytes_read"] == 2 * 3 * 64 * 64 * 4
+    st.close(save_usage=False)
