@@ -1,0 +1,227 @@
+"""glm_jax.mla (MLA + DSA indexer) against transformers oracle outputs saved in tests/golden/dsa_*/ (no torch here)."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from glm_jax import mla
+from glm_jax.config import config_from_dict, load_config
+
+jax.config.update("jax_enable_x64", False)
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+FIXTURES = ["dsa_dense", "dsa_sparse"]
+S_MAX = 16          # > T = 12: slots past the current length hold zeros / stale data and must be masked
+TOL = 1e-4
+
+
+class _Fix:
+    def __init__(self, name):
+        d = os.path.join(GOLDEN, name)
+        self.cfg = load_config(d)
+        self.w = load_file(os.path.join(d, "model.safetensors"))
+        self.exp = dict(np.load(os.path.join(d, "expected.npz")))
+
+    def get(self, key, shape=None):
+        if key not in self.w:
+            raise KeyError(f"missing tensor {key!r} (expected shape {shape})")
+        a = self.w[key]
+        if shape is not None and tuple(a.shape) != tuple(shape):
+            raise ValueError(f"tensor {key!r} has shape {a.shape}, expected {shape}")
+        return a
+
+    def params(self, layer):
+        p = mla.load_mla_params(self.get, f"model.layers.{layer}.self_attn.", self.cfg, layer)
+        return jax.tree.map(jnp.asarray, p)
+
+
+_CACHE = {}
+
+
+def fix(name):
+    if name not in _CACHE:
+        _CACHE[name] = _Fix(name)
+    return _CACHE[name]
+
+
+def _caches(cfg, B, S=S_MAX):
+    return [mla.init_mla_cache(cfg, l, B, S, jnp.float32) for l in range(cfg.num_hidden_layers)]
+
+
+def _run_layers(f, xs, starts, caches, **kw):
+    """Run every layer's attention on its own oracle input xs[l] [B,T,H]; returns outs [L], sels [L], caches."""
+    outs, sels, new = [], [], []
+    sel = None
+    for l in range(f.cfg.num_hidden_layers):
+        o, c, sel = mla.mla_attention(f.cfg, f.params(l), xs[l], caches[l], starts, l, sel, **kw)
+        outs.append(o)
+        sels.append(sel)
+        new.append(c)
+    return outs, sels, new
+
+
+def _visible_set(sel_row, t):
+    return sorted(int(j) for j in np.asarray(sel_row) if j <= t)
+
+
+# ----------------------------------------------------------------------------- oracle parity, one layer at a time
+@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("absorbed", [True, False])
+def test_attention_matches_transformers(name, absorbed):
+    f = fix(name)
+    e = f.exp
+    L = f.cfg.num_hidden_layers
+    for b in range(2):
+        xs = [jnp.asarray(e["attn_in"][b, l][None]) for l in range(L)]
+        outs, sels, _ = _run_layers(f, xs, jnp.zeros((1,), jnp.int32), _caches(f.cfg, 1), absorbed=absorbed,
+                                    dense_shortcut=False)
+        T = xs[0].shape[1]
+        for l in range(L):
+            np.testing.assert_allclose(np.asarray(outs[l][0]), e["attn_out"][b, l], atol=TOL, rtol=0,
+                                       err_msg=f"{name} row {b} layer {l}")
+            for t in range(T):
+                want = sorted(int(j) for j in e["attn_topk"][b, l, t] if j >= 0)
+                assert _visible_set(sels[l][0, t], t) == want, (name, b, l, t)
+
+
+def test_dense_shortcut_equals_indexer_path():
+    f = fix("dsa_dense")
+    e = f.exp
+    xs = [jnp.asarray(e["attn_in"][:, l]) for l in range(f.cfg.num_hidden_layers)]
+    z = jnp.zeros((2,), jnp.int32)
+    a, sa, ca = _run_layers(f, xs, z, _caches(f.cfg, 2), dense_shortcut=True)
+    b_, sb, cb = _run_layers(f, xs, z, _caches(f.cfg, 2), dense_shortcut=False)
+    assert sa[0] is None and sb[0].shape == (2, 12, S_MAX)
+    for x, y in zip(a, b_):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    for x, y in zip(ca, cb):
+        for k in x:
+            np.testing.assert_array_equal(np.asarray(x[k]), np.asarray(y[k]))
+
+
+# ----------------------------------------------------------------------------- prefill + decode == one call
+@pytest.mark.parametrize("name", FIXTURES)
+def test_prefill_then_decode_equals_full(name):
+    """Row 0: prefill 5, a chunk of 3, then single-token steps.  Row 1 rides along with a shorter history: its first
+    call writes 5 tokens of which only 3 are real (the rest are stale garbage later overwritten), then it decodes with
+    its own start.  Every produced output must equal the one-call output at that position."""
+    f = fix(name)
+    e = f.exp
+    L, T = f.cfg.num_hidden_layers, e["attn_in"].shape[2]
+    X = e["attn_in"]                                             # [2,L,T,H]
+    full, fsel, _ = _run_layers(f, [jnp.asarray(X[:, l]) for l in range(L)], jnp.zeros((2,), jnp.int32),
+                                _caches(f.cfg, 2))
+    full = [np.asarray(o) for o in full]
+
+    caches = _caches(f.cfg, 2)
+    jit_layers = jax.jit(lambda xs, st, cs: _run_layers(f, xs, st, cs))
+    pos = np.array([0, 0])
+    lens = [(5, 3), (3, 2), (1, 1), (1, 1), (1, 1), (1, 1)]   # (tokens written, real tokens for row 1)
+    while pos[0] < T:
+        n = lens.pop(0) if lens else (1, 1)
+        n_w, n1 = n
+        xs = []
+        for l in range(L):
+            r0 = X[0, l, pos[0]:pos[0] + n_w]
+            r1 = X[1, l, pos[1]:pos[1] + n_w]
+            if r1.shape[0] < n_w:
+                r1 = np.concatenate([r1, np.zeros((n_w - r1.shape[0], r1.shape[1]), r1.dtype)])
+            r1 = r1.copy()
+            r1[n1:] = 123.0 * (l + 1)                             # garbage past row 1's real tokens
+            xs.append(jnp.asarray(np.stack([r0, r1])))
+        outs, _, caches = jit_layers(xs, jnp.asarray(pos, jnp.int32), caches)
+        for l in range(L):
+            o = np.asarray(outs[l])
+            np.testing.assert_allclose(o[0], full[l][0, pos[0]:pos[0] + n_w], atol=TOL, err_msg=f"row0 l{l} @{pos[0]}")
+            k1 = min(n1, T - pos[1])
+            np.testing.assert_allclose(o[1, :k1], full[l][1, pos[1]:pos[1] + k1], atol=TOL,
+                                       err_msg=f"row1 l{l} @{pos[1]}")
+        pos = pos + np.array([n_w, n1])
+
+
+def test_sparse_fixture_is_really_sparse():
+    """index_topk=4 < S: late queries select 4 of their visible keys, and outputs differ from dense attention."""
+    f = fix("dsa_sparse")
+    e = f.exp
+    assert f.cfg.index_topk == 4 and f.cfg.indexer_types == ("full", "shared", "full", "full")
+    topk = e["attn_topk"]
+    assert topk.shape[-1] == 4 and (topk[:, :, -1] >= 0).all()
+    x = jnp.asarray(e["attn_in"][:, 0])
+    p = f.params(0)
+    c = mla.init_mla_cache(f.cfg, 0, 2, S_MAX, jnp.float32)
+    sparse, _, sel = mla.mla_attention(f.cfg, p, x, c, jnp.zeros((2,), jnp.int32), 0, None)
+    shared_dense, _, _ = mla.mla_attention(f.cfg, f.params(1), jnp.asarray(e["attn_in"][:, 1]),
+                                           mla.init_mla_cache(f.cfg, 1, 2, S_MAX, jnp.float32),
+                                           jnp.zeros((2,), jnp.int32), 1, None)
+    assert sel.shape == (2, 12, 4)
+    assert np.abs(np.asarray(shared_dense) - e["attn_out"][:, 1]).max() > 1e-3   # prev_sel matters
+
+
+# ----------------------------------------------------------------------------- params, cache, sizes
+def test_params_and_cache_layout():
+    f = fix("dsa_dense")
+    cfg = f.cfg
+    for l in range(cfg.num_hidden_layers + 1):                   # + the MTP layer (index L): full indexer
+        p = f.params(l)
+        full = mla.indexer_type(cfg, l) == "full"
+        assert ("indexer" in p) == full
+        assert set(p) >= {"q_a_w", "q_a_norm", "q_b_w", "kv_a_w", "kv_a_norm", "kv_b_w", "o_w"}
+        c = mla.init_mla_cache(cfg, l, 2, 7, jnp.bfloat16)
+        assert c["ckv"].shape == (2, 7, cfg.kv_lora_rank) and c["kpe"].shape == (2, 7, cfg.qk_rope_head_dim)
+        assert ("idx_k" in c) == full
+        if full:
+            assert p["indexer"]["weights_proj"].dtype == jnp.float32
+    assert mla.indexer_type(cfg, cfg.num_hidden_layers) == "full"
+    with pytest.raises(KeyError):
+        mla.load_mla_params(f.get, "model.layers.1.self_attn.", dataclasses.replace(cfg, indexer_types=("full",) * 4), 1)
+
+
+def test_norm_eps_is_1e6_not_rms_norm_eps():
+    assert mla.MLA_NORM_EPS == 1e-6 and mla.INDEXER_LN_EPS == 1e-6
+
+
+def _glm5_cfg(**over):
+    raw = dict(model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+               moe_intermediate_size=2048, num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64,
+               n_routed_experts=256, num_experts_per_tok=8, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+               qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=32)
+    raw.update(over)
+    return config_from_dict(raw, "glm5.json")
+
+
+def test_kv_bytes_per_token_glm5():
+    cfg = _glm5_cfg()
+    kb = mla.kv_bytes_per_token(cfg, 2)
+    assert kb["per_layer_shared"] == (512 + 64) * 2 == 1152
+    assert kb["per_layer_full"] == (512 + 64 + 128) * 2 == 1408
+    assert kb["per_layer_uncompressed"] == 64 * (256 + 256) * 2 == 65536
+    assert all(t == "full" for t in cfg.indexer_types)
+    assert kb["model_total"] == 78 * 1408
+    assert kb["model_total_uncompressed"] == 78 * 65536
+    # with a shared-indexer pattern only the full layers pay for indexer keys
+    cfg2 = _glm5_cfg(indexer_types=["full" if i in {0, 1, 2, *range(6, 78, 4)} else "shared" for i in range(78)])
+    assert mla.kv_bytes_per_token(cfg2, 2)["model_total"] == 78 * 1152 + 21 * 256
+
+
+def test_cache_bytes_match_kv_bytes_per_token():
+    cfg = fix("dsa_sparse").cfg
+    kb = mla.kv_bytes_per_token(cfg, 4)
+    tot = 0
+    for l in range(cfg.num_hidden_layers):
+        c = mla.init_mla_cache(cfg, l, 1, 1, jnp.float32)
+        tot += sum(a.size * a.dtype.itemsize for a in c.values())
+    assert tot == kb["model_total"]
+
+
+def test_softmax_scale_yarn():
+    f = fix("dsa_sparse")
+    rp = f.cfg.rope_parameters
+    assert rp["rope_type"] == "yarn"
+    m = 0.1 * rp["mscale_all_dim"] * np.log(rp["factor"]) + 1.0
+    assert mla.softmax_scale(f.cfg) == pytest.approx(24 ** -0.5 * m * m)
+    assert mla.softmax_scale(fix("dsa_dense").cfg) == pytest.approx(24 ** -0.5)
