@@ -6,7 +6,8 @@
 writes DIR/hf (a Hugging Face glm4_moe checkpoint, bf16, hub per-expert keys, tensor by tensor: memory stays at
 one tensor) and, with --convert, DIR/container (glm-jax-convert).  Expert popularity is made non-uniform (Zipf
 over a random permutation of the experts of each layer) through the router's ``e_score_correction_bias``
-(``bias_e = zipf_scale * -log(rank_e)``) plus a small router weight, so selection is skewed like real routing.
+(``bias_e = 0.3 * zipf * -log(rank_e)``) on top of router logits of unit scale, so selection is skewed but
+still input dependent.
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def make_tensor(key: str, shape: tuple, role: str, seed: int, zipf: float = 0.0)
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if role == "router_bias":
         L = int(key.split(".")[2])
-        return _zipf_bias(shape[0], L, seed, zipf) if zipf else (0.01 * rng.standard_normal(shape)).astype(np.float32)
+        return 0.3 * _zipf_bias(shape[0], L, seed, zipf) if zipf else (0.01 * rng.standard_normal(shape)).astype(np.float32)
     if role == "router":
-        return ((0.02 if zipf else 0.5) * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        return ((1.0 if zipf else 0.5) * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     if role == "bias":
         return (0.02 * rng.standard_normal(shape)).astype(np.float32)
     fan_in = shape[-1]
