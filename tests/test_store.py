@@ -250,3 +250,17 @@ def test_plain_hf_dir_through_store(model):
     np.testing.assert_array_equal(np.asarray(dn[1]), sd.read("model.layers.1.mlp.experts.6.down_proj.weight"))
     assert st.stats()["bytes_read"] == 2 * 3 * 64 * 64 * 4
     st.close(save_usage=False)
+
+
+def test_direct_io_matches_buffered(cont, tmp_path):
+    d, cfg = _fresh(cont, tmp_path)
+    try:
+        st = ExpertStore.open(d, cfg, cache_cap=2, io_threads=2, max_working_set=3, direct_io=True)
+    except StoreError as e:   # a file system without O_DIRECT
+        pytest.skip(str(e))
+    c = open_container(d, cfg)
+    for ids in ([0, 5], [5, 6, 7], [1]):
+        bank, so = st.fetch(3, np.array(ids))
+        _check(bank, so, ids, c, 3)
+    assert st.stats()["bytes_read"] == 5 * st.layers[3].layout.record_len   # 5 misses
+    st.close(save_usage=False)
