@@ -22,6 +22,16 @@ from . import model as M
 from . import options as O
 from .config import GlmJaxError, ModelConfig, load_config
 
+_COMPILE_S = [0.0]
+
+
+def _on_event(name, secs, **kw):
+    if name.startswith("/jax/core/compile/"):
+        _COMPILE_S[0] += secs
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 
 
@@ -103,8 +113,6 @@ class Engine:
         self.plugin = _build_plugin(opts)
         self.lossy = self.plugin is not None
         self._jits = {}
-        self._aot = {}
-        self.compile_s = 0.0
         self._route_acc = {}
 
     # ------------------------------------------------------------------ loading
@@ -130,15 +138,16 @@ class Engine:
             from . import store as S
 
             if container:
-                from .container import load_dense_params
-
-                params = load_dense_params(path, cfg, dtype=dtype)
+                params = W.load_dense_params(path, cfg, dtype=dtype)
             else:
                 params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None)
             store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None, ram_gb=opts["ram_gb"] or None,
                                        direct_io=opts["direct_io"], io_threads=opts["io_threads"],
                                        pin=opts["pin"] or None, pin_gb=opts["pin_gb"], policy=opts["cache_policy"],
-                                       dense_bytes=_tree_bytes(params))
+                                       dense_bytes=_tree_bytes(params),
+                                       # a prefill can route to every expert of a layer: the working set may be E
+                                       # (anonymous-mmap slots cost RAM only while they hold a forward's union)
+                                       max_working_set=cfg.n_routed_experts)
             if fetch == "resident":
                 raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint (this is a converted "
                                   "container); use --fetch=loop or --fetch=callback")
@@ -162,17 +171,6 @@ class Engine:
             return logits, hidden, cache, _routing_summary(routing, want_stats)
 
         return self._jit("step", f, donate_argnums=(1,))
-
-    def _compiled(self, name, jitted, args):
-        """Ahead-of-time compile per input shape, so compile time is counted apart (``compile_s``) and never
-        lands in prefill or decode timings."""
-        key = (name,) + tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args[1:]))
-        c = self._aot.get(key)
-        if c is None:
-            t = time.perf_counter()
-            c = self._aot[key] = jitted.lower(*args).compile()
-            self.compile_s += time.perf_counter() - t
-        return c
 
     # ------------------------------------------------------------------ core forward
     def _ensure_cache(self, batch: int, need: int):
@@ -199,8 +197,8 @@ class Engine:
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         if self.opts["fetch"] == "resident":
-            args = (self.params, self._cache, tokens, start, lengths, self._resident_masks())
-            logits, hidden, self._cache, summ = self._compiled("step", self._step_resident(), args)(*args)
+            logits, hidden, self._cache, summ = self._step_resident()(
+                self.params, self._cache, tokens, start, lengths, self._resident_masks())
             self._accumulate(summ)
             return logits, hidden
         from .streaming import stream_step
@@ -256,6 +254,11 @@ class Engine:
 
         return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent tracing + compiling jitted functions in this process (all engines)."""
+        return _COMPILE_S[0]
 
     def close(self):
         if self.store is not None:

@@ -23,10 +23,15 @@ class WeightError(GlmJaxError):
     pass
 
 
+INT8_SCALE_SUFFIX = "_scale"   # int8 per-output-channel dense weights written by glm-jax-convert
+
+
 class TensorSource:
     """Key -> numpy tensor over a directory of safetensors files (memory-mapped, read lazily)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, files: Optional[list] = None):
+        """``path``: a checkpoint directory; ``files``: restrict to these safetensors files (e.g. a container's
+        dense.safetensors)."""
         self.path = path
         self._handles: dict = {}
         index = os.path.join(path, "model.safetensors.index.json")
@@ -40,7 +45,8 @@ class TensorSource:
             for k, fn in wm.items():
                 files[k] = os.path.join(path, fn)
         else:
-            cands = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors")) if os.path.isdir(path) else []
+            cands = files or (sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+                              if os.path.isdir(path) else [])
             if not cands:
                 raise WeightError(f"{path}: no model.safetensors or model.safetensors.index.json found")
             for fn in cands:
@@ -88,7 +94,9 @@ class TensorSource:
             exp = f" (expected shape {list(shape)})" if shape is not None else ""
             raise WeightError(f"{self.path}: missing tensor '{key}'{exp}")
         a = self.raw(key)
-        if a.dtype.name.startswith("float8"):
+        if a.dtype == np.int8 and key + INT8_SCALE_SUFFIX in self._files:   # glm-jax-convert --dense_format=int8
+            a = a.astype(np.float32) * self.raw(key + INT8_SCALE_SUFFIX).astype(np.float32)
+        elif a.dtype.name.startswith("float8"):
             a = dequant_fp8(a, self.raw(key + "_scale_inv") if (key + "_scale_inv") in self._files
                             else self.raw(key.rsplit(".", 1)[0] + ".weight_scale_inv"))
         if shape is not None and tuple(a.shape) != tuple(shape):
@@ -239,6 +247,13 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
         else:
             params["layers"][i]["experts"] = b
     return params
+
+
+def load_dense_params(path: str, cfg: ModelConfig, dtype=None) -> dict:
+    """Dense (non-expert) params of a glm-jax-convert container (its dense.safetensors)."""
+    from .container import DENSE_NAME
+
+    return load_params(path, cfg, dtype=dtype, expert_fmt=None, src=TensorSource(path, files=[DENSE_NAME]))
 
 
 def _bank_fmt(expert_fmt: str, dtype) -> str:

@@ -1,0 +1,213 @@
+"""Forward passes whose routed experts come from an ExpertStore (glm_jax/store.py).
+
+Two fetch modes, same math (tested to give identical outputs):
+
+* ``loop``: a Python layer loop.  Per MoE layer: jit(attention + router + plugins) -> the routing decision is read
+  back to the host -> ``store.fetch(layer, union)`` reads the misses straight into the layer's slot arena (aliased by
+  the jax arrays on CPU, so hits cost nothing) -> jit(MoE seam + shared expert).  Dense layers are one jit each.
+  All jits are shared by every layer of the same kind (one compile).
+* ``callback``: the whole step is one jit; each MoE layer calls the store through an ordered ``io_callback``, which
+  gathers the union's slots into a compact [W, ...] buffer (W = min(E, K x T)); XLA copies that buffer once more.
+
+Every byte moved is counted by the store; this module only adds routing-side numbers (union sizes, prefetch recall).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import model as M
+from .quant import ExpertBank
+
+
+def _layer_key(cfg, i):
+    # GQA layers are interchangeable (one compile); DSA layers differ by indexer type
+    return i if cfg.model_type == "glm_moe_dsa" else 0
+
+
+def _fns(engine):
+    fns = getattr(engine, "_stream_fns", None)
+    if fns is not None:
+        return fns
+    cfg = engine.cfg
+    plugin = engine.plugin or M.identity_plugin
+    want_stats = engine.plugin is not None
+    from .engine import _routing_summary
+
+    @jax.jit
+    def embed(e, tokens):
+        return jnp.take(e, tokens, axis=0)
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+    def dense(layer, lp, x, cache, start, prev_sel):
+        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel)
+        return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)), cache, sel
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+    def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router):
+        B, T, H = x.shape
+        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel)
+        hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+        flat = hn.reshape(B * T, H)
+        before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident)
+        after = plugin(before)
+        pred = None
+        if next_router is not None:   # router lookahead: layer L+1's router on layer L's post-attention state
+            pred = M.route(cfg, next_router, flat, valid_bt.reshape(B * T), resident).ids
+        summ = _routing_summary([(before, after)], want_stats)
+        return h, hn, cache, sel, after.ids, after.weights, after.valid, pred, summ
+
+    @jax.jit
+    def moe(mp, h, hn, ids, w, valid, bank, slot_of):
+        B, T, H = h.shape
+        routed = M.moe_routed(hn.reshape(B * T, H), ids, w, valid, bank, slot_of)
+        return M.moe_finish(mp, h, hn, routed.reshape(B, T, H))
+
+    @jax.jit
+    def head(norm, lm_head, x):
+        hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
+        return jnp.einsum("bth,vh->btv", hidden, lm_head, preferred_element_type=jnp.float32), hidden
+
+    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe=moe, head=head)
+    return fns
+
+
+def _acc(engine, key, v):
+    engine._route_acc[key] = engine._route_acc.get(key, 0.0) + float(v)
+
+
+def _residents(engine, layer):
+    mode = engine.opts["budget_residency"]
+    E = engine.cfg.n_routed_experts
+    if mode == "none":
+        return np.zeros(E, bool)
+    return engine.store.pinned_mask(layer) if mode == "pinned" else engine.store.resident_mask(layer)
+
+
+def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
+    """engine.forward for fetch=loop|callback.  Returns (logits, hidden, cache)."""
+    if engine.opts["fetch"] == "callback":
+        return _callback_step(engine, tokens, start, lengths)
+    cfg, params, store = engine.cfg, engine.params, engine.store
+    f = _fns(engine)
+    B, T = tokens.shape
+    valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+    valid_np = np.asarray(valid_bt)
+    x = f["embed"](params["embed"], tokens)
+    cache = engine._cache
+    sel = None
+    layers = params["layers"]
+    moe_idx = [i for i, lp in enumerate(layers) if "moe" in lp]
+    pending_pred = None
+    for i, lp in enumerate(layers):
+        k = _layer_key(cfg, i)
+        if "moe" not in lp:
+            x, cache[i], sel = f["dense"](k, lp, x, cache[i], start, sel)
+            continue
+        nxt = None
+        if engine.opts["prefetch"]:
+            later = [j for j in moe_idx if j > i]
+            nxt = layers[later[0]]["moe"] if later else None
+        h, hn, cache[i], sel, ids, w, valid, pred, summ = f["attn_route"](
+            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(_residents(engine, i)), nxt)
+        ids_np, valid_np_k = np.asarray(ids), np.asarray(valid)       # the one host sync per MoE layer
+        union = np.unique(ids_np[valid_np_k])
+        if pending_pred is not None:
+            _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pending_pred, union)))
+            _acc(engine, "prefetch_recall_total", len(union))
+            pending_pred = None
+        bank, slot_of = store.fetch(i, union)
+        if pred is not None:
+            pn = np.asarray(pred)[valid_np.reshape(-1)]
+            pending_pred = np.unique(pn)
+            store.prefetch_hint(later[0], pending_pred)
+        _acc(engine, "union_experts", len(union))
+        _acc(engine, "moe_layer_forwards", 1)
+        engine._accumulate(summ)
+        x = f["moe"](lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+    logits, hidden = f["head"](params["norm"], params["lm_head"], x)
+    return logits, hidden, cache
+
+
+# ----------------------------------------------------------------------------- callback mode
+def _callback_step(engine, tokens, start, lengths):
+    cfg = engine.cfg
+    B, T = tokens.shape
+    key = ("cb_step", B, T, engine._cache_len)
+    fn = engine._jits.get(key)
+    if fn is None:
+        fn = engine._jits[key] = _build_callback_step(engine, B * T)
+    resident = jnp.asarray(np.stack([_residents(engine, i) for i in cfg.moe_layers]))
+    logits, hidden, engine._cache, summ, unions = fn(engine.params, engine._cache, tokens, start, lengths, resident)
+    engine._accumulate(summ)
+    _acc(engine, "union_experts", float(np.asarray(unions).sum()))
+    _acc(engine, "moe_layer_forwards", len(cfg.moe_layers))
+    return logits, hidden, engine._cache
+
+
+def _build_callback_step(engine, n_pos):
+    cfg, store = engine.cfg, engine.store
+    plugin = engine.plugin or M.identity_plugin
+    want_stats = engine.plugin is not None
+    from .engine import _routing_summary
+
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    W = min(E, K * n_pos)
+    specs = {}
+    for i in cfg.moe_layers:
+        arrs = store._layer(i).arrays
+        specs[i] = {n: jax.ShapeDtypeStruct((W,) + a.shape[1:], a.dtype) for n, a in arrs.items()}
+
+    def host_fetch(layer, ids, valid):
+        ids, valid = np.asarray(ids), np.asarray(valid)
+        union = np.unique(ids[valid])
+        _, slot_of = store.fetch(layer, union)
+        arrs = store._layer(layer).arrays
+        slots = slot_of[union]
+        out = {}
+        for n, a in arrs.items():
+            buf = np.zeros((W,) + a.shape[1:], a.dtype)
+            buf[: len(union)] = a[slots]
+            out[n] = buf
+        compact = np.full(E, -1, np.int32)
+        compact[union] = np.arange(len(union), dtype=np.int32)
+        return out, compact, np.int32(len(union))
+
+    def f(params, cache, tokens, start, lengths, resident):
+        from jax.experimental import io_callback
+
+        B, T = tokens.shape
+        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+        x = M.embed(params, tokens)
+        sel = None
+        new_cache = list(cache)
+        summs, unions = [], []
+        mi = 0
+        for i, lp in enumerate(params["layers"]):
+            h, new_cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, i, sel)
+            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+            if "moe" not in lp:
+                x = h + M.mlp(lp["mlp"], hn)
+                continue
+            flat = hn.reshape(B * T, -1)
+            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident[mi])
+            mi += 1
+            after = plugin(before)
+            shapes = (specs[i], jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, i), shapes, after.ids, after.valid,
+                                                 ordered=True)
+            fmt = store._layer(i).layout.fmt
+            bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
+                              fmt=fmt)
+            routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
+            x = M.moe_finish(lp["moe"], h, hn, routed.reshape(h.shape))
+            summs.append((before, after))
+            unions.append(n_union)
+        hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        return M.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats), jnp.stack(unions)
+
+    return jax.jit(f, donate_argnums=(1,))
