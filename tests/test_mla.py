@@ -225,3 +225,22 @@ def test_softmax_scale_yarn():
     m = 0.1 * rp["mscale_all_dim"] * np.log(rp["factor"]) + 1.0
     assert mla.softmax_scale(f.cfg) == pytest.approx(24 ** -0.5 * m * m)
     assert mla.softmax_scale(fix("dsa_dense").cfg) == pytest.approx(24 ** -0.5)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_mtp_layer_attention(name):
+    """The MTP layer (index L) runs its own full indexer.  HF places its T-1 tokens at positions 1..T-1; only relative
+    positions matter, so slots/positions 0..T-2 (start=0) agree within f32 rounding.  (A start of 1 over an empty
+    slot 0 would attend to that zero slot: the MTP cache must be filled from slot 0.)"""
+    f = fix(name)
+    e = f.exp
+    L = f.cfg.num_hidden_layers
+    x = jnp.asarray(e["mtp_attn_in"][None])
+    c = mla.init_mla_cache(f.cfg, L, 1, S_MAX, jnp.float32)
+    assert "idx_k" in c
+    out, _, sel = mla.mla_attention(f.cfg, f.params(L), x, c, jnp.zeros((1,), jnp.int32), L, None,
+                                    dense_shortcut=False)
+    np.testing.assert_allclose(np.asarray(out[0]), e["mtp_attn_out"], atol=TOL, rtol=0)
+    for t in range(x.shape[1]):
+        want = sorted(int(j) for j in e["mtp_attn_topk"][t] if j >= 0)
+        assert _visible_set(sel[0, t], t) == want

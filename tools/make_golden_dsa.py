@@ -287,19 +287,30 @@ def build(name, index_topk, pattern, rope, seed, out_root, check_gaps):
     re_logits = re(input_ids=torch.tensor(input_ids[:1])).logits[0].numpy()
     assert np.abs(re_logits - logits[0]).max() < 1e-5, "reload mismatch"
 
+    def margin(z):
+        z = np.sort(z.reshape(-1, z.shape[-1]), axis=-1)
+        return float((z[:, -1] - z[:, -2]).min())
+
+    m0 = lambda a: np.stack([m[0] for m in mtp_attn])[0] if a == "in" else np.stack([m[1] for m in mtp_attn])[0]
     np.savez_compressed(
         os.path.join(out_dir, "expected.npz"),
-        input_ids=input_ids.astype(np.int32), logits=logits.astype(np.float32),
-        hidden_last=hidden_last.astype(np.float32), layer_out=np.stack(layer_out).astype(np.float32),
+        # --- same names / shapes as the glm4moe fixtures (tools/make_golden.py)
+        input_ids=input_ids.astype(np.int32), lengths=np.full((2,), T, np.int32), logits=logits.astype(np.float32),
+        hidden_last=hidden_last[0].astype(np.float32),
+        greedy_prompt=prompt.astype(np.int32), greedy_tokens=greedy.astype(np.int32),
+        mtp_input_ids=input_ids[0, 1:].astype(np.int32), mtp_hidden_in=hidden_last[0, :-1].astype(np.float32),
+        mtp_position_ids=np.arange(1, T, dtype=np.int32), mtp_hidden_out=mtp_hidden[0].astype(np.float32),
+        mtp_logits=mtp_logits[0].astype(np.float32),
+        # --- dsa extras
+        hidden_last_rows=hidden_last.astype(np.float32), layer_out=np.stack(layer_out).astype(np.float32),
         attn_in=np.stack(attn_in).astype(np.float32), attn_out=np.stack(attn_out).astype(np.float32),
         attn_topk=np.stack(attn_topk).astype(np.int32),
-        greedy_prompt=prompt.astype(np.int32), greedy_tokens=greedy.astype(np.int32),
-        mtp_positions=np.arange(1, T, dtype=np.int32),
-        mtp_hidden=np.stack(mtp_hidden).astype(np.float32),
-        mtp_attn_in=np.stack([m[0] for m in mtp_attn]).astype(np.float32),
-        mtp_attn_out=np.stack([m[1] for m in mtp_attn]).astype(np.float32),
-        mtp_attn_topk=np.stack([sorted_topk(m[2][None], Tm)[0] for m in mtp_attn]).astype(np.int32), mtp_logits=np.stack(mtp_logits).astype(np.float32),
+        mtp_attn_in=m0("in").astype(np.float32), mtp_attn_out=m0("out").astype(np.float32),
+        mtp_attn_topk=sorted_topk(mtp_attn[0][2][None], Tm)[0].astype(np.int32),
     )
+    margins = {"min_logit_top2_margin_logits": margin(logits),
+               "min_logit_top2_margin_greedy": margin(full[P - 1:-1]),
+               "mtp_min_logit_top2_margin": margin(mtp_logits[0])}
     doc = {
         "source": "transformers %s GlmMoeDsaForCausalLM, f32, eager attention, random weights (seed %d)"
                   % (__import__("transformers").__version__, seed),
@@ -313,31 +324,38 @@ def build(name, index_topk, pattern, rope, seed, out_root, check_gaps):
                                        "no ties at the top-k boundary" if min_gap is not None else "not checked (dense)"),
         "arrays": {
             "input_ids": "[2,T] int32, T=%d; each row is run ALONE (batch 1, positions 0..T-1, no padding)" % T,
+            "lengths": "[2] int32, both T (no padding)",
             "logits": "[2,T,V] f32, lm_head output for input_ids (row b computed alone)",
-            "hidden_last": "[2,T,H] f32, last_hidden_state = after the final model.norm (the MTP input h_t in HF)",
+            "hidden_last": "[T,H] f32, row 0: last_hidden_state = after the final model.norm (HF's MTP input h_t)",
+            "greedy_prompt": "[P] int32, P=%d (= input_ids[0,:P])" % P,
+            "greedy_tokens": "[%d] int32, HF generate greedy (cached path), eos disabled while generating and "
+                             "config eos set to a token never produced; equals argmax of one full forward over "
+                             "prompt+tokens" % NEW,
+            "mtp_input_ids": "[T-1] int32 = input_ids[0,1:] (x_{t+1})",
+            "mtp_hidden_in": "[T-1,H] f32 = hidden_last[:-1] (h_t, post final norm)",
+            "mtp_position_ids": "[T-1] int32 = 1..T-1 (HF convention: position of x_{t+1}); only relative positions "
+                                "matter, so running the MTP layer at slots/positions 0..T-2 agrees within f32 rounding",
+            "mtp_hidden_out": "[T-1,H] f32, g = MTP decoder layer L output (before shared_head.norm) for u = "
+                              "eh_proj(cat[enorm(embed(x_{t+1})), hnorm(h_t)]), causal attention over these T-1 "
+                              "tokens, the layer's own full indexer, MoE",
+            "mtp_logits": "[T-1,V] f32, lm_head(shared_head.norm(g)); lm_head / embed of the MAIN model (the "
+                          "checkpoint's shared_head.head / embed_tokens at layer L are copies of them)",
+            "hidden_last_rows": "[2,T,H] f32, hidden_last for both rows",
             "layer_out": "[2,L,T,H] f32, residual stream after each decoder layer l (before the final norm)",
             "attn_in": "[2,L,T,H] f32, input of layer l's self_attn (= input_layernorm output)",
             "attn_out": "[2,L,T,H] f32, self_attn output after o_proj (layer l), for attn_in[:, l]",
             "attn_topk": "[2,L,T,k] int32, k=min(index_topk,T): the top-k key positions used by layer l (shared layers "
                          "repeat the previous full layer's); sorted ascending per query; picks of invisible positions "
                          "(j > t, present only while fewer than k keys are visible) replaced by -1; compare as sets",
-            "greedy_prompt": "[P] int32, P=%d (= input_ids[0,:P])" % P,
-            "greedy_tokens": "[%d] int32, HF generate greedy (cached path), eos never hit; equals argmax of one full "
-                             "forward over prompt+tokens" % NEW,
-            "mtp_positions": "[T-1] int32, positions 1..T-1 used for the MTP layer's RoPE (HF convention: t+1)",
-            "mtp_hidden": "[2,T-1,H] f32, MTP decoder-layer output g for pairs (h_t=hidden_last[b,t], x_{t+1}="
-                          "input_ids[b,t+1]), t=0..T-2: u = eh_proj(cat[enorm(embed(x_{t+1})), hnorm(h_t)]), g = "
-                          "layer_L(u) (its own causal attention over these T-1 tokens, full indexer, MoE)",
-            "mtp_attn_in": "[2,T-1,H] f32, input of the MTP layer's self_attn (input_layernorm(u))",
-            "mtp_attn_out": "[2,T-1,H] f32, the MTP layer's self_attn output (after o_proj), positions mtp_positions",
-            "mtp_attn_topk": "[2,T-1,k] int32, the MTP layer's own indexer top-k (query/key index i = position i+1; "
-                             "sorted, invisible picks -1)",
-            "mtp_logits": "[2,T-1,V] f32, lm_head(shared_head.norm(g)) with the MAIN model's lm_head / embed (equal to "
-                          "the checkpoint's shared_head.head / embed_tokens copies)",
+            "mtp_attn_in": "[T-1,H] f32, row 0: input of the MTP layer's self_attn (input_layernorm(u))",
+            "mtp_attn_out": "[T-1,H] f32, row 0: the MTP layer's self_attn output (after o_proj)",
+            "mtp_attn_topk": "[T-1,k] int32, row 0: the MTP layer's own indexer top-k as indices into its T-1 tokens "
+                             "(sorted, invisible picks -1)",
         },
         "mtp_keys": "model.layers.%d.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens}.weight + a "
                     "full MoE decoder layer with per-expert keys and self_attn.indexer.*" % L,
     }
+    doc.update(margins)
     with open(os.path.join(out_dir, "expected.json"), "w") as f:
         json.dump(doc, f, indent=1)
     return out_dir, min_gap
