@@ -68,7 +68,7 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
     if engine.store is not None:
         engine.store.reset_stats()
 
-    from .speculative import draft_plan
+    from .speculative import decode_width, draft_plan
 
     plan = draft_plan(engine)
     P = len(ids)
@@ -98,13 +98,16 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
     if max_new_tokens > 0:
         out.append(nxt)
         if plan is not None and not (nxt in eos):
-            out, forwards, spec_stats, key = plan.run(engine, ids, out, hidden[0, P - 1], key, samp,
+            out, forwards, spec_stats, key = plan.run(engine, ids, out, hidden[0, :P], key, samp,
                                                       max_new_tokens, eos)
         else:
             pos = P
+            # decode at the same padded width as a speculative verify (batch invariance: speculative.py)
+            W = decode_width(engine)
             while len(out) < max_new_tokens and out[-1] not in eos:
-                logits, hidden = engine.forward(np.array([[out[-1]]], np.int32), np.array([pos], np.int32),
-                                                np.array([1], np.int32))
+                dtok = np.zeros((1, W), np.int32)
+                dtok[0, 0] = out[-1]
+                logits, hidden = engine.forward(dtok, np.array([pos], np.int32), np.array([1], np.int32))
                 forwards += 1
                 key, sk = jax.random.split(key)
                 out.append(int(sample(logits[0, 0], sk, **samp)))
@@ -121,7 +124,7 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
         "fetch": engine.opts["fetch"], "compile_s": engine.compile_s - compile0,
     }
     stats.update(spec_stats)
-    stats.update(_route_stats(engine._route_acc))
+    stats.update(route_stats(engine._route_acc))
     if engine.store is not None:
         st = engine.store.stats()
         stats.update(_store_stats(st, store_prefill, n_dec))
@@ -137,11 +140,22 @@ def _bucket(n):
     return b(n)
 
 
-def _route_stats(acc: dict) -> dict:
-    if not acc:
-        return {"experts_dropped": 0}
-    out = {k: v for k, v in acc.items() if k not in ("layers",)}
-    out.setdefault("experts_dropped", 0)
+def route_stats(acc: dict) -> dict:
+    """Routing-plugin telemetry accumulated over forwards (sums over MoE layers per forward, see
+    glm_jax_plugins.stats) turned into per-run numbers; union sizes come from the streaming path."""
+    out = {"experts_dropped": int(acc.get("dropped", 0))}
+    n = acc.get("layers", 0.0)
+    if n:
+        out["substitutions"] = int(acc.get("substitutions", 0))
+        out["rescued"] = int(acc.get("rescued", 0))
+        out["route_agreement"] = acc.get("route_agreement", 0.0) / n
+        out["route_kl"] = acc.get("kl", 0.0) / n
+        out["distinct_experts_before"] = acc.get("distinct_before", 0.0) / n
+        out["distinct_experts_after"] = acc.get("distinct_after", 0.0) / n
+    if acc.get("moe_layer_forwards"):
+        out["union_per_layer"] = acc["union_experts"] / acc["moe_layer_forwards"]
+    if acc.get("prefetch_recall_total"):
+        out["prefetch_recall"] = acc["prefetch_recall_hits"] / acc["prefetch_recall_total"]
     return out
 
 

@@ -1,0 +1,248 @@
+"""`glm-jax-eval`: the quality gate.  A configuration (any engine flags: --expert_budget, --expert_topp, ...) versus
+the same model with no lossy plugin, on held-out text:
+
+* perplexity of both (teacher forced);
+* KL(reference || config) per token and top-1 agreement of the two next-token distributions;
+* a next-line multiple-choice test ("our hellaswag"): context = a few lines of a held-out play, candidates = the true
+  next line + 3 distractor lines from OTHER plays; each candidate scored by its summed log-likelihood (acc) and by
+  its per-token mean (acc_norm); fixed seed, >= 200 items.
+
+Scoring is decode-faithful: the text runs through the KV cache in chunks of ``--score_chunk`` positions (default 4,
+the size of an MTP verify and of the budget's default position guard), so lossy plugins act as they do when
+generating.  Candidates of one item share the context's cache (rewound, not recomputed).
+
+    glm-jax-eval [--model=DIR] --expert_budget=4 --budget_scope=position [--items=200] [--windows=16]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "", "Model directory (default: the embedded default model).")
+flags.DEFINE_string("text", "", "Held-out text: a file with plays separated by lines '=== <name> ===' (default: "
+                    "<model>/heldout.txt).")
+flags.DEFINE_integer("items", 200, "Multiple-choice items.", lower_bound=1)
+flags.DEFINE_integer("windows", 16, "Perplexity windows.", lower_bound=1)
+flags.DEFINE_integer("window_len", 128, "Tokens per perplexity window.", lower_bound=2)
+flags.DEFINE_integer("context_lines", 3, "Lines of context per multiple-choice item.", lower_bound=1)
+flags.DEFINE_integer("score_chunk", 4, "Positions per forward when scoring (1 = exactly like decode).",
+                     lower_bound=1)
+flags.DEFINE_integer("eval_seed", 1234, "Seed for picking windows, items and distractors.")
+flags.DEFINE_string("output_json", "", "Also write the results as JSON.")
+
+
+# ----------------------------------------------------------------------------- math (tested)
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def kl_divergence(ref_logits: np.ndarray, cfg_logits: np.ndarray) -> np.ndarray:
+    """KL(ref || cfg) per position, natural log."""
+    lp, lq = log_softmax(ref_logits), log_softmax(cfg_logits)
+    return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+def perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
+    """exp(mean NLL) of targets[t] under logits[t]."""
+    lp = log_softmax(logits)
+    nll = -lp[np.arange(len(targets)), targets]
+    return float(np.exp(nll.mean()))
+
+
+def top1_agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a.argmax(-1) == b.argmax(-1)).mean())
+
+
+def mc_accuracy(scores: list, answers: list) -> float:
+    """scores: per item a list of candidate scores; answers: index of the true candidate."""
+    return float(np.mean([int(np.argmax(s) == a) for s, a in zip(scores, answers)]))
+
+
+# ----------------------------------------------------------------------------- data
+def read_plays(path: str) -> dict:
+    plays, cur = {}, None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("=== ") and line.rstrip().endswith(" ==="):
+                cur = line.strip()[4:-4].strip()
+                plays[cur] = []
+            elif cur is not None:
+                plays[cur].append(line.rstrip("\n"))
+    if len(plays) < 2:
+        raise ValueError(f"{path}: expected at least 2 plays separated by '=== name ===' lines")
+    return plays
+
+
+def make_items(plays: dict, n_items: int, context_lines: int, seed: int) -> list:
+    """Next-line multiple choice: (context, [candidates], answer index)."""
+    rng = random.Random(seed)
+    good = {p: [l for l in ls] for p, ls in plays.items()}
+    names = sorted(good)
+    items = []
+    tries = 0
+    while len(items) < n_items and tries < n_items * 50:
+        tries += 1
+        p = rng.choice(names)
+        ls = good[p]
+        i = rng.randrange(context_lines, len(ls))
+        true = ls[i]
+        ctx = ls[i - context_lines:i]
+        if len(true.strip()) < 12 or not all(c.strip() for c in ctx):
+            continue
+        others = [q for q in names if q != p]
+        distract = []
+        while len(distract) < 3:
+            q = rng.choice(others)
+            d = rng.choice(good[q])
+            if len(d.strip()) >= 12 and d != true and d not in distract:
+                distract.append(d)
+        cands = distract + [true]
+        rng.shuffle(cands)
+        items.append(("\n".join(ctx) + "\n", [c + "\n" for c in cands], cands.index(true)))
+    return items
+
+
+def make_windows(tok, plays: dict, n: int, length: int, seed: int) -> list:
+    rng = random.Random(seed + 1)
+    ids = {p: tok.encode("\n".join(ls)) for p, ls in plays.items()}
+    names = sorted(ids)
+    out = []
+    for k in range(n):
+        p = names[k % len(names)]
+        a = ids[p]
+        s = rng.randrange(0, max(1, len(a) - length - 1))
+        out.append(a[s:s + length])
+    return out
+
+
+# ----------------------------------------------------------------------------- scoring through the cache
+class Scorer:
+    """Teacher-forced logits via the engine's KV cache, ``chunk`` positions per forward, batch 1."""
+
+    def __init__(self, engine, chunk: int):
+        self.e = engine
+        self.chunk = chunk
+
+    def run(self, ids: list, start: int = 0) -> np.ndarray:
+        """Logits [len(ids), V] of ids placed at positions start.. (the cache before ``start`` is reused)."""
+        e = self.e
+        out = []
+        for s in range(0, len(ids), self.chunk):
+            part = ids[s:s + self.chunk]
+            toks = np.zeros((1, self.chunk), np.int32)
+            toks[0, : len(part)] = part
+            lg, _ = e.forward(toks, np.array([start + s], np.int32), np.array([len(part)], np.int32))
+            out.append(np.asarray(lg)[0, : len(part)])
+        return np.concatenate(out)
+
+    def prepare(self, need: int):
+        self.e._ensure_cache(1, need + self.chunk)
+
+
+def evaluate(engine, ref, plays: dict, n_items=200, n_windows=16, window_len=128, context_lines=3, chunk=4,
+             seed=1234) -> dict:
+    tok = engine.tokenizer
+    engine._route_acc, ref._route_acc = {}, {}
+    if engine.store is not None:
+        engine.store.reset_stats()
+    sc, sr = Scorer(engine, chunk), Scorer(ref, chunk)
+    t0 = time.perf_counter()
+    # perplexity / KL / agreement on windows
+    nll_c, nll_r, kls, agree = [], [], [], []
+    for w in make_windows(tok, plays, n_windows, window_len, seed):
+        sc.prepare(len(w))
+        sr.prepare(len(w))
+        lc, lr = sc.run(w), sr.run(w)
+        tgt = np.asarray(w[1:])
+        nll_c.append(-log_softmax(lc[:-1])[np.arange(len(tgt)), tgt])
+        nll_r.append(-log_softmax(lr[:-1])[np.arange(len(tgt)), tgt])
+        kls.append(kl_divergence(lr, lc))
+        agree.append(lc.argmax(-1) == lr.argmax(-1))
+    res = {"ppl": float(np.exp(np.concatenate(nll_c).mean())), "ppl_ref": float(np.exp(np.concatenate(nll_r).mean())),
+           "kl": float(np.concatenate(kls).mean()), "top1_agree": float(np.concatenate(agree).mean())}
+    # multiple choice
+    items = make_items(plays, n_items, context_lines, seed)
+    for name, s in (("", sc), ("_ref", sr)):
+        acc, accn = [], []
+        for ctx, cands, ans in items:
+            cids = tok.encode(ctx)
+            cand_ids = [tok.encode(c) for c in cands]
+            s.prepare(len(cids) + max(len(c) for c in cand_ids))
+            lctx = s.run(cids)
+            last = lctx[-1]
+            tot, mean = [], []
+            for c in cand_ids:
+                lc = s.run(c[:-1], start=len(cids)) if len(c) > 1 else np.zeros((0, last.shape[-1]))
+                lg = np.concatenate([last[None], lc])
+                lp = log_softmax(lg)[np.arange(len(c)), c]
+                tot.append(lp.sum())
+                mean.append(lp.mean())
+            acc.append(int(np.argmax(tot) == ans))
+            accn.append(int(np.argmax(mean) == ans))
+        res["mc_acc" + name] = float(np.mean(acc))
+        res["mc_acc_norm" + name] = float(np.mean(accn))
+    res["mc_items"] = len(items)
+    res["ppl_delta_pct"] = 100.0 * (res["ppl"] / res["ppl_ref"] - 1.0)
+    res["eval_s"] = time.perf_counter() - t0
+    from glm_jax.generate import route_stats
+
+    res.update(route_stats(engine._route_acc))
+    return res
+
+
+def main(argv):
+    from glm_jax import Engine, options as O
+    from glm_jax.config import GlmJaxError
+
+    try:
+        opts = O.from_flags()
+        engine = Engine.load(FLAGS.model or None, **opts)
+        ref_opts = dict(opts, expert_topp=1.0, expert_budget=0, cache_route="off")
+        ref = Engine.load(FLAGS.model or None, **ref_opts)
+        text = FLAGS.text or os.path.join(engine.path, "heldout.txt")
+        if not os.path.exists(text):
+            raise GlmJaxError(f"flag --text: {text} not found (held-out plays, '=== name ===' separated)")
+        if engine.tokenizer is None:
+            raise GlmJaxError(f"{engine.path}: the eval needs tokenizer.json")
+        plays = read_plays(text)
+    except (GlmJaxError, ValueError) as e:
+        print(f"glm-jax-eval: error: {e}", file=sys.stderr)
+        return 2
+    r = evaluate(engine, ref, plays, FLAGS.items, FLAGS.windows, FLAGS.window_len, FLAGS.context_lines,
+                 FLAGS.score_chunk, FLAGS.eval_seed)
+    lossy = {k: v for k, v in opts.items() if k in ("expert_topp", "expert_budget", "budget_scope",
+                                                     "budget_residency", "cache_route") and v != O.BY_NAME[k].default}
+    print(f"config: {lossy or 'no lossy plugin'}  (model {engine.path}, score_chunk {FLAGS.score_chunk})")
+    print("| metric | config | reference |")
+    print("|---|---|---|")
+    print(f"| perplexity | {r['ppl']:.3f} | {r['ppl_ref']:.3f} |")
+    print(f"| KL(ref‖config) /token | {r['kl']:.4f} | 0 |")
+    print(f"| top-1 agreement | {r['top1_agree']:.4f} | 1 |")
+    print(f"| next-line MC acc ({r['mc_items']} items) | {r['mc_acc']:.3f} | {r['mc_acc_ref']:.3f} |")
+    print(f"| next-line MC acc_norm | {r['mc_acc_norm']:.3f} | {r['mc_acc_norm_ref']:.3f} |")
+    print(f"| experts dropped | {int(r['experts_dropped'])} | 0 |")
+    if FLAGS.output_json:
+        with open(FLAGS.output_json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+def run():
+    from glm_jax import options as O
+
+    O.define_flags()
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
