@@ -148,6 +148,7 @@ class Engine:
                                        # a prefill can route to every expert of a layer: the working set may be E
                                        # (anonymous-mmap slots cost RAM only while they hold a forward's union)
                                        max_working_set=cfg.n_routed_experts)
+            store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
             if fetch == "resident":
                 raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint (this is a converted "
                                   "container); use --fetch=loop or --fetch=callback")

@@ -49,6 +49,9 @@ OPTIONS = [
         env=("PIN",)),
     Opt("pin_gb", 0.0, "float", "RAM for the pinned hot set in GB.", env=("PIN_GB",)),
     Opt("cache_policy", "lru", "str", "Expert cache eviction policy (see the store docs).", env=("COLI_POLICY_CACHE",)),
+    Opt("sim_disk_gbps", 0.0, "float", "Benchmark aid: after each expert read, also wait as if every loaded expert "
+        "were --sim_expert_mb MB on a disk of this bandwidth (reported as sim_io_s; bytes_read stays real). 0 = off."),
+    Opt("sim_expert_mb", 19.0, "float", "Simulated expert size for --sim_disk_gbps (GLM-5.2 int4: ~19 MB)."),
     Opt("expert_topp", 1.0, "float", "TOPP: per position keep the shortest prefix of experts (by gate weight) whose "
         "cumulative weight >= p x total; 1.0 = off. Lossy.", env=("TOPP",)),
     Opt("expert_budget", 0, "int", "EXPERT_BUDGET=N: cap distinct experts per layer (miss-aware); 0 = off. Lossy.",

@@ -262,6 +262,7 @@ class ExpertStore:
         self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
         self.sizing = sizing
         self.usage_path = usage_path
+        self.sim_disk_gbps, self.sim_expert_mb = 0.0, 19.0   # --sim_disk_gbps (benchmarks only)
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="glm-jax-io") if io_threads > 1 else None
         self._hint_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="glm-jax-hint")
@@ -358,6 +359,13 @@ class ExpertStore:
             futs = [self._pool.submit(self._read_one, L, e, s) for e, s in zip(experts, slots)]
             res = [f.result() for f in futs]
         n = sum(r[0] for r in res)
+        if self.sim_disk_gbps > 0:
+            # benchmark aid (--sim_disk_gbps): pretend each loaded expert were sim_expert_mb on a disk of that
+            # bandwidth.  Reported apart (sim_io_s, sim_bytes); bytes_read stays what was really read.
+            sim = len(experts) * self.sim_expert_mb * 1e6
+            time.sleep(sim / (self.sim_disk_gbps * 1e9))
+            self._stats["sim_io_s"] += sim / (self.sim_disk_gbps * 1e9)
+            self._stats["sim_bytes"] += int(sim)
         self._stats["bytes_read"] += n
         self._stats["read_s"] += sum(r[1] for r in res)
         self.layers[L].touched.update(slots)
@@ -467,7 +475,8 @@ class ExpertStore:
         self._stats = dict(bytes_read=0, expert_loads=0, hits_pinned=0, hits_cache=0, misses=0, evictions=0,
                            requested=0, fetch_calls=0, io_wait_s=0.0, read_s=0.0, fetch_s=0.0,
                            loads_per_layer={}, prefetch_hints=0, prefetch_hint_bytes=0, pin_bytes_read=0,
-                           pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0)
+                           pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0,
+                           sim_io_s=0.0, sim_bytes=0)
 
     def save_usage(self, decay: float = 1.0):
         """Merge this session's routing counts into the usage-history file (best effort)."""
