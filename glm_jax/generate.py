@@ -163,7 +163,7 @@ def _store_stats(total: dict, prefill: dict, n_dec: int) -> dict:
     """Store counters for the whole call and for decode only (total minus what prefill had done)."""
     out = {k: v for k, v in total.items() if isinstance(v, (int, float))}
     if prefill is not None:
-        for k in ("bytes_read", "expert_loads", "hits", "misses"):
+        for k in ("bytes_read", "expert_loads", "hits", "misses", "sim_bytes", "sim_io_s"):
             if k in total and k in prefill:
                 out["decode_" + k] = total[k] - prefill[k]
         if n_dec and "decode_bytes_read" in out:

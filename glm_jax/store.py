@@ -440,6 +440,30 @@ class ExpertStore:
             st["fetch_s"] += time.perf_counter() - t0
             return lc.bank, out_slot_of
 
+    def drop_cache(self, page_cache: bool = True):
+        """Make the store cold: forget every cached (non-pinned) expert and, with ``page_cache``, ask the kernel to
+        drop the expert files from the page cache (posix_fadvise DONTNEED).  Benchmarks call this between runs."""
+        with self._lock:
+            for L, lc in self.layers.items():
+                idx = self.index[L]
+                for e in list(idx.cached):
+                    s = int(lc.slot_of[e])
+                    lc.slot_of[e] = -1
+                    if s >= 0:
+                        lc.free.append(s)
+                        lc.release.append(s)
+                idx.cached.clear()
+        if page_cache:
+            for path in self.source.files():
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+                except (AttributeError, OSError):
+                    pass
+
     def resident_mask(self, layer: int) -> np.ndarray:
         idx = self.index[self._layer(layer).layer]
         m = idx.pinned.copy()

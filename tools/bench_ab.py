@@ -1,0 +1,183 @@
+"""A/B bench: every lossy knob's speed next to its quality, on a trained model, in the same process.
+
+    python tools/bench_ab.py [--model=DIR] [--reps=3] [--new_tokens=64] [--out=bench_out/ab]
+
+Configurations (baseline; TOPP; EXPERT_BUDGET per scope and residency; CACHE_ROUTE; MTP on/off) run interleaved
+A B A B ... (rep-major, so drift cancels) in two corners:
+
+* ``cold``: the seed's low-RAM corner: expert cache cap ``--cold_cap`` experts/layer, the store made cold before
+  every rep (cache forgotten, expert files dropped from the page cache), plus ``--sim_disk_gbps``: each loaded
+  expert also costs the time of reading ``--sim_expert_mb`` MB at that bandwidth (the shipped model's experts are
+  tiny; this projects GLM-5.2-sized experts; reported apart, real bytes stay real).
+* ``warm``: every expert cached (cap = E), cache kept across reps, no simulated disk.
+
+Speed columns: decode tok/s (median), prefill s, decode s, hit rate, bytes read per decoded token (measured by the
+store), experts dropped, MTP acceptance, tokens per forward.  Quality columns come from glm-jax-eval's evaluate()
+with the same engine (same corner, same cache state semantics): PPL, ppl delta vs the reference, KL(ref||config),
+top-1 agreement, next-line MC accuracy.  Output: a markdown table and a PNG speed-vs-quality plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "", "Converted model directory (default: the embedded default model).")
+flags.DEFINE_integer("reps", 3, "Interleaved repetitions per configuration.", lower_bound=1)
+flags.DEFINE_integer("new_tokens", 48, "Tokens per generation.")
+flags.DEFINE_string("prompt", "ROMEO:\n", "Prompt.")
+flags.DEFINE_integer("cold_cap", 1, "Cache cap (experts/layer) of the cold low-RAM corner.")
+flags.DEFINE_float("sim_disk_gbps", 1.5, "Simulated disk bandwidth for the cold corner (0 = real reads only).")
+flags.DEFINE_float("sim_expert_mb", 19.0, "Simulated expert size (GLM-5.2 int4 ~19 MB).")
+flags.DEFINE_integer("items", 200, "Multiple-choice items per quality eval.")
+flags.DEFINE_integer("windows", 8, "Perplexity windows per quality eval.")
+flags.DEFINE_list("configs", [], "Subset of configuration names (default: all).")
+flags.DEFINE_list("corners", ["cold", "warm"], "Corners to run.")
+flags.DEFINE_string("out", "bench_out/ab", "Output prefix (.md, .json, .png).")
+
+NO_MTP = dict(mtp=False, draft=0)
+MTP = dict(mtp=True, draft=3)
+
+
+def configs(n_experts: int, top_k: int) -> dict:
+    b_lo, b_hi = max(1, top_k // 2), max(2, top_k - 1)
+    return {
+        "baseline": dict(NO_MTP),
+        "baseline+mtp": dict(MTP),
+        "topp0.7": dict(NO_MTP, expert_topp=0.7),
+        f"budget{b_lo}_union_cache": dict(NO_MTP, expert_budget=b_lo, budget_scope="union", budget_residency="cache"),
+        f"budget{b_hi}_union_cache": dict(NO_MTP, expert_budget=b_hi, budget_scope="union", budget_residency="cache"),
+        f"budget{b_lo}_union_none": dict(NO_MTP, expert_budget=b_lo, budget_scope="union", budget_residency="none"),
+        f"budget{b_lo}_position_none": dict(NO_MTP, expert_budget=b_lo, budget_scope="position",
+                                            budget_residency="none"),
+        f"budget{b_hi}_position_none": dict(NO_MTP, expert_budget=b_hi, budget_scope="position",
+                                            budget_residency="none"),
+        f"budget{b_lo}_position_pinned": dict(NO_MTP, expert_budget=b_lo, budget_scope="position",
+                                              budget_residency="pinned"),
+        f"budget{b_lo}_union_cache+mtp": dict(MTP, expert_budget=b_lo, budget_scope="union",
+                                              budget_residency="cache"),
+        f"budget{b_lo}_position_none+mtp": dict(MTP, expert_budget=b_lo, budget_scope="position",
+                                                budget_residency="none"),
+        "cache_route_maxrank": dict(NO_MTP, cache_route="max_rank", route_j=max(1, top_k // 2),
+                                    route_m=min(n_experts, 3 * top_k)),
+    }
+
+
+def corner_opts(corner: str, E: int, pin_gb: float) -> dict:
+    if corner == "cold":
+        return dict(fetch="loop", cache_cap=FLAGS.cold_cap, sim_disk_gbps=FLAGS.sim_disk_gbps,
+                    sim_expert_mb=FLAGS.sim_expert_mb, pin="auto", pin_gb=pin_gb)
+    return dict(fetch="loop", cache_cap=E, pin="auto", pin_gb=pin_gb)
+
+
+def _needs_pin(cfg: dict) -> bool:
+    return cfg.get("budget_residency") == "pinned"
+
+
+def main(argv):
+    import numpy as np
+
+    import glm_jax
+    from glm_jax.container import open_container
+    from glm_jax_tools import evaluate as ev
+
+    model = FLAGS.model or glm_jax.default_model_path()
+    probe = glm_jax.Engine.load(model, fetch="loop", cache_cap=1)
+    cfg = probe.cfg
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    # a usage history for --pin=auto: one baseline generation (saved by the store at close)
+    probe.generate(FLAGS.prompt, max_new_tokens=FLAGS.new_tokens, stop_on_eos=False)
+    rec = open_container(model, cfg).layout(cfg.moe_layers[0]).record_len
+    pin_gb = 2 * len(cfg.moe_layers) * rec / 1e9           # about 2 pinned experts per layer
+    probe.close()
+    plays = ev.read_plays(os.path.join(model, "heldout.txt"))
+    allc = configs(E, K)
+    names = FLAGS.configs or list(allc)
+    rows = []
+    for corner in FLAGS.corners:
+        engines, ref = {}, None
+        for n in names:
+            o = dict(allc[n], **corner_opts(corner, E, pin_gb if _needs_pin(allc[n]) else 0.0))
+            engines[n] = glm_jax.Engine.load(model, **o)
+        ref = glm_jax.Engine.load(model, **dict(NO_MTP, **corner_opts(corner, E, 0.0)))
+        runs = {n: [] for n in names}
+        for n, e in engines.items():        # compile outside the timing
+            e.generate(FLAGS.prompt, max_new_tokens=4, stop_on_eos=False)
+        for rep in range(FLAGS.reps):
+            for n, e in engines.items():
+                if corner == "cold":
+                    e.store.drop_cache()
+                r = e.generate(FLAGS.prompt, max_new_tokens=FLAGS.new_tokens, stop_on_eos=False)
+                runs[n].append(r.stats)
+        for n, e in engines.items():
+            st = runs[n]
+            med = lambda k: statistics.median(s.get(k, 0.0) for s in st)  # noqa: E731
+            if corner == "cold":
+                e.store.drop_cache()
+            q = ev.evaluate(e, ref, plays, n_items=FLAGS.items, n_windows=FLAGS.windows, chunk=4)
+            row = {"corner": corner, "config": n, "tok/s": med("decode_tok_s"), "prefill s": med("prefill_s"),
+                   "decode s": med("decode_s"), "hit rate": med("decode_hits") / max(med("decode_hits") +
+                                                                                   med("decode_misses"), 1),
+                   "MB read/tok": med("bytes_read_per_token") / 1e6,
+                   "sim GB/tok": (med("decode_sim_bytes") / 1e9 / max(med("decode_tokens"), 1)) if corner == "cold" else 0.0,
+                   "dropped/tok": med("experts_dropped") / max(med("decode_tokens"), 1),
+                   "MTP acc": med("mtp_acceptance") if "mtp_acceptance" in st[0] else float("nan"),
+                   "tok/fwd": med("tokens_per_forward"),
+                   "PPL": q["ppl"], "PPL Δ%": q["ppl_delta_pct"], "KL": q["kl"], "top-1": q["top1_agree"],
+                   "MC acc": q["mc_acc"], "MC ref": q["mc_acc_ref"]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for e in list(engines.values()) + [ref]:
+            e.close()
+    base = {r["corner"]: r["tok/s"] for r in rows if r["config"] == "baseline"}
+    for r in rows:
+        r["speedup"] = r["tok/s"] / base[r["corner"]] if base.get(r["corner"]) else float("nan")
+    cols = ["corner", "config", "tok/s", "speedup", "prefill s", "decode s", "hit rate", "MB read/tok", "sim GB/tok",
+            "dropped/tok", "MTP acc", "tok/fwd", "PPL", "PPL Δ%", "KL", "top-1", "MC acc"]
+    from glm_jax_tools.bench import _md
+
+    head = (f"model {model}; {FLAGS.new_tokens} new tokens, median of {FLAGS.reps} interleaved reps; cold = cap "
+            f"{FLAGS.cold_cap}/layer, store dropped before each rep, simulated {FLAGS.sim_expert_mb} MB experts at "
+            f"{FLAGS.sim_disk_gbps} GB/s; warm = cap {E}/layer; quality: {FLAGS.items} MC items (reference MC acc "
+            f"{rows[0]['MC ref']:.3f}), {FLAGS.windows}x128-token PPL windows, score chunk 4")
+    md = head + "\n\n" + _md(rows, cols)
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out + ".md", "w") as f:
+        f.write(md + "\n")
+    with open(FLAGS.out + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    _plot(rows, FLAGS.out + ".png")
+    print(md)
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install '.[bench]')", file=sys.stderr)
+        return
+    corners = sorted({r["corner"] for r in rows})
+    fig, axes = plt.subplots(1, len(corners), figsize=(7 * len(corners), 5), squeeze=False)
+    for ax, c in zip(axes[0], corners):
+        for r in (r for r in rows if r["corner"] == c):
+            ax.scatter(r["speedup"], r["PPL Δ%"], s=30)
+            ax.annotate(r["config"], (r["speedup"], r["PPL Δ%"]), fontsize=7)
+        ax.axhline(2.0, ls="--", lw=0.8, color="gray")
+        ax.set_xlabel("decode speed vs baseline (x)")
+        ax.set_ylabel("perplexity change vs no lossy plugin (%)")
+        ax.set_title(f"{c} corner")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    app.run(main)
