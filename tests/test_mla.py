@@ -1,6 +1,7 @@
 """glm_jax.mla (MLA + DSA indexer) against transformers oracle outputs saved in tests/golden/dsa_*/ (no torch here)."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -53,12 +54,28 @@ def _caches(cfg, B, S=S_MAX):
     return [mla.init_mla_cache(cfg, l, B, S, jnp.float32) for l in range(cfg.num_hidden_layers)]
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted(cfg_id, layer, absorbed, dense_shortcut):
+    cfg = _CFGS[cfg_id]
+    return jax.jit(lambda p, x, c, st, ps: mla.mla_attention(cfg, p, x, c, st, layer, ps, absorbed=absorbed,
+                                                             dense_shortcut=dense_shortcut))
+
+
+_CFGS = {}
+
+
+def attn(cfg, p, x, cache, start, layer, prev_sel=None, absorbed=True, dense_shortcut=True):
+    """jitted mla.mla_attention (one compile per config / layer / flags / shapes)."""
+    _CFGS[id(cfg)] = cfg
+    return _jitted(id(cfg), layer, absorbed, dense_shortcut)(p, x, cache, start, prev_sel)
+
+
 def _run_layers(f, xs, starts, caches, **kw):
     """Run every layer's attention on its own oracle input xs[l] [B,T,H]; returns outs [L], sels [L], caches."""
     outs, sels, new = [], [], []
     sel = None
     for l in range(f.cfg.num_hidden_layers):
-        o, c, sel = mla.mla_attention(f.cfg, f.params(l), xs[l], caches[l], starts, l, sel, **kw)
+        o, c, sel = attn(f.cfg, f.params(l), xs[l], caches[l], starts, l, sel, **kw)
         outs.append(o)
         sels.append(sel)
         new.append(c)
@@ -154,8 +171,8 @@ def test_sparse_fixture_is_really_sparse():
     x = jnp.asarray(e["attn_in"][:, 0])
     p = f.params(0)
     c = mla.init_mla_cache(f.cfg, 0, 2, S_MAX, jnp.float32)
-    sparse, _, sel = mla.mla_attention(f.cfg, p, x, c, jnp.zeros((2,), jnp.int32), 0, None)
-    shared_dense, _, _ = mla.mla_attention(f.cfg, f.params(1), jnp.asarray(e["attn_in"][:, 1]),
+    sparse, _, sel = attn(f.cfg, p, x, c, jnp.zeros((2,), jnp.int32), 0, None)
+    shared_dense, _, _ = attn(f.cfg, f.params(1), jnp.asarray(e["attn_in"][:, 1]),
                                            mla.init_mla_cache(f.cfg, 1, 2, S_MAX, jnp.float32),
                                            jnp.zeros((2,), jnp.int32), 1, None)
     assert sel.shape == (2, 12, 4)
@@ -238,8 +255,7 @@ def test_mtp_layer_attention(name):
     x = jnp.asarray(e["mtp_attn_in"][None])
     c = mla.init_mla_cache(f.cfg, L, 1, S_MAX, jnp.float32)
     assert "idx_k" in c
-    out, _, sel = mla.mla_attention(f.cfg, f.params(L), x, c, jnp.zeros((1,), jnp.int32), L, None,
-                                    dense_shortcut=False)
+    out, _, sel = attn(f.cfg, f.params(L), x, c, jnp.zeros((1,), jnp.int32), L, None, dense_shortcut=False)
     np.testing.assert_allclose(np.asarray(out[0]), e["mtp_attn_out"], atol=TOL, rtol=0)
     for t in range(x.shape[1]):
         want = sorted(int(j) for j in e["mtp_attn_topk"][t] if j >= 0)
