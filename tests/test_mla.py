@@ -260,3 +260,14 @@ def test_mtp_layer_attention(name):
     for t in range(x.shape[1]):
         want = sorted(int(j) for j in e["mtp_attn_topk"][t] if j >= 0)
         assert _visible_set(sel[0, t], t) == want
+
+
+def test_bf16_runs_and_is_close():
+    f = fix("dsa_sparse")
+    e = f.exp
+    p = jax.tree.map(lambda a: a if a.dtype == jnp.float32 and a.ndim == 2 and a.shape[0] == f.cfg.index_n_heads
+                     else a.astype(jnp.bfloat16), f.params(0))
+    c = mla.init_mla_cache(f.cfg, 0, 2, S_MAX, jnp.bfloat16)
+    out, c2, sel = attn(f.cfg, p, jnp.asarray(e["attn_in"][:, 0], jnp.bfloat16), c, jnp.zeros((2,), jnp.int32), 0)
+    assert out.dtype == jnp.bfloat16 and c2["ckv"].dtype == jnp.bfloat16 and sel.dtype == jnp.int32
+    assert float(jnp.abs(out.astype(jnp.float32) - e["attn_out"][:, 0]).max()) < 0.1
