@@ -18,15 +18,16 @@ Composition order used by :func:`build` (the documented order; ``compose`` appli
 from __future__ import annotations
 
 from .routing import (Plugin, RoutingState, expert_mass, identity, membership, renormalize, stats)
-from .topp import topp, topp_mask
-from .budget import expert_budget
-from .cache_route import cache_prior, max_rank
+from .topp import apply_topp, topp, topp_mask
+from .budget import apply_budget, expert_budget
+from .cache_route import apply_cache_prior, apply_max_rank, cache_prior, max_rank
 
 CACHE_ROUTES = (None, "max_rank", "prior")
 
 __all__ = [
     "RoutingState", "Plugin", "identity", "renormalize", "stats", "membership", "expert_mass",
     "topp", "topp_mask", "expert_budget", "max_rank", "cache_prior", "compose", "build", "CACHE_ROUTES",
+    "apply_topp", "apply_budget", "apply_max_rank", "apply_cache_prior",
 ]
 
 
