@@ -160,7 +160,8 @@ def _indexer_types(raw: dict, src: str, n_layers: int) -> tuple:
             raise _err(src, "index_topk_pattern", "layer 0 must be 'F'")
         return tuple("full" if c == "F" else "shared" for c in pat)
     freq = raw.get("index_topk_freq", 1) or 1
-    off = raw.get("index_skip_topk_offset", 0) or 0
+    off = raw.get("index_skip_topk_offset", 2)   # transformers' default offset
+    off = 2 if off is None else off
     if not isinstance(freq, int) or freq < 1:
         raise _err(src, "index_topk_freq", f"expected an integer >= 1, got {freq!r}")
     return tuple("full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n_layers))

@@ -177,7 +177,7 @@ def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     return lp
 
 
-_F32_KEYS = ("router_w", "router_bias")
+_F32_KEYS = ("router_w", "router_bias", "weights_proj")   # kept f32 as transformers does
 
 
 def _cast_tree(tree, dtype):

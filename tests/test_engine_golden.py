@@ -12,7 +12,7 @@ from glm_jax.config import ConfigError, load_config
 from glm_jax.weights import WeightError
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-NAMES = ["glm4moe_full", "glm4moe_plain", "glm4moe_fused"]
+NAMES = ["glm4moe_full", "glm4moe_plain", "glm4moe_fused", "dsa_dense", "dsa_sparse"]
 
 
 @pytest.fixture(scope="module", params=NAMES)
