@@ -52,6 +52,8 @@ OPTIONS = [
     Opt("sim_disk_gbps", 0.0, "float", "Benchmark aid: after each expert read, also wait as if every loaded expert "
         "were --sim_expert_mb MB on a disk of this bandwidth (reported as sim_io_s; bytes_read stays real). 0 = off."),
     Opt("sim_expert_mb", 19.0, "float", "Simulated expert size for --sim_disk_gbps (GLM-5.2 int4: ~19 MB)."),
+    Opt("route_trace", "", "str", "Append the routing of every streamed forward to this jsonl file (one forward per "
+        "line: [[layer, [expert ids]], ...]); tools/cache_sim.py replays it.", env=("ROUTE_TRACE",)),
     Opt("expert_topp", 1.0, "float", "TOPP: per position keep the shortest prefix of experts (by gate weight) whose "
         "cumulative weight >= p x total; 1.0 = off. Lossy.", env=("TOPP",)),
     Opt("expert_budget", 0, "int", "EXPERT_BUDGET=N: cap distinct experts per layer (miss-aware); 0 = off. Lossy.",

@@ -103,6 +103,7 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
     layers = params["layers"]
     moe_idx = [i for i, lp in enumerate(layers) if "moe" in lp]
     pending_pred = None
+    trace = [] if engine.opts["route_trace"] else None
     for i, lp in enumerate(layers):
         k = _layer_key(cfg, i)
         if "moe" not in lp:
@@ -121,6 +122,8 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
             _acc(engine, "prefetch_recall_total", len(union))
             pending_pred = None
         bank, slot_of = store.fetch(i, union)
+        if trace is not None:
+            trace.append([i, union.tolist()])
         if pred is not None:
             pn = np.asarray(pred)[valid_np.reshape(-1)]
             pending_pred = np.unique(pn)
@@ -130,6 +133,11 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
         engine._accumulate(summ)
         x = f["moe"](lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
     logits, hidden = f["head"](params["norm"], params["lm_head"], x)
+    if trace:
+        import json
+
+        with open(engine.opts["route_trace"], "a") as fh:
+            fh.write(json.dumps(trace) + "\n")
     return logits, hidden, cache
 
 
