@@ -242,3 +242,52 @@ def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=
     new_cache.extend(cache[len(params["layers"]):])        # the MTP layer's cache rides along untouched
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     return head(params, hidden), hidden, new_cache, routing
+
+
+# ----------------------------------------------------------------------------- the MTP (nextn) layer
+def mtp_input(cfg: ModelConfig, params, tokens, hidden, own_embed: bool = False):
+    """u = eh_proj(concat[enorm(Embed(x_{t+1})), hnorm(h_t)]) for tokens [B, T] (x_{t+1}) and hidden [B, T, H] (h_t,
+    the main model's post-final-norm hidden, or the previous MTP step's output when chaining)."""
+    mp = params["mtp"]
+    table = mp["embed"] if own_embed and mp.get("embed") is not None else params["embed"]
+    e = rms_norm(jnp.take(table, tokens, axis=0), mp["enorm"], cfg.rms_norm_eps)
+    h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], cfg.rms_norm_eps)
+    return linear(jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
+
+
+def mtp_output(cfg: ModelConfig, params, g, own_head: bool = False):
+    """shared_head.norm -> head.  Returns (logits f32 [B, T, V], normed hidden [B, T, H])."""
+    mp = params["mtp"]
+    hn = rms_norm(g, mp["head_norm"], cfg.rms_norm_eps)
+    w = mp["head"] if own_head and mp.get("head") is not None else params["lm_head"]
+    return jnp.einsum("bth,vh->btv", hn, w, preferred_element_type=F32), hn
+
+
+def mtp_forward(cfg: ModelConfig, params, cache, tokens, hidden, start, lengths=None, resident=None,
+                plugin: Callable = identity_plugin, own_head: bool = False, bank: Optional[ExpertBank] = None,
+                slot_of=None):
+    """The MTP layer on pairs (x_{t+1} = tokens [B, T], h_t = hidden [B, T, H]) at positions start[b]..
+
+    Position convention (vLLM's): the pair (x_{t+1}, h_t) sits at position t, in MTP cache slot t, so the MTP cache
+    holds slots 0..p with no hole.  transformers puts it at t+1 (the token's position) with attention over the MTP
+    positions only; RoPE depends only on relative positions, so both give the same logits (tests/test_mtp.py checks
+    this against transformers' MtpModel within 1e-4).  With HF's t+1 the never-written slot 0 of a static cache would
+    be attended as a zero key.
+
+    Draft logits for x_{t+2}.  Uses its own KV cache, ``cache[num_hidden_layers]`` (``init_cache(with_mtp=True)``); the
+    other entries ride along untouched.  Embedding and head default to the MAIN model's (as transformers does; vLLM
+    loads the checkpoint's ``shared_head.head`` / ``embed_tokens``, which GLM releases store as copies of the main
+    ones) -- ``own_head=True`` uses the checkpoint's MTP copies when present.
+    Returns (logits [B,T,V] f32, hn [B,T,H] (after shared_head.norm, the chained hidden), cache, routing)."""
+    B, T = tokens.shape
+    L = cfg.num_hidden_layers
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+    res = resident if resident is not None else jnp.zeros((cfg.n_routed_experts,), bool)
+    u = mtp_input(cfg, params, tokens, hidden, own_head)
+    g, c, _, r = layer_forward(cfg, params["mtp"]["layer"], u, cache[L], start, L, None, valid_bt, res, plugin,
+                               bank, slot_of)
+    logits, hn = mtp_output(cfg, params, g, own_head)
+    new_cache = list(cache[:L]) + [c] + list(cache[L + 1:])
+    return logits, hn, new_cache, [r]
