@@ -46,6 +46,10 @@ def format_stats(s: dict) -> str:
 
 
 def main(argv):
+    from absl import logging
+
+    if not FLAGS["verbosity"].present:       # keep jax's backend-probe INFO lines off the terminal
+        logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     from .config import GlmJaxError
