@@ -167,11 +167,12 @@ class Engine:
         cfg, plugin = self.cfg, self.plugin or M.identity_plugin
         want_stats = self.plugin is not None
 
-        def f(params, cache, tokens, start, lengths, resident):
-            logits, hidden, cache, routing = M.step(cfg, params, cache, tokens, start, lengths, resident, plugin)
+        def f(params, cache, tokens, start, lengths, resident, moe_rows=None):
+            logits, hidden, cache, routing = M.step(cfg, params, cache, tokens, start, lengths, resident, plugin,
+                                                    moe_rows)
             return logits, hidden, cache, _routing_summary(routing, want_stats)
 
-        return self._jit("step", f, donate_argnums=(1,))
+        return self._jit("step", f, donate_argnums=(1,), static_argnames=("moe_rows",))
 
     # ------------------------------------------------------------------ core forward
     def _ensure_cache(self, batch: int, need: int):
@@ -194,12 +195,16 @@ class Engine:
 
     def forward(self, tokens: np.ndarray, start: np.ndarray, lengths: np.ndarray):
         """Run tokens [B, T] at positions start[b] on the engine's cache.  Returns (logits, hidden, summary)."""
+        # a short padded forward (decode / MTP verify at a fixed width, speculative.py) runs the routed experts on
+        # its real rows only
+        B, T = np.shape(tokens)
+        moe_rows = int(np.max(lengths)) if B == 1 and T <= 16 and int(np.max(lengths)) < T else None
         tokens = jnp.asarray(tokens, jnp.int32)
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         if self.opts["fetch"] == "resident":
             logits, hidden, self._cache, summ = self._step_resident()(
-                self.params, self._cache, tokens, start, lengths, self._resident_masks())
+                self.params, self._cache, tokens, start, lengths, self._resident_masks(), moe_rows=moe_rows)
             self._accumulate(summ)
             return logits, hidden
         from .streaming import stream_step

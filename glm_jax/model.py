@@ -147,19 +147,19 @@ def route(cfg: ModelConfig, mp, hn, positions_valid, resident) -> RoutingState:
                         norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=float(cfg.routed_scaling_factor))
 
 
-def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None):
+def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: Optional[bool] = None):
     """THE MOE SEAM.  x [T, H]; ids/weights/valid [T, K]; bank: S expert slots; slot_of [E] id -> slot (None: identity).
 
     out[t] = sum_k valid[t,k] * weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k].
     Small T*K gathers the selected slots; otherwise every slot is computed for every token and combined with a
-    [T, S] weight matrix (no data-dependent shapes either way)."""
+    [T, S] weight matrix (no data-dependent shapes either way); ``gather`` forces the choice."""
     T, K = ids.shape
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     w = jnp.where(valid, weights, 0.0).astype(F32)
     dt = x.dtype
-    if T * K <= S:
+    if (T * K <= S) if gather is None else gather:
         gu, dn = bank_take(bank, slots, dt)                                 # [T,K,2I,H], [T,K,H,I]
         I = dn.shape[-1]
         h = jnp.einsum("th,tkih->tki", x, gu)
@@ -188,8 +188,12 @@ def identity_plugin(state: RoutingState) -> RoutingState:
 
 
 def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, valid_bt, resident,
-                  plugin: Callable = identity_plugin, bank: Optional[ExpertBank] = None, slot_of=None):
+                  plugin: Callable = identity_plugin, bank: Optional[ExpertBank] = None, slot_of=None,
+                  moe_rows: Optional[int] = None):
     """One decoder layer on x [B, T, H] with resident experts (lp["experts"] or ``bank``).
+
+    moe_rows (static, B == 1): only rows [:moe_rows] can be real, so the routed experts run on those rows alone
+    (a decode padded to the verify width pays for one row of experts, not T; speculative.py).
     Returns (y, cache, sel, routing) where routing is (before, after) RoutingState or None for dense layers."""
     B, T, H = x.shape
     h, cache, sel = attn_block(cfg, lp, x, cache, start, layer, prev_sel)
@@ -200,7 +204,14 @@ def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, v
     before = route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident)
     after = plugin(before)
     bank = bank if bank is not None else lp["experts"]
-    routed = moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
+    if moe_rows is not None and B == 1 and moe_rows < T and T * after.ids.shape[1] <= bank.num_slots:
+        # only where the full-width forward takes the gather path too: its per-(t, k) products are row-count
+        # invariant (the dense all-slots path is not, so it keeps the full width)
+        R = moe_rows
+        part = moe_routed(flat[:R], after.ids[:R], after.weights[:R], after.valid[:R], bank, slot_of, gather=True)
+        routed = jnp.zeros_like(flat).at[:R].set(part)
+    else:
+        routed = moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
     y = moe_finish(lp["moe"], h, hn, routed.reshape(B, T, H))
     return y, cache, sel, (before, after)
 
@@ -215,7 +226,7 @@ def head(params, h):
 
 
 def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=None,
-         plugin: Callable = identity_plugin):
+         plugin: Callable = identity_plugin, moe_rows: Optional[int] = None):
     """Run tokens [B, T] at positions start[b].. through every layer with resident experts.
 
     lengths [B]: number of real (non-padding) tokens per row (default T).  resident [n_moe_layers, E] bool: what the
@@ -235,7 +246,7 @@ def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=
         if "moe" in lp:
             res = resident[mi] if resident is not None else jnp.zeros((cfg.n_routed_experts,), bool)
             mi += 1
-        x, c, sel, r = layer_forward(cfg, lp, x, cache[i], start, i, sel, valid_bt, res, plugin)
+        x, c, sel, r = layer_forward(cfg, lp, x, cache[i], start, i, sel, valid_bt, res, plugin, moe_rows=moe_rows)
         new_cache.append(c)
         if r is not None:
             routing.append(r)

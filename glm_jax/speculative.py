@@ -16,13 +16,18 @@ One iteration (one sequence; state: main cache committed through position p, pen
 
 MTP positions use vLLM's convention (the pair (x_{t+1}, h_t) in MTP cache slot t; see model.mtp_forward).
 
-**Batch invariance.**  XLA:CPU's dot kernels accumulate differently for T=1 and T=K+1 rows (measured: logits differ
-by ~1e-5 between a T=1 decode and the same position inside a T=4 verify), which can flip a near-tie argmax.  So every
-main decode / verify forward of the generation loop runs at ONE padded width ``decode_width`` (default 4 = K+1 for
-the default K=3; extra rows are masked padding, lengths = real rows).  Measured bitwise identical per row, whatever
-the row index and the other rows' content.  The plain (non-speculative) decode loop in generate.py uses the same
-width, so greedy with drafts == greedy without, token for token.  With K+1 > 4 the verify width grows and the
-guarantee holds only up to that accumulation noise.
+**Batch invariance.**  XLA:CPU's kernels give a row different rounding depending on how many rows share the
+computation: a one-row matmul takes a vector-dot path (logits differ by ~1e-5 from the same position inside a T=4
+verify), and even softmax / reductions change vectorisation with the row count (seen at S >= 256 cache slots).  Any
+of that can flip a near-tie argmax.  So every main decode / verify forward of the generation loop runs at ONE padded
+width ``decode_width`` (4 = K+1 for the default K=3; extra rows are masked padding, lengths = real rows): the same
+compiled program, and each row's result was measured bitwise independent of its index and of the other rows.  The
+plain (non-speculative) decode loop in generate.py uses the same width, so greedy with drafts == greedy without,
+token for token.  With K+1 > 4 the verify width grows and exactness vs plain decode is up to that rounding noise.
+Cost: padding alone made a decode 3.3x slower on a 512-hidden / 32-expert top-8 model (the MoE gathered experts for
+the padding rows), so ``Engine.forward`` passes ``moe_rows`` = the real rows of a short forward and the routed
+experts run on those rows only (their gather path is row-count invariant; model.layer_forward): padded decode then
+costs +22% (51 -> 63 ms/forward on that model, 2-core CPU; noise level on the tiny fixtures).
 
 **The guard** (colibri's COLI_MTP_GUARD_*): after each verify the K proposals' outcomes enter a window of the last
 ``mtp_guard_window`` proposals; when the window is full and its acceptance is below ``mtp_guard_pct`` %, drafting
