@@ -130,6 +130,37 @@ def _mtp_draft_fn(engine, k: int, samp: dict):
     return f
 
 
+def _mtp_draft_streamed(engine, k: int, samp: dict, tokens, hidden, start, n, key):
+    """_mtp_draft_fn's computation with the MTP layer streamed (streaming.mtp_stream): the catch-up window, then
+    k-1 chained single steps; returns (drafts [k], q [k, V] or None)."""
+    from .generate import filtered_probs
+    from .streaming import mtp_stream
+
+    greedy = samp["temperature"] <= 0.0
+    own = bool(engine.opts.get("mtp_own_head", False))
+    keys = jax.random.split(key, k)
+
+    def pick(logits, kk):
+        if greedy:
+            return jnp.argmax(logits, -1).astype(jnp.int32), None
+        q = filtered_probs(logits, **samp)
+        return jax.random.categorical(kk, jnp.log(q), axis=-1).astype(jnp.int32), q
+
+    lg, hn = mtp_stream(engine, tokens, hidden, start, n, own)
+    last = int(n[0]) - 1
+    d, q = pick(lg[0, last], keys[0])
+    g = hn[:, last:last + 1]
+    ds, qs = [d], [q]
+    pos = start + n[0]
+    for j in range(1, k):
+        lg, g = mtp_stream(engine, d.reshape(1, 1), g, pos, jnp.ones((1,), jnp.int32), own)
+        d, q = pick(lg[0, 0], keys[j])
+        ds.append(d)
+        qs.append(q)
+        pos = pos + 1
+    return jnp.stack(ds), (None if greedy else jnp.stack(qs))
+
+
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "k"))
 def _accept(z, drafts, q, n_drafts, key, temperature: float, top_k: int, top_p: float, k: int):
     """Accept/reject k drafts against main logits z [k+1, V] (row j predicts the token after row j's token).
@@ -191,9 +222,7 @@ class SpecPlan:
         k, W = self.k, decode_width(engine, self.k)
         cfg = engine.cfg
         mtp = self.source == "mtp"
-        if mtp and engine.opts["fetch"] != "resident":
-            raise GlmJaxError("MTP drafts with a streamed expert store are not implemented yet "
-                              "(use --fetch=resident, --draft_source=ngram or --draft=0)")
+        streamed = engine.opts["fetch"] != "resident"
         P = len(prompt_ids)
         seq = list(prompt_ids) + list(out)
         pos = P                       # position of the pending token out[-1]
@@ -235,10 +264,14 @@ class SpecPlan:
                     hid = jnp.concatenate(pend_h, 0)
                     hid = jnp.pad(hid, ((0, T - n), (0, 0)))[None]
                     key, sk = jax.random.split(key)
-                    fn = _mtp_draft_fn(engine, k, samp)
-                    d, q, engine._cache = fn(engine.params, engine._cache, jnp.asarray(toks), hid,
-                                             jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32), sk,
-                                             _mtp_resident(engine))
+                    if streamed:      # the MTP layer's experts come through the store
+                        d, q = _mtp_draft_streamed(engine, k, samp, jnp.asarray(toks), hid,
+                                                   jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32), sk)
+                    else:
+                        fn = _mtp_draft_fn(engine, k, samp)
+                        d, q, engine._cache = fn(engine.params, engine._cache, jnp.asarray(toks), hid,
+                                                 jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
+                                                 sk, _mtp_resident(engine))
                     mtp_next += n
                     pend_tok, pend_h = [], []
                     drafts = [int(x) for x in np.asarray(d)[:kk]]

@@ -141,6 +141,33 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
     return logits, hidden, cache
 
 
+# ----------------------------------------------------------------------------- the MTP layer, streamed
+def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
+    """model.mtp_forward with the MTP layer's routed experts from the store (layer index num_hidden_layers), in the
+    loop style: jit(input + attention + router + plugins) -> host union -> store.fetch -> jit(seam + shared) ->
+    jit(shared_head).  Uses and updates the engine's MTP cache entry.  Returns (logits [B,T,V], hn [B,T,H])."""
+    cfg, params, store = engine.cfg, engine.params, engine.store
+    f = _fns(engine)
+    L = cfg.num_hidden_layers
+    key = ("mtp_io", own_head)
+    io = engine._jits.get(key)
+    if io is None:
+        io = engine._jits[key] = (jax.jit(functools.partial(M.mtp_input, cfg, own_embed=own_head)),
+                                  jax.jit(functools.partial(M.mtp_output, cfg, own_head=own_head)))
+    B, T = tokens.shape
+    valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+    u = io[0](params, tokens, hidden)
+    lp = params["mtp"]["layer"]
+    cache = engine._cache
+    h, hn, cache[L], _, ids, w, valid, _, summ = f["attn_route"](
+        _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(_residents(engine, L)), None)
+    union = np.unique(np.asarray(ids)[np.asarray(valid)])
+    bank, slot_of = store.fetch(L, union)
+    _acc(engine, "mtp_union_experts", len(union))
+    g = f["moe"](lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+    return io[1](params, g)
+
+
 # ----------------------------------------------------------------------------- callback mode
 def _callback_step(engine, tokens, start, lengths):
     cfg = engine.cfg
