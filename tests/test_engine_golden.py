@@ -15,12 +15,21 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 NAMES = ["glm4moe_full", "glm4moe_plain", "glm4moe_fused", "dsa_dense", "dsa_sparse"]
 
 
+_ENGINES = {}
+
+
+def _engine(name):
+    """One engine per fixture for the whole module: every test reuses its compiled functions."""
+    if name not in _ENGINES:
+        _ENGINES[name] = glm_jax.Engine.load(os.path.join(GOLDEN, name), dtype="float32")
+    return _ENGINES[name]
+
+
 @pytest.fixture(scope="module", params=NAMES)
 def case(request):
     path = os.path.join(GOLDEN, request.param)
-    eng = glm_jax.Engine.load(path, dtype="float32")
     exp = dict(np.load(os.path.join(path, "expected.npz")))
-    return request.param, eng, exp
+    return request.param, _engine(request.param), exp
 
 
 def test_logits_match_transformers(case):
@@ -70,7 +79,7 @@ def test_batch_of_two_equals_two_singles(case):
 
 
 def test_sampling_is_seeded_and_respects_top_k():
-    eng = glm_jax.Engine.load(os.path.join(GOLDEN, "glm4moe_full"))
+    eng = _engine("glm4moe_full")
     p = [7, 8, 9, 10]
     r1 = eng.generate(p, max_new_tokens=12, temperature=0.9, top_k=5, top_p=0.9, seed=3, stop_on_eos=False)
     r2 = eng.generate(p, max_new_tokens=12, temperature=0.9, top_k=5, top_p=0.9, seed=3, stop_on_eos=False)
@@ -83,17 +92,21 @@ def test_sampling_is_seeded_and_respects_top_k():
 
 def test_eos_stops_generation():
     path = os.path.join(GOLDEN, "glm4moe_full")
-    eng = glm_jax.Engine.load(path)
+    eng = _engine("glm4moe_full")
     exp = np.load(os.path.join(path, "expected.npz"))
     greedy = exp["greedy_tokens"].tolist()
     # make the 5th greedy token an eos id: generation must stop right after it
+    saved = eng.cfg
     eng.cfg = eng.cfg.__class__(**{**eng.cfg.__dict__, "eos_token_ids": (greedy[4],)})
-    res = eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=32)
+    try:
+        res = eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=32)
+    finally:
+        eng.cfg = saved
     assert res.tokens == greedy[: greedy.index(greedy[4]) + 1]
 
 
 def test_tokenizer_and_chat_format():
-    eng = glm_jax.Engine.load(os.path.join(GOLDEN, "glm4moe_full"))
+    eng = _engine("glm4moe_full")
     ids = eng.encode("hello world")
     assert ids and eng.decode(ids) == "hello world"
     chat = eng.encode("hi", chat=True)
