@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .model import rms_norm  # noqa: F401  (transformers numerics: f32 statistics, cast back before the weight)
+
 MLA_NORM_EPS = 1e-6       # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not rms_norm_eps
 INDEXER_LN_EPS = 1e-6     # indexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6), with bias
 
@@ -127,12 +129,6 @@ def apply_rope_interleave(x, cos, sin):
     """x [..., d] with cos/sin broadcastable to [..., d/2]; HF apply_rotary_pos_emb_interleave (de-interleaved out)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return w * y.astype(x.dtype)
 
 
 def layer_norm(x, w, b, eps):
