@@ -326,3 +326,33 @@ def test_plan_selection():
     assert p.source == "ngram" and p.k == 2
     assert plan(draft_source="ngram") is None            # auto K is 3 only with the MTP layer
     assert plan(draft_source="ngram", draft=4).k == 4
+
+
+# ----------------------------------------------------------------------------- GLM-5 layout, streamed store
+@pytest.mark.parametrize("name", ["dsa_dense", "dsa_sparse"])
+def test_glm5_mtp_layer_matches_transformers(name):
+    """glm_moe_dsa's MTP layer (MLA + its own indexer): the oracle's MTP logits (see make_golden_dsa.py)."""
+    exp = _exp(name)
+    eng = _load(name, draft=0)
+    cfg, params = eng.cfg, eng.params
+    cache = M.init_cache(cfg, 1, 32, jnp.float32, with_mtp=True)
+    start = jnp.asarray([int(exp["mtp_position_ids"][0]) - 1], jnp.int32)
+    lg, hn, _, _ = M.mtp_forward(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
+                                 jnp.asarray(exp["mtp_hidden_in"])[None], start)
+    assert np.abs(np.asarray(lg[0]) - exp["mtp_logits"]).max() < 1e-4
+    # this fixture stores g before shared_head.norm (expected.json); hn is after it
+    want = M.rms_norm(jnp.asarray(exp["mtp_hidden_out"]), params["mtp"]["head_norm"], cfg.rms_norm_eps)
+    assert np.abs(np.asarray(hn[0]) - np.asarray(want)).max() < 1e-4
+
+
+def test_trained_model_streamed_mtp_keeps_the_contract():
+    """The shipped model (an int4 container: experts, MTP experts included, through the store): greedy with MTP
+    drafts equals greedy without, and its trained MTP head gets drafts accepted."""
+    eng = glm_jax.Engine.load(None, cache_cap=2)
+    assert eng.opts["fetch"] == "loop"
+    plain = _gen(eng, "ROMEO:\n", PLAIN, n=32)
+    spec = _gen(eng, "ROMEO:\n", MTP0, n=32)
+    assert spec.tokens == plain.tokens
+    s = spec.stats
+    assert s["drafts_accepted"] > 0 and s["tokens_per_forward"] > 1.0
+    assert s["bytes_read"] > 0 and "verify_union_per_layer" in s
