@@ -43,6 +43,8 @@ OPTIONS = [
         env=("RAM_GB",)),
     Opt("direct_io", False, "bool", "Read experts with O_DIRECT (bypass the page cache).", env=("DIRECT",)),
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",)),
+    Opt("overlap", True, "bool", "fetch=loop: start the layer's resident (hit) experts and the shared expert before "
+        "reading its misses, so the reads overlap that compute (decode-sized forwards).", env=("PIPE",)),
     Opt("prefetch", False, "bool", "Router-lookahead prefetch: apply layer L+1's router to layer L's state and read "
         "ahead (recall is reported).", env=("PILOT",)),
     Opt("pin", "", "str", "Pinned hot set: 'auto' (usage history in the model dir) or a usage file path.",

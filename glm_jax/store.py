@@ -395,6 +395,14 @@ class ExpertStore:
             raise StoreError(f"layer {layer} has no streamed routed experts (expert layers: "
                              f"{sorted(self.layers)})") from None
 
+    def peek(self, layer: int):
+        """(bank, slot_of copy) as they are now, without loading anything: lets the engine start computing the
+        experts that are already resident while ``fetch`` reads the misses (a later ``fetch`` of a union only
+        writes slots of experts outside that union)."""
+        lc = self._layer(layer)
+        with self._lock:
+            return lc.bank, lc.slot_of.copy()
+
     def fetch(self, layer: int, expert_ids):
         """Make every id in ``expert_ids`` resident; returns (ExpertBank, slot_of int32 [E])."""
         t0 = time.perf_counter()

@@ -67,12 +67,20 @@ def _fns(engine):
         routed = M.moe_routed(hn.reshape(B * T, H), ids, w, valid, bank, slot_of)
         return M.moe_finish(mp, h, hn, routed.reshape(B, T, H))
 
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_part(finish, mp, h, hn, ids, w, valid, bank, slot_of):
+        """The seam over a subset of the routing plan (valid masks the rest); with ``finish`` also h + shared."""
+        B, T, H = h.shape
+        routed = M.moe_routed(hn.reshape(B * T, H), ids, w, valid, bank, slot_of).reshape(B, T, H)
+        return M.moe_finish(mp, h, hn, routed) if finish else routed
+
     @jax.jit
     def head(norm, lm_head, x):
         hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
         return jnp.einsum("bth,vh->btv", hidden, lm_head, preferred_element_type=jnp.float32), hidden
 
-    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe=moe, head=head)
+    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe=moe, moe_part=moe_part,
+                                    head=head)
     return fns
 
 
@@ -121,6 +129,16 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
             _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pending_pred, union)))
             _acc(engine, "prefetch_recall_total", len(union))
             pending_pred = None
+        early = None
+        if engine.opts["overlap"] and ids_np.size <= store._layer(i).S:   # the gather path reads only its slots
+            res_now = store.resident_mask(i)
+            hit = res_now[union]
+            if hit.any() and not hit.all():
+                # dispatch the hits (+ shared expert) now; XLA runs it while the misses are read below
+                b0, s0 = store.peek(i)
+                hmask = jnp.asarray(res_now)
+                early = (f["moe_part"](True, lp["moe"], h, hn, ids, w, valid & hmask[ids], b0, jnp.asarray(s0)),
+                         hmask)
         bank, slot_of = store.fetch(i, union)
         if trace is not None:
             trace.append([i, union.tolist()])
@@ -131,7 +149,11 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
         _acc(engine, "union_experts", len(union))
         _acc(engine, "moe_layer_forwards", 1)
         engine._accumulate(summ)
-        x = f["moe"](lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+        if early is None:
+            x = f["moe"](lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+        else:
+            x = early[0] + f["moe_part"](False, lp["moe"], h, hn, ids, w, valid & ~early[1][ids], bank,
+                                         jnp.asarray(slot_of))
     logits, hidden = f["head"](params["norm"], params["lm_head"], x)
     if trace:
         import json
