@@ -4,6 +4,8 @@
         decode tok/s of glm-jax vs transformers eager on the same model, batch 1, and the ratio (goal >= 5x).
     python tools/bench.py --mode=fetch [--model=DIR]
         the same model through fetch=resident | loop | callback (experts via the store for loop/callback).
+    python tools/bench.py --mode=plugins [--model=CONTAINER] [--cache_cap=8]
+        bytes read per token (store-measured) with and without each routing plugin, route agreement / KL.
     python tools/bench.py --mode=stream ...      -> tools/bench_stream.py (cold-cache streaming vs disk bandwidth)
 """
 
@@ -20,7 +22,8 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream"], "Which benchmark.")
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins"], "Which benchmark.")
+flags.DEFINE_integer("cache_cap", 8, "--mode=plugins: expert cache cap per layer.")
 flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe_full for hf, the default model "
                     "otherwise).")
 flags.DEFINE_integer("new_tokens", 64, "Tokens to decode per run.")
@@ -103,11 +106,55 @@ def bench_fetch(model_dir, n_new, reps):
         f"\n\nmodel {model_dir}, warm cache (cap = all experts), {n_new} new tokens, median of {reps}"
 
 
+def bench_plugins(model_dir, n_new, cap):
+    """Bytes read per decoded token (measured by the store) with and without each routing plugin, cold start,
+    cache cap ``cap``, MTP off, greedy; plus the routing-level cost (route agreement, routing KL)."""
+    import glm_jax
+
+    cfg = glm_jax.load_config(model_dir)
+    K = cfg.num_experts_per_tok
+    confs = {"baseline": {}, "topp0.7": dict(expert_topp=0.7),
+             f"budget{K // 2}_union_cache": dict(expert_budget=K // 2),
+             f"budget{K // 2}_position_none": dict(expert_budget=K // 2, budget_scope="position",
+                                                   budget_residency="none"),
+             "cache_route_maxrank": dict(cache_route="max_rank", route_j=max(1, K // 4), route_m=min(3 * K,
+                                                                                                   cfg.n_routed_experts))}
+    prompt = [1 + (7 * i) % (cfg.vocab_size - 1) for i in range(8)]
+    rows = []
+    for name, o in confs.items():
+        e = glm_jax.Engine.load(model_dir, fetch="loop", cache_cap=cap, draft=0, **o)
+        e.generate(prompt, max_new_tokens=2, stop_on_eos=False)          # compile
+        e.store.drop_cache()
+        r = e.generate(prompt, max_new_tokens=n_new, stop_on_eos=False)
+        s = r.stats
+        rows.append({"config": name, "MB read/token": s["bytes_read_per_token"] / 1e6, "hit rate": s["hit_rate"],
+                     "union/layer": s.get("union_per_layer", 0.0), "dropped/token": s["experts_dropped"] /
+                     max(s["decode_tokens"], 1), "route agreement": s.get("route_agreement", 1.0),
+                     "routing KL": s.get("route_kl", 0.0), "decode tok/s": s["decode_tok_s"]})
+        e.close()
+    base = rows[0]["MB read/token"]
+    for r in rows:
+        r["bytes vs baseline"] = r["MB read/token"] / base if base else float("nan")
+    cols = ["config", "MB read/token", "bytes vs baseline", "hit rate", "union/layer", "dropped/token",
+            "route agreement", "routing KL", "decode tok/s"]
+    return _md(rows, cols) + (f"\n\nmodel {model_dir}, cold start, cache cap {cap}/layer, {n_new} greedy tokens, "
+                              "MTP off; bytes counted by the store at the read")
+
+
 def main(argv):
     if FLAGS.mode == "stream":
         from glm_jax_tools import bench_stream
 
         return bench_stream.main(argv)
+    if FLAGS.mode == "plugins":
+        import glm_jax
+
+        out = bench_plugins(FLAGS.model or glm_jax.default_model_path(), FLAGS.new_tokens, FLAGS.cache_cap)
+        print(out)
+        if FLAGS.out:
+            with open(FLAGS.out, "w") as f:
+                f.write(out + "\n")
+        return
     if FLAGS.mode == "hf":
         model = FLAGS.model or os.path.join(ROOT, "tests", "golden", "glm4moe_full")
         out = bench_hf(model, FLAGS.new_tokens, FLAGS.reps)
