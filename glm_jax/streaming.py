@@ -61,17 +61,24 @@ def _fns(engine):
         summ = _routing_summary([(before, after)], want_stats)
         return h, hn, cache, sel, after.ids, after.weights, after.valid, pred, summ
 
-    @jax.jit
-    def moe(mp, h, hn, ids, w, valid, bank, slot_of):
+    def routed_rows(rows, h, hn, ids, w, valid, bank, slot_of):
+        """The seam; with static ``rows`` only rows [:rows] can be real (a padded decode / verify, see
+        model.layer_forward's moe_rows: same gather-path products, one row's experts instead of T)."""
         B, T, H = h.shape
-        routed = M.moe_routed(hn.reshape(B * T, H), ids, w, valid, bank, slot_of)
-        return M.moe_finish(mp, h, hn, routed.reshape(B, T, H))
+        flat = hn.reshape(B * T, H)
+        if rows is None:
+            return M.moe_routed(flat, ids, w, valid, bank, slot_of).reshape(B, T, H)
+        part = M.moe_routed(flat[:rows], ids[:rows], w[:rows], valid[:rows], bank, slot_of, gather=True)
+        return jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, H)
 
     @functools.partial(jax.jit, static_argnums=(0,))
-    def moe_part(finish, mp, h, hn, ids, w, valid, bank, slot_of):
+    def moe(rows, mp, h, hn, ids, w, valid, bank, slot_of):
+        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of))
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def moe_part(finish, rows, mp, h, hn, ids, w, valid, bank, slot_of):
         """The seam over a subset of the routing plan (valid masks the rest); with ``finish`` also h + shared."""
-        B, T, H = h.shape
-        routed = M.moe_routed(hn.reshape(B * T, H), ids, w, valid, bank, slot_of).reshape(B, T, H)
+        routed = routed_rows(rows, h, hn, ids, w, valid, bank, slot_of)
         return M.moe_finish(mp, h, hn, routed) if finish else routed
 
     @jax.jit
@@ -107,6 +114,8 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
     valid_np = np.asarray(valid_bt)
     x = f["embed"](params["embed"], tokens)
     cache = engine._cache
+    n_real = int(np.max(np.asarray(lengths)))
+    short = B == 1 and T <= 16 and n_real < T       # a padded decode / verify: experts for the real rows only
     sel = None
     layers = params["layers"]
     moe_idx = [i for i, lp in enumerate(layers) if "moe" in lp]
@@ -129,6 +138,7 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
             _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pending_pred, union)))
             _acc(engine, "prefetch_recall_total", len(union))
             pending_pred = None
+        rows = n_real if short and ids_np.size <= store._layer(i).S else None
         early = None
         if engine.opts["overlap"] and ids_np.size <= store._layer(i).S:   # the gather path reads only its slots
             res_now = store.resident_mask(i)
@@ -137,8 +147,8 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
                 # dispatch the hits (+ shared expert) now; XLA runs it while the misses are read below
                 b0, s0 = store.peek(i)
                 hmask = jnp.asarray(res_now)
-                early = (f["moe_part"](True, lp["moe"], h, hn, ids, w, valid & hmask[ids], b0, jnp.asarray(s0)),
-                         hmask)
+                early = (f["moe_part"](True, rows, lp["moe"], h, hn, ids, w, valid & hmask[ids], b0,
+                                       jnp.asarray(s0)), hmask)
         bank, slot_of = store.fetch(i, union)
         if trace is not None:
             trace.append([i, union.tolist()])
@@ -150,9 +160,9 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
         _acc(engine, "moe_layer_forwards", 1)
         engine._accumulate(summ)
         if early is None:
-            x = f["moe"](lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+            x = f["moe"](rows, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
         else:
-            x = early[0] + f["moe_part"](False, lp["moe"], h, hn, ids, w, valid & ~early[1][ids], bank,
+            x = early[0] + f["moe_part"](False, rows, lp["moe"], h, hn, ids, w, valid & ~early[1][ids], bank,
                                          jnp.asarray(slot_of))
     logits, hidden = f["head"](params["norm"], params["lm_head"], x)
     if trace:
@@ -186,7 +196,7 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
     union = np.unique(np.asarray(ids)[np.asarray(valid)])
     bank, slot_of = store.fetch(L, union)
     _acc(engine, "mtp_union_experts", len(union))
-    g = f["moe"](lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+    g = f["moe"](None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
     return io[1](params, g)
 
 
