@@ -40,6 +40,7 @@ flags.DEFINE_integer("windows", 4, "Perplexity windows per quality eval.")
 flags.DEFINE_list("configs", [], "Subset of configuration names (default: all).")
 flags.DEFINE_list("corners", ["warm", "cold"], "Corners to run (warm first: routing-only quality is measured "
                   "there once and reused).")
+flags.DEFINE_bool("quality", True, "Also measure quality (glm-jax-eval) per configuration.")
 flags.DEFINE_string("out", "bench_out/ab", "Output prefix (.md, .json, .png).")
 
 NO_MTP = dict(mtp=False, draft=0)
@@ -107,6 +108,8 @@ def main(argv):
         lossy = any(k in c for k in ("expert_topp", "expert_budget", "cache_route"))
         depends_on_cache = c.get("budget_residency") == "cache" or "cache_route" in c
         key = (base, corner if depends_on_cache else "any")
+        if not FLAGS.quality:
+            return None
         if key not in qmemo:
             if lossy:
                 if corner == "cold":
