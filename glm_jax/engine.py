@@ -185,13 +185,17 @@ class Engine:
             self._cache_batch = batch
         return self._cache
 
+    def resident_for(self, layer: int) -> np.ndarray:
+        """bool [E]: what the routing plugins see as resident in ``layer`` (--budget_residency: the live cache +
+        pins, the pins only, or nothing; nothing without a store)."""
+        mode = self.opts["budget_residency"]
+        if self.store is None or mode == "none":
+            return np.zeros(self.cfg.n_routed_experts, bool)
+        return self.store.pinned_mask(layer) if mode == "pinned" else self.store.resident_mask(layer)
+
     def _resident_masks(self):
-        n = len(self.moe_layers)
-        E = self.cfg.n_routed_experts
-        if self.store is None or self.opts["budget_residency"] == "none":
-            return jnp.zeros((n, E), bool)
-        getter = self.store.pinned_mask if self.opts["budget_residency"] == "pinned" else self.store.resident_mask
-        return jnp.asarray(np.stack([getter(l) for l in self.moe_layers]))
+        return jnp.asarray(np.stack([self.resident_for(l) for l in self.moe_layers]).reshape(
+            len(self.moe_layers), self.cfg.n_routed_experts))
 
     def forward(self, tokens: np.ndarray, start: np.ndarray, lengths: np.ndarray):
         """Run tokens [B, T] at positions start[b] on the engine's cache.  Returns (logits, hidden, summary)."""

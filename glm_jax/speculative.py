@@ -337,12 +337,7 @@ class SpecPlan:
 
 def _mtp_resident(engine):
     """What the routing plugins see as resident for the MTP layer."""
-    E = engine.cfg.n_routed_experts
-    mode = engine.opts["budget_residency"]
-    if engine.store is None or mode == "none":
-        return jnp.zeros((E,), bool)
-    L = engine.cfg.num_hidden_layers
-    return jnp.asarray(engine.store.pinned_mask(L) if mode == "pinned" else engine.store.resident_mask(L))
+    return jnp.asarray(engine.resident_for(engine.cfg.num_hidden_layers))
 
 
 def _bucket(n):

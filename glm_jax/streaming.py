@@ -71,10 +71,6 @@ def _fns(engine):
         part = M.moe_routed(flat[:rows], ids[:rows], w[:rows], valid[:rows], bank, slot_of, gather=True)
         return jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, H)
 
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def moe(rows, mp, h, hn, ids, w, valid, bank, slot_of):
-        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of))
-
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def moe_part(finish, rows, mp, h, hn, ids, w, valid, bank, slot_of):
         """The seam over a subset of the routing plan (valid masks the rest); with ``finish`` also h + shared."""
@@ -86,8 +82,7 @@ def _fns(engine):
         hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
         return jnp.einsum("bth,vh->btv", hidden, lm_head, preferred_element_type=jnp.float32), hidden
 
-    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe=moe, moe_part=moe_part,
-                                    head=head)
+    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part, head=head)
     return fns
 
 
@@ -95,15 +90,7 @@ def _acc(engine, key, v):
     engine._route_acc[key] = engine._route_acc.get(key, 0.0) + float(v)
 
 
-def _residents(engine, layer):
-    mode = engine.opts["budget_residency"]
-    E = engine.cfg.n_routed_experts
-    if mode == "none":
-        return np.zeros(E, bool)
-    return engine.store.pinned_mask(layer) if mode == "pinned" else engine.store.resident_mask(layer)
-
-
-def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
+def stream_step(engine, tokens, start, lengths):
     """engine.forward for fetch=loop|callback.  Returns (logits, hidden, cache)."""
     if engine.opts["fetch"] == "callback":
         return _callback_step(engine, tokens, start, lengths)
@@ -131,7 +118,7 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
             later = [j for j in moe_idx if j > i]
             nxt = layers[later[0]]["moe"] if later else None
         h, hn, cache[i], sel, ids, w, valid, pred, summ = f["attn_route"](
-            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(_residents(engine, i)), nxt)
+            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(engine.resident_for(i)), nxt)
         ids_np, valid_np_k = np.asarray(ids), np.asarray(valid)       # the one host sync per MoE layer
         union = np.unique(ids_np[valid_np_k])
         if pending_pred is not None:
@@ -160,7 +147,7 @@ def stream_step(engine, tokens, start, lengths, layers=None, cache_offset=0):
         _acc(engine, "moe_layer_forwards", 1)
         engine._accumulate(summ)
         if early is None:
-            x = f["moe"](rows, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+            x = f["moe_part"](True, rows, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
         else:
             x = early[0] + f["moe_part"](False, rows, lp["moe"], h, hn, ids, w, valid & ~early[1][ids], bank,
                                          jnp.asarray(slot_of))
@@ -192,11 +179,11 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
     lp = params["mtp"]["layer"]
     cache = engine._cache
     h, hn, cache[L], _, ids, w, valid, _, summ = f["attn_route"](
-        _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(_residents(engine, L)), None)
+        _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(engine.resident_for(L)), None)
     union = np.unique(np.asarray(ids)[np.asarray(valid)])
     bank, slot_of = store.fetch(L, union)
     _acc(engine, "mtp_union_experts", len(union))
-    g = f["moe"](None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+    g = f["moe_part"](True, None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
     return io[1](params, g)
 
 
@@ -208,7 +195,7 @@ def _callback_step(engine, tokens, start, lengths):
     fn = engine._jits.get(key)
     if fn is None:
         fn = engine._jits[key] = _build_callback_step(engine, B * T)
-    resident = jnp.asarray(np.stack([_residents(engine, i) for i in cfg.moe_layers]))
+    resident = jnp.asarray(np.stack([engine.resident_for(i) for i in cfg.moe_layers]))
     logits, hidden, engine._cache, summ, unions = fn(engine.params, engine._cache, tokens, start, lengths, resident)
     engine._accumulate(summ)
     _acc(engine, "union_experts", float(np.asarray(unions).sum()))
