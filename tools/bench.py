@@ -18,6 +18,8 @@ import time
 
 from absl import app, flags
 
+from glm_jax_tools.tables import markdown
+
 FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -29,19 +31,6 @@ flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe
 flags.DEFINE_integer("new_tokens", 64, "Tokens to decode per run.")
 flags.DEFINE_integer("reps", 3, "Repetitions per configuration (interleaved; the median is reported).")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")
-
-
-def _md(rows, cols):
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
-    return "\n".join(out)
-
-
-def _fmt(v):
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
 
 
 def bench_hf(model_dir, n_new, reps):
@@ -78,7 +67,7 @@ def bench_hf(model_dir, n_new, reps):
     e, h = statistics.median(e_tps), statistics.median(h_tps)
     rows = [{"engine": "glm-jax (jit, donated cache)", "decode tok/s": e, "ratio": e / h},
             {"engine": "transformers eager (torch CPU)", "decode tok/s": h, "ratio": 1.0}]
-    table = _md(rows, ["engine", "decode tok/s", "ratio"])
+    table = markdown(rows, ["engine", "decode tok/s", "ratio"])
     note = (f"model {model_dir}, batch 1, {n_new} new tokens, median of {reps} interleaved reps, "
             f"{os.cpu_count()} CPU threads; greedy tokens identical: {same}")
     return table + "\n\n" + note
@@ -105,7 +94,7 @@ def bench_fetch(model_dir, n_new, reps):
     base = statistics.median(res[first])
     rows = [{"fetch": m, "decode tok/s": statistics.median(v), f"vs {first}": statistics.median(v) / base,
              "same tokens": toks[m] == toks[first]} for m, v in res.items()]
-    return _md(rows, ["fetch", "decode tok/s", f"vs {first}", "same tokens"]) + \
+    return markdown(rows, ["fetch", "decode tok/s", f"vs {first}", "same tokens"]) + \
         f"\n\nmodel {model_dir}, warm cache (cap = all experts), {n_new} new tokens, median of {reps}"
 
 
@@ -140,7 +129,7 @@ def bench_plugins(model_dir, n_new, cap):
         r["bytes vs baseline"] = r["MB read/token"] / base if base else float("nan")
     cols = ["config", "MB read/token", "bytes vs baseline", "hit rate", "union/layer", "dropped/token",
             "route agreement", "routing KL", "decode tok/s"]
-    return _md(rows, cols) + (f"\n\nmodel {model_dir}, cold start, cache cap {cap}/layer, {n_new} greedy tokens, "
+    return markdown(rows, cols) + (f"\n\nmodel {model_dir}, cold start, cache cap {cap}/layer, {n_new} greedy tokens, "
                               "MTP off; bytes counted by the store at the read")
 
 

@@ -27,6 +27,8 @@ import time
 
 from absl import app, flags
 
+from glm_jax_tools.tables import markdown
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "", "Converted model directory (default: the embedded default model).")
 flags.DEFINE_integer("reps", 3, "Interleaved repetitions per configuration.", lower_bound=1)
@@ -174,7 +176,7 @@ def main(argv):
             f"{FLAGS.cold_cap}/layer, store dropped before each rep, simulated {FLAGS.sim_expert_mb} MB experts at "
             f"{FLAGS.sim_disk_gbps} GB/s; warm = cap {E}/layer; quality: {FLAGS.items} next-line MC items scored by PMI (reference "
             f"acc {qmemo.get('ref', {}).get('MC ref', float('nan')):.3f}, chance 0.25), {FLAGS.windows}x128-token PPL windows, score chunk 4")
-    md = head + "\n\n" + _md(rows, cols)
+    md = head + "\n\n" + markdown(rows, cols)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".md", "w") as f:
         f.write(md + "\n")
@@ -182,16 +184,6 @@ def main(argv):
         json.dump(rows, f, indent=1)
     _plot(rows, FLAGS.out + ".png")
     print(md)
-
-
-def _md(rows, cols):
-    def fmt(v):
-        if isinstance(v, float):
-            return "nan" if v != v else (f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}")
-        return "" if v is None else str(v)
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(out)
 
 
 def _plot(rows, path):
