@@ -22,7 +22,7 @@ The checksum of a record is ``zlib.crc32`` chained over the section payloads in 
 
 Validation (``open_container``): the manifest version, the config (the shape-relevant fields of ``ModelConfig``),
 every file's existence and size (truncation) are checked at open; record checksums are checked when a record is
-first read (``verify="first"``, the default: each record is hashed once per process, on the I/O thread, before
+first read (``verify="first"``, the default: each record is hashed once per process, after its read and before
 its bytes are used), on every read (``"always"``), for every record at open (``"all"``, what ``--verify`` means:
 it reads the whole container) or never (``"none"``).  Every failure is a one-line ``ContainerError`` naming the
 file, layer and expert.
@@ -31,6 +31,7 @@ Expert sources (what ``ExpertStore`` reads from) share one duck type::
 
     src.expert_layers -> tuple of layer indices      src.num_experts(layer) -> int
     src.layout(layer) -> RecordLayout                src.read_expert(layer, e, dests) -> bytes read
+    src.read_jobs(layer, e, dests, chunk) -> (jobs, finish)   (the same read split into parallel byte ranges)
     src.files() -> list of paths                     src.hint(layer, e)  (readahead)       src.close()
 
 ``Container`` is the converted form; ``HFExpertSource`` (``open_expert_source`` on a plain HF directory) reads
@@ -40,6 +41,7 @@ the experts straight from the safetensors files (f32 or bf16 records).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import mmap
@@ -273,37 +275,62 @@ def _preadv_full(fd: int, bufs: list, offset: int) -> int:
 
 def read_record_into(fd: int, direct_fd: Optional[int], layout: RecordLayout, offset: int, dests: dict) -> int:
     """ONE read of the record at ``offset`` scattered into ``dests`` (name -> contiguous array of the section's
-    bytes).  Padding between sections goes to thread-local scratch.  With ``direct_fd`` (O_DIRECT) the scatter
-    is used when every destination is page-aligned, else the record is read into an aligned staging buffer and
-    copied.  Returns the bytes the read call returned."""
+    bytes).  Padding between sections goes to scratch.  With ``direct_fd`` (O_DIRECT) the scatter is used when
+    every destination is page-aligned, else the record is read into an aligned staging buffer and copied.
+    Returns the bytes the read call returned."""
+    return sum(r() for r in record_reads(fd, direct_fd, layout, offset, dests))
+
+
+def record_reads(fd: int, direct_fd: Optional[int], layout: RecordLayout, offset: int, dests: dict,
+                 chunk: int = 0) -> list:
+    """The read of one record as independent callables (run them in any order, on any threads; each returns the
+    bytes its read call returned).  ``chunk`` > 0 splits the record into byte ranges of ``chunk`` bytes (a multiple
+    of 4096: O_DIRECT-safe), one ``preadv`` each, so a few large records keep several I/O threads busy to the end
+    of a batch; 0 = one ``preadv`` for the whole record."""
     secs = layout.sections
     length = layout.record_len     # the whole record (trailing padding included): bytes_read == record lengths
     targets = [dests[s.name].reshape(-1).view(np.uint8) for s in secs]   # must be contiguous views
     if direct_fd is not None and not all(_is_direct_ok(t) for t in targets):
-        stage = _scratch(length)
-        n = _preadv_full(direct_fd, [stage], offset)
-        for s, t in zip(secs, targets):
-            t[...] = stage[s.offset:s.offset + s.nbytes]
-        return n
-    pads = []
-    pos = 0
-    iov = []
+        def staged():
+            stage = _scratch(length)
+            n = _preadv_full(direct_fd, [stage], offset)
+            for s, t in zip(secs, targets):
+                t[...] = stage[s.offset:s.offset + s.nbytes]
+            return n
+        return [staged]
+    iov, pos = [], 0
+    pad_at = []
     for s, t in zip(secs, targets):
         if s.offset > pos:
-            pads.append((len(iov), s.offset - pos))
+            pad_at.append((len(iov), s.offset - pos))
             iov.append(None)
         iov.append(t)
         pos = s.offset + s.nbytes
     if length > pos:
-        pads.append((len(iov), length - pos))
+        pad_at.append((len(iov), length - pos))
         iov.append(None)
-    if pads:
-        scratch = _scratch(sum(p for _, p in pads))
+    if pad_at:      # padding bytes are discarded: one shared scratch (concurrent writes to it are harmless)
+        scratch = _scratch(sum(p for _, p in pad_at))
         o = 0
-        for i, p in pads:
+        for i, p in pad_at:
             iov[i] = scratch[o:o + p]
             o += p
-    return _preadv_full(direct_fd if direct_fd is not None else fd, iov, offset)
+    dfd = direct_fd if direct_fd is not None else fd
+    if chunk <= 0 or chunk >= length:
+        return [lambda: _preadv_full(dfd, iov, offset)]
+    chunk = _round_up(chunk)
+    views = [memoryview(b).cast("B") for b in iov]
+    starts = np.cumsum([0] + [len(v) for v in views])
+    out = []
+    for a in range(0, length, chunk):
+        b = min(a + chunk, length)
+        part = []
+        for v, s0, s1 in zip(views, starts[:-1], starts[1:]):
+            lo, hi = max(a, s0), min(b, s1)
+            if lo < hi:
+                part.append(v[lo - s0:hi - s0])
+        out.append(functools.partial(_preadv_full, dfd, part, offset + a))
+    return out
 
 
 def record_crc(layout: RecordLayout, dests: dict) -> int:
@@ -389,15 +416,31 @@ class Container:
         ent.verified[e] = True
 
     def read_expert(self, layer: int, e: int, dests: dict) -> int:
-        ent = self.entry(layer)
-        try:
-            n = read_record_into(ent.fd, ent.direct_fd, ent.layout, int(ent.offsets[e]), dests)
-        except EOFError:
-            raise TruncatedError(f"{ent.path}: layer {layer} expert {e}: file truncated (record at offset "
-                                 f"{int(ent.offsets[e])}, length {int(ent.lengths[e])})") from None
-        if self.verify == "always" or (self.verify in ("first", "all") and not ent.verified[e]):
-            self._check(ent, e, dests)
+        jobs, finish = self.read_jobs(layer, e, dests)
+        n = sum(j() for j in jobs)
+        finish()
         return n
+
+    def read_jobs(self, layer: int, e: int, dests: dict, chunk: int = 0):
+        """(jobs, finish): the record's read as independent callables (see ``record_reads``; run them on any
+        threads, each returns its bytes), then ``finish()`` once all are done (the checksum check)."""
+        ent = self.entry(layer)
+        off = int(ent.offsets[e])
+
+        def guard(r):
+            def job():
+                try:
+                    return r()
+                except EOFError:
+                    raise TruncatedError(f"{ent.path}: layer {layer} expert {e}: file truncated (record at offset "
+                                         f"{off}, length {int(ent.lengths[e])})") from None
+            return job
+
+        def finish():
+            if self.verify == "always" or (self.verify in ("first", "all") and not ent.verified[e]):
+                self._check(ent, e, dests)
+
+        return [guard(r) for r in record_reads(ent.fd, ent.direct_fd, ent.layout, off, dests, chunk)], finish
 
     def load_expert(self, layer: int, e: int) -> dict:
         """Fresh arrays of one expert's sections (tests, tools)."""
@@ -662,9 +705,8 @@ class SafeTensorsDir:
 
 
 def fp8_block_dequant(w: np.ndarray, s: np.ndarray, block: int = 128) -> np.ndarray:
-    out, n_in = w.shape
-    full = np.repeat(np.repeat(s, block, axis=0), block, axis=1)[:out, :n_in]
-    return (w.astype(np.float32) * full).astype(np.float32)
+    from glm_jax.weights import dequant_fp8     # one implementation (weights does not import this module)
+    return dequant_fp8(w, s, block)
 
 
 def expert_keys(layer: int) -> dict:
@@ -693,13 +735,26 @@ class HFExperts:
         key = k["fused_gate_up"] if k["fused_gate_up"] in self.st else k["per"](0, "gate")
         return self.st.info(key).dtype
 
+    def _fused_row(self, key: str, e: int) -> np.ndarray:
+        """Expert ``e`` of a fused [E, ...] tensor as float32; FP8 with a fused ``{key}_scale_inv`` [E, out/128,
+        in/128] (or per-tensor-row blocks) is dequantized on read, row by row (never the whole tensor)."""
+        w = self.st.read_row(key, e)
+        if not self.st.is_fp8(key):
+            return w.astype(np.float32)
+        sk = key + "_scale_inv"
+        if sk not in self.st:
+            raise SourceError(f"{self.st.info(key).file}: FP8 tensor '{key}' has no '{sk}' (128x128 block scales)")
+        try:
+            return fp8_block_dequant(w, self.st.read_row(sk, e))
+        except GlmJaxError as err:
+            raise SourceError(f"{self.st.info(key).file}: '{sk}': {err}") from None
+
     def get(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, H], up [I, H], down [H, I]) as float32."""
         H, I = self.cfg.hidden_size, self.cfg.moe_intermediate_size
         k = expert_keys(layer)
         if k["fused_gate_up"] in self.st:
-            gu = self.st.read_row(k["fused_gate_up"], e).astype(np.float32)
-            dn = self.st.read_row(k["fused_down"], e).astype(np.float32)
+            gu, dn = (self._fused_row(k[n], e) for n in ("fused_gate_up", "fused_down"))
             if gu.shape == (H, 2 * I) and H != 2 * I:
                 gu = gu.T
             if dn.shape == (I, H) and H != I:
@@ -756,6 +811,9 @@ class HFExpertSource:
         dests["gate_up"].reshape(2 * lay.inter, lay.hidden)[...] = np.concatenate([g, u], 0).astype(dt)
         dests["down"].reshape(lay.hidden, lay.inter)[...] = d.astype(dt)
         return self.st.thread_bytes() - before
+
+    def read_jobs(self, layer: int, e: int, dests: dict, chunk: int = 0):
+        return [functools.partial(self.read_expert, layer, e, dests)], lambda: None
 
     def hint(self, layer: int, e: int):
         pass

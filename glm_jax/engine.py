@@ -143,6 +143,7 @@ class Engine:
                 params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None)
             store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None, ram_gb=opts["ram_gb"] or None,
                                        direct_io=opts["direct_io"], io_threads=opts["io_threads"],
+                                       read_chunk_mb=opts["read_chunk_mb"],
                                        pin=opts["pin"] or None, pin_gb=opts["pin_gb"], policy=opts["cache_policy"],
                                        dense_bytes=_tree_bytes(params),
                                        # a prefill can route to every expert of a layer: the working set may be E

@@ -45,8 +45,11 @@ OPTIONS = [
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",)),
     Opt("overlap", True, "bool", "fetch=loop: start the layer's resident (hit) experts and the shared expert before "
         "reading its misses, so the reads overlap that compute (decode-sized forwards).", env=("PIPE",)),
-    Opt("prefetch", False, "bool", "Router-lookahead prefetch: apply layer L+1's router to layer L's state and read "
-        "ahead (recall is reported).", env=("PILOT",)),
+    Opt("read_chunk_mb", 1.0, "float", "Split each expert read into byte ranges of this many MB, so a layer's "
+        "few large misses keep every I/O thread busy (0: one read per expert)."),
+    Opt("prefetch", False, "bool", "Router-lookahead prefetch: apply layer L+1's router to layer L's state and load "
+        "its predicted experts into free cache slots in the background while layer L computes (recall and "
+        "prefetch_hits / prefetch_unused are reported).", env=("PILOT",)),
     Opt("pin", "", "str", "Pinned hot set: 'auto' (usage history in the model dir) or a usage file path.",
         env=("PIN",)),
     Opt("pin_gb", 0.0, "float", "RAM for the pinned hot set in GB.", env=("PIN_GB",)),

@@ -3,11 +3,11 @@
 Contract (used by the engine's Python layer loop and by its io_callback fetch mode)::
 
     store = ExpertStore.open(model_dir, cfg, cache_cap=None, ram_gb=None, direct_io=False, io_threads=4,
-                             pin=None | "auto" | PATH, pin_gb=0.0, policy="lru" | "lfu",
+                             read_chunk_mb=1.0, pin=None | "auto" | PATH, pin_gb=0.0, policy="lru" | "lfu",
                              dense_bytes=0, kv_bytes=0, max_working_set=None)
     bank, slot_of = store.fetch(layer, expert_ids)     # every id present in bank; slot_of int32 [E], -1 absent
     store.resident_mask(layer) / store.pinned_mask(layer) -> bool [E]
-    store.prefetch_hint(layer, expert_ids)             # async readahead (posix_fadvise WILLNEED), no slot writes
+    store.prefetch(layer, expert_ids)                  # background loads of predicted experts into FREE slots
     store.stats() / store.reset_stats() / store.close()
 
 Memory layout.  Each expert layer owns a slot arena: one page-aligned (anonymous mmap) numpy array per record
@@ -15,15 +15,18 @@ section (``gate_up [S, ...]``, ``gate_up_scale``, ``down``, ``down_scale``), wra
 ``ExpertBank``.  ``S = min(E, pinned + max(cache_cap, max_working_set))``: the pinned experts, then room for the
 retained cache OR the whole expert union of one forward, whichever is larger (a union larger than the cap is
 served, then trimmed back to ``cache_cap`` retained experts at the end of the call).  A miss is ONE ``preadv`` of
-the expert's record scattered straight into its slot rows of the four arrays (padding goes to scratch).
+the expert's record scattered straight into its slot rows of the four arrays (padding goes to scratch); all misses
+of one call are issued at once, each record split into ``read_chunk_mb`` byte ranges so every I/O thread stays busy
+to the end of the batch (a handful of large records over 4 threads otherwise leaves threads idle at the tail).
 
 No re-transfer of hits.  On XLA:CPU ``jax.device_put`` of a 64-byte-aligned numpy array aliases it (checked at
 open with ``unsafe_buffer_pointer``; ``aliased`` in stats), so a read into a slot IS the device update and a hit
 costs nothing.  On other backends (or if aliasing is not observed) the arena is host staging and only the missed
 slots are sent, with a jitted, donated ``bank.at[slots].set(rows)``.
 
-Why overwriting a slot is safe.  A slot is only overwritten inside ``fetch`` (never by ``prefetch_hint``), and
-only if its expert is not in the current call's union.  The engine calls ``fetch(L, ids)`` after reading layer
+Why overwriting a slot is safe.  A slot is only overwritten inside ``fetch``, only if its expert is not in the
+current call's union, or by ``prefetch`` into a FREE slot (one no expert holds) of a layer not yet dispatched in
+the current forward.  The engine calls ``fetch(L, ids)`` after reading layer
 L's routing decision back to the host, and it runs one forward at a time.  Those ids depend on the hidden state
 entering layer L, which depends on every earlier layer's MoE output of this forward, which in turn depends on
 the previous forward's output (the sampled token).  So when ``fetch`` runs, every computation dispatched
@@ -33,6 +36,14 @@ computation dispatched with this call's ``slot_of`` (a fresh copy per call) read
 ``pinned + cache_cap`` that held a transient working set are returned to the OS (``MADV_DONTNEED``) at the start
 of a later fetch, under the same argument, so resident memory stays near ``(pinned + cap) x record`` per layer.
 On non-CPU backends the donated scatter is ordered by JAX after earlier readers of the bank.
+
+Prefetch.  ``prefetch(L, ids)`` (the engine calls it for layer L+1 right after ``fetch(L)``, with layer L+1's router
+applied to layer L's state) starts background reads of the predicted non-resident experts into free slots (never
+evicting; free slots are not referenced by any pending computation, per the argument above, since layer L+1 of the
+current forward is not dispatched yet).  They join the cache at once (so the routing plugins see them as resident);
+``fetch`` / ``peek`` of that layer first wait for them.  Their bytes count in ``bytes_read`` and ``expert_loads``
+(they are loads) and in ``prefetch_loads``; a later request served by one is a ``prefetch_hit`` (neither a cache hit
+nor a miss); ``prefetch_unused`` counts those the next call of the layer did not ask for.
 
 Counters are taken where the bytes move: ``bytes_read`` is the sum of what the read calls returned.
 """
@@ -216,6 +227,8 @@ class _Layer:
         self.free = list(range(slots - 1, -1, -1))
         self.touched: set = set()
         self.release: list = []
+        self.pending: list = []          # prefetch loads in flight: (futures, finish callbacks)
+        self.prefetched: set = set()     # experts loaded by prefetch, not yet asked for
 
     def dests(self, slot: int) -> dict:
         return {n: a[slot] for n, a in self.arrays.items()}
@@ -256,7 +269,8 @@ class ExpertStore:
     """See the module docstring."""
 
     def __init__(self, source, cfg: ModelConfig, model_dir: str, cache_cap: int, pins: dict, policy: str,
-                 io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict, alias: bool = True):
+                 io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict, alias: bool = True,
+                 read_chunk: int = 0):
         import jax
         self.source, self.cfg, self.model_dir = source, cfg, model_dir
         self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
@@ -264,9 +278,9 @@ class ExpertStore:
         self.usage_path = usage_path
         self.sim_disk_gbps, self.sim_expert_mb = 0.0, 19.0   # --sim_disk_gbps (benchmarks only)
         self._lock = threading.Lock()
-        self._pool = cf.ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="glm-jax-io") if io_threads > 1 else None
-        self._hint_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="glm-jax-hint")
+        self._pool = cf.ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="glm-jax-io")
         self.io_threads = io_threads
+        self.read_chunk = int(read_chunk)
         device = jax.devices()[0]
         on_cpu = device.platform == "cpu" and alias
         self.layers: dict = {}
@@ -301,7 +315,8 @@ class ExpertStore:
     # ------------------------------------------------------------------ construction
     @classmethod
     def open(cls, model_dir: str, cfg: ModelConfig, cache_cap: Optional[int] = None, ram_gb: Optional[float] = None,
-             direct_io: bool = False, io_threads: int = 4, pin=None, pin_gb: float = 0.0, policy: str = "lru",
+             direct_io: bool = False, io_threads: int = 4, read_chunk_mb: float = 1.0, pin=None, pin_gb: float = 0.0,
+             policy: str = "lru",
              dense_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
              verify: str = "first", source=None, alias: bool = True) -> "ExpertStore":
         """``alias=False`` forces the non-CPU path (host staging + donated scatter of missed slots; tests)."""
@@ -344,21 +359,36 @@ class ExpertStore:
                     f"context, a smaller --pin_gb)")
             cache_cap = min(fit, E)
         cache_cap = int(max(1, min(cache_cap, E)))
-        return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing, alias)
+        if read_chunk_mb < 0:
+            src.close()
+            raise StoreError(f"--read_chunk_mb={read_chunk_mb}: must be >= 0 (0 = one read per record)")
+        return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing, alias,
+                   read_chunk=int(read_chunk_mb * (1 << 20)))
 
     # ------------------------------------------------------------------ I/O
-    def _read_one(self, L: int, e: int, slot: int) -> tuple[int, float]:
-        t = time.perf_counter()
-        n = self.source.read_expert(L, e, self.layers[L].dests(slot))
-        return n, time.perf_counter() - t
+    def _submit(self, L: int, experts: list, slots: list):
+        """Issue every read of these records at once (records split into ``read_chunk`` byte ranges); returns
+        (futures, finish callbacks) -- run the callbacks after the futures (checksums)."""
+        lc = self.layers[L]
+        futs, fins = [], []
+        for e, s in zip(experts, slots):
+            jobs, fin = self.source.read_jobs(L, e, lc.dests(s), self.read_chunk)
+            futs += [self._pool.submit(j) for j in jobs]
+            fins.append(fin)
+        return futs, fins
 
     def _read_many(self, L: int, experts: list, slots: list) -> int:
-        if self._pool is None or len(experts) == 1:
-            res = [self._read_one(L, e, s) for e, s in zip(experts, slots)]
+        t = time.perf_counter()
+        lc = self.layers[L]
+        if self.io_threads <= 1 and len(experts) == 1:     # no thread hop for a single read on one thread
+            jobs, fin = self.source.read_jobs(L, experts[0], lc.dests(slots[0]), 0)
+            n = sum(j() for j in jobs)
+            fin()
         else:
-            futs = [self._pool.submit(self._read_one, L, e, s) for e, s in zip(experts, slots)]
-            res = [f.result() for f in futs]
-        n = sum(r[0] for r in res)
+            futs, fins = self._submit(L, experts, slots)
+            n = sum(f.result() for f in futs)
+            for fin in fins:
+                fin()
         if self.sim_disk_gbps > 0:
             # benchmark aid (--sim_disk_gbps): pretend each loaded expert were sim_expert_mb on a disk of that
             # bandwidth.  Reported apart (sim_io_s, sim_bytes); bytes_read stays what was really read.
@@ -367,9 +397,28 @@ class ExpertStore:
             self._stats["sim_io_s"] += sim / (self.sim_disk_gbps * 1e9)
             self._stats["sim_bytes"] += int(sim)
         self._stats["bytes_read"] += n
-        self._stats["read_s"] += sum(r[1] for r in res)
-        self.layers[L].touched.update(slots)
+        self._stats["read_s"] += time.perf_counter() - t
+        lc.touched.update(slots)
         return n
+
+    def _wait_pending(self, L: int):
+        """Block until the layer's prefetch loads have landed (their bytes counted now, where they are known)."""
+        lc = self.layers[L]
+        if not lc.pending:
+            return
+        t = time.perf_counter()
+        pend, lc.pending = lc.pending, []
+        n = 0
+        for futs, fins in pend:
+            n += sum(f.result() for f in futs)
+            for fin in fins:
+                fin()
+        dt = time.perf_counter() - t
+        with self._lock:
+            self._stats["bytes_read"] += n
+            self._stats["prefetch_bytes"] += n
+            self._stats["prefetch_wait_s"] += dt
+            self._stats["io_wait_s"] += dt
 
     def _sync_device(self, lc: _Layer, slots: list):
         """Non-aliased backends: send only the given slots to the device bank (donated in-place update)."""
@@ -400,6 +449,7 @@ class ExpertStore:
         experts that are already resident while ``fetch`` reads the misses (a later ``fetch`` of a union only
         writes slots of experts outside that union)."""
         lc = self._layer(layer)
+        self._wait_pending(layer)
         with self._lock:
             return lc.bank, lc.slot_of.copy()
 
@@ -411,6 +461,9 @@ class ExpertStore:
         if ids.size and (ids.min() < 0 or ids.max() >= lc.E):
             raise StoreError(f"layer {layer}: expert id out of range [0, {lc.E}): {ids.min()}..{ids.max()}")
         union = list(dict.fromkeys(int(e) for e in ids))
+        t1 = time.perf_counter()
+        self._wait_pending(layer)
+        wait_pf = time.perf_counter() - t1
         with self._lock:
             self._usage[layer] += np.bincount(ids.astype(np.int64), minlength=lc.E)[:lc.E]
             # earlier computations are finished (module docstring): return transient pages to the OS
@@ -418,6 +471,9 @@ class ExpertStore:
                 lc2.release_pages(int(self.index[L2].pinned.sum()) + self.index[L2].cap)
             idx = self.index[layer]
             hp, hc, miss, ev_now, ev_after = idx.access(union)
+            hpf = [e for e in hc if e in lc.prefetched]
+            self._stats["prefetch_unused"] += len(lc.prefetched) - len(hpf)
+            lc.prefetched.clear()
             for e in ev_now:
                 lc.free.append(int(lc.slot_of[e]))
                 lc.slot_of[e] = -1
@@ -439,18 +495,21 @@ class ExpertStore:
             st["fetch_calls"] += 1
             st["requested"] += len(union)
             st["hits_pinned"] += len(hp)
-            st["hits_cache"] += len(hc)
+            st["hits_cache"] += len(hc) - len(hpf)
+            st["prefetch_hits"] += len(hpf)
             st["misses"] += len(miss)
             st["expert_loads"] += len(miss)
             st["evictions"] += len(ev_now) + len(ev_after)
             st["loads_per_layer"][layer] = st["loads_per_layer"].get(layer, 0) + len(miss)
             st["io_wait_s"] += t2 - t1
-            st["fetch_s"] += time.perf_counter() - t0
+            st["fetch_s"] += time.perf_counter() - t0 - wait_pf
             return lc.bank, out_slot_of
 
     def drop_cache(self, page_cache: bool = True):
         """Make the store cold: forget every cached (non-pinned) expert and, with ``page_cache``, ask the kernel to
         drop the expert files from the page cache (posix_fadvise DONTNEED).  Benchmarks call this between runs."""
+        for L in self.layers:
+            self._wait_pending(L)
         with self._lock:
             for L, lc in self.layers.items():
                 idx = self.index[L]
@@ -461,6 +520,7 @@ class ExpertStore:
                         lc.free.append(s)
                         lc.release.append(s)
                 idx.cached.clear()
+                lc.prefetched.clear()
         if page_cache:
             for path in self.source.files():
                 try:
@@ -481,32 +541,54 @@ class ExpertStore:
     def pinned_mask(self, layer: int) -> np.ndarray:
         return self.index[self._layer(layer).layer].pinned.copy()
 
-    def prefetch_hint(self, layer: int, expert_ids):
-        """Async readahead of non-resident experts into the page cache (no slot is written)."""
+    def prefetch(self, layer: int, expert_ids) -> int:
+        """Start background loads of the non-resident experts among ``expert_ids`` into free slots of ``layer``
+        (never evicting; as many as there are free slots).  They count as cached at once; ``fetch``/``peek`` of the
+        layer wait for them.  Returns the number of loads started.  Only call it for a layer that no dispatched
+        computation of the current forward reads (the engine: layer L+1, right after fetch(L))."""
         if layer not in self.layers:
-            return
-        res = self.resident_mask(layer)
-        todo = [int(e) for e in dict.fromkeys(np.asarray(expert_ids).reshape(-1).tolist()) if not res[int(e)]]
-        if not todo:
-            return
-        self._stats["prefetch_hints"] += len(todo)
-        self._stats["prefetch_hint_bytes"] += len(todo) * self.layers[layer].layout.record_len
-        self._hint_pool.submit(lambda: [self.source.hint(layer, e) for e in todo])
+            return 0
+        lc, idx = self.layers[layer], self.index[layer]
+        with self._lock:
+            ids = dict.fromkeys(int(e) for e in np.asarray(expert_ids).reshape(-1).tolist())
+            todo = [e for e in ids if 0 <= e < lc.E and not idx.pinned[e] and e not in idx.cached][:len(lc.free)]
+            if not todo:
+                return 0
+            slots = [lc.free.pop() for _ in todo]
+            taken = set(slots)
+            lc.release = [s for s in lc.release if s not in taken]     # never madvise a slot being written
+            lc.touched.update(slots)
+            for e, s in zip(todo, slots):
+                lc.slot_of[e] = s
+                idx.cached.add(e)
+            lc.prefetched.update(todo)
+            futs, fins = self._submit(layer, todo, slots)
+            if self.sim_disk_gbps > 0:      # the simulated disk time runs in the background too
+                sim = len(todo) * self.sim_expert_mb * 1e6
+                futs.append(self._pool.submit(lambda t=sim / (self.sim_disk_gbps * 1e9): time.sleep(t) or 0))
+                self._stats["sim_io_s"] += sim / (self.sim_disk_gbps * 1e9)
+                self._stats["sim_bytes"] += int(sim)
+            lc.pending.append((futs, fins))
+            self._stats["prefetch_loads"] += len(todo)
+            self._stats["expert_loads"] += len(todo)
+            self._stats["loads_per_layer"][layer] = self._stats["loads_per_layer"].get(layer, 0) + len(todo)
+            return len(todo)
 
     def stats(self) -> dict:
         s = dict(self._stats)
         s["loads_per_layer"] = dict(s["loads_per_layer"])
-        s["hits"] = s["hits_pinned"] + s["hits_cache"]
+        s["hits"] = s["hits_pinned"] + s["hits_cache"]      # prefetch_hits are loads of this token, not hits
         s["hit_rate"] = s["hits"] / s["requested"] if s["requested"] else 0.0
         s["read_gbps"] = s["bytes_read"] / s["io_wait_s"] / 1e9 if s["io_wait_s"] > 0 else 0.0
         s.update(cache_cap=self.cache_cap, policy=self.policy_name, aliased=self.aliased,
-                 max_working_set=self.max_working_set, io_threads=self.io_threads)
+                 max_working_set=self.max_working_set, io_threads=self.io_threads, read_chunk=self.read_chunk)
         return s
 
     def reset_stats(self):
         self._stats = dict(bytes_read=0, expert_loads=0, hits_pinned=0, hits_cache=0, misses=0, evictions=0,
                            requested=0, fetch_calls=0, io_wait_s=0.0, read_s=0.0, fetch_s=0.0,
-                           loads_per_layer={}, prefetch_hints=0, prefetch_hint_bytes=0, pin_bytes_read=0,
+                           loads_per_layer={}, prefetch_loads=0, prefetch_hits=0, prefetch_unused=0,
+                           prefetch_bytes=0, prefetch_wait_s=0.0, pin_bytes_read=0,
                            pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0,
                            sim_io_s=0.0, sim_bytes=0)
 
@@ -533,9 +615,11 @@ class ExpertStore:
     def close(self, save_usage: bool = True):
         if save_usage and any(c.any() for c in self._usage.values()):
             self.save_usage()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        self._hint_pool.shutdown(wait=True)
+        for lc in self.layers.values():
+            for futs, _ in lc.pending:
+                cf.wait(futs)
+            lc.pending = []
+        self._pool.shutdown(wait=True)
         self.source.close()
         for lc in self.layers.values():
             lc.close()

@@ -142,7 +142,7 @@ def stream_step(engine, tokens, start, lengths):
         if pred is not None:
             pn = np.asarray(pred)[valid_np.reshape(-1)]
             pending_pred = np.unique(pn)
-            store.prefetch_hint(later[0], pending_pred)
+            store.prefetch(later[0], pending_pred)      # background loads while this layer computes
         _acc(engine, "union_experts", len(union))
         _acc(engine, "moe_layer_forwards", 1)
         engine._accumulate(summ)

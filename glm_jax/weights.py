@@ -82,7 +82,16 @@ class TensorSource:
         if key not in self._files:
             raise WeightError(f"{self.path}: missing tensor '{key}'")
         try:
-            return self._open(self._files[key]).get_tensor(key)
+            h = self._open(self._files[key])
+            if h.get_slice(key).get_dtype().startswith("F8"):   # numpy has no float8: the raw reader (ml_dtypes)
+                from .container import SafeTensorsDir
+                if getattr(self, "_raw_dirs", None) is None:
+                    self._raw_dirs = {}
+                d = os.path.dirname(self._files[key])
+                if d not in self._raw_dirs:
+                    self._raw_dirs[d] = SafeTensorsDir(d)
+                return self._raw_dirs[d].read(key)
+            return h.get_tensor(key)
         except WeightError:
             raise
         except Exception as e:
@@ -107,10 +116,14 @@ class TensorSource:
 
 
 def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: int = 128) -> np.ndarray:
-    """DeepSeek/GLM FP8 block dequant: ``w[i, j] * scale_inv[i // 128, j // 128]``."""
+    """DeepSeek/GLM FP8 block dequant: ``w[..., i, j] * scale_inv[..., i // 128, j // 128]`` (leading axes, e.g. the
+    expert axis of a fused ``[E, out, in]`` tensor, are carried through)."""
     w = w.astype(np.float32)
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=0), block, axis=1)
-    return w * s[: w.shape[0], : w.shape[1]]
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=-2), block, axis=-1)
+    if s.ndim != w.ndim or s.shape[-2] < w.shape[-2] or s.shape[-1] < w.shape[-1]:
+        raise WeightError(f"FP8 scale_inv of shape {list(scale_inv.shape)} does not cover a weight of shape "
+                          f"{list(w.shape)} in {block}x{block} blocks")
+    return w * s[..., : w.shape[-2], : w.shape[-1]]
 
 
 # ----------------------------------------------------------------------------- key map

@@ -78,10 +78,11 @@ def test_roundtrip_formats(hf, tmp_path, fmt):
     c.close()
 
 
-@pytest.mark.parametrize("kind", ["fused", "sharded_bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["fused", "sharded_bf16", "fp8", "fused_fp8"])
 def test_sources(tmp_path, kind):
     src = str(tmp_path / "hf")
-    kw = dict(fused=dict(experts="fused"), sharded_bf16=dict(dtype="bfloat16", shards=3), fp8=dict(dtype="fp8"))[kind]
+    kw = dict(fused=dict(experts="fused"), sharded_bf16=dict(dtype="bfloat16", shards=3), fp8=dict(dtype="fp8"),
+              fused_fp8=dict(dtype="fp8", experts="fused"))[kind]
     ref = write_hf_checkpoint(src, tiny_config(), seed=2, **kw)
     if kind == "fused":   # the reference of fused tensors: same per-expert values
         ref.update({k: v for k, v in write_hf_checkpoint(str(tmp_path / "hf2"), tiny_config(), seed=2).items()
@@ -104,6 +105,11 @@ def test_sources(tmp_path, kind):
     gu = np.concatenate([ref["model.layers.1.mlp.experts.5.gate_proj.weight"], ref["model.layers.1.mlp.experts.5.up_proj.weight"]])
     np.testing.assert_allclose(dests["gate_up"].astype(np.float32), gu, rtol=1e-6, atol=1e-6)
     s.close()
+    if kind.endswith("fp8"):    # the resident loader dequantizes the same way (fused: [E, out/128, in/128] scales)
+        from glm_jax import weights as W
+        gu_all, dn_all = W.load_experts(W.TensorSource(src), cfg, 1)
+        np.testing.assert_allclose(gu_all[5], gu, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(dn_all[5], ref["model.layers.1.mlp.experts.5.down_proj.weight"], rtol=1e-6, atol=1e-6)
 
 
 def test_dense_int8(hf, tmp_path):

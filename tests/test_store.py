@@ -219,7 +219,7 @@ def test_working_set_beyond_cap_and_errors(cont, tmp_path):
     small.close(save_usage=False)
 
 
-def test_lfu_policy_and_prefetch(cont, tmp_path):
+def test_lfu_policy_and_real_prefetch(cont, tmp_path):
     d, cfg = _fresh(cont, tmp_path)
     st = ExpertStore.open(d, cfg, cache_cap=2, policy="lfu", max_working_set=4)
     c = open_container(d, cfg)
@@ -227,12 +227,24 @@ def test_lfu_policy_and_prefetch(cont, tmp_path):
         st.fetch(1, np.array([0]))
     st.fetch(1, np.array([1, 2]))                       # LRU would evict 0; LFU keeps the frequent 0
     assert st.resident_mask(1)[0]
-    st.prefetch_hint(1, np.array([3, 0]))
-    before = st.stats()["bytes_read"]
+    before = st.stats()
+    assert st.prefetch(1, np.array([3, 0])) == 1          # 0 is cached: one background load
+    assert st.resident_mask(1)[3]                         # the plugins see it as resident at once
     bank, so = st.fetch(1, np.array([3, 0]))
     _check(bank, so, [3, 0], c, 1)
-    assert st.stats()["bytes_read"] - before == st.layers[1].layout.record_len
-    assert st.stats()["prefetch_hints"] == 1
+    s = st.stats()
+    rec = st.layers[1].layout.record_len
+    assert s["bytes_read"] - before["bytes_read"] == rec          # counted where it was read, exactly once
+    assert s["prefetch_bytes"] == rec and s["prefetch_loads"] == 1 and s["prefetch_hits"] == 1
+    assert s["expert_loads"] - before["expert_loads"] == 1
+    assert s["misses"] == before["misses"] and s["hits_cache"] - before["hits_cache"] == 1    # 0 only
+    # a wrong prediction: loaded, counted, reported unused, and evicted first
+    assert st.prefetch(1, np.array([5])) == 1
+    bank, so = st.fetch(1, np.array([6]))
+    _check(bank, so, [6], c, 1)
+    s2 = st.stats()
+    assert s2["prefetch_unused"] == 1 and s2["bytes_read"] - s["bytes_read"] == 2 * rec
+    assert not st.resident_mask(1)[5]
     st.close(save_usage=False)
     with pytest.raises(StoreError, match="unknown cache policy"):
         ExpertStore.open(d, cfg, cache_cap=1, policy="fifo")
@@ -264,3 +276,24 @@ def test_direct_io_matches_buffered(cont, tmp_path):
         _check(bank, so, ids, c, 3)
     assert st.stats()["bytes_read"] == 5 * st.layers[3].layout.record_len   # 5 misses
     st.close(save_usage=False)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_chunked_reads_match_whole_record_reads(cont, tmp_path, direct):
+    """--read_chunk_mb splits each record into byte ranges read in parallel: same bytes, same count."""
+    d, cfg = _fresh(cont, tmp_path)
+    c = open_container(d, cfg)
+    rec = c.layout(3).record_len
+    try:
+        st = ExpertStore.open(d, cfg, cache_cap=2, io_threads=3, max_working_set=3, direct_io=direct,
+                              read_chunk_mb=4096 / (1 << 20))
+    except StoreError as e:   # a file system without O_DIRECT
+        pytest.skip(str(e))
+    assert rec > 2 * 4096      # really split
+    for ids in ([0, 5], [5, 6, 7], [1]):
+        bank, so = st.fetch(3, np.array(ids))
+        _check(bank, so, ids, c, 3)
+    assert st.stats()["bytes_read"] == 5 * rec
+    st.close(save_usage=False)
+    with pytest.raises(StoreError, match="read_chunk_mb"):
+        ExpertStore.open(d, cfg, cache_cap=1, read_chunk_mb=-1)

@@ -150,3 +150,19 @@ def test_overlapped_hits_and_misses_give_the_same_output(int4_dir, exp):
     for k in ("bytes_read", "expert_loads", "hits"):
         assert runs[True].stats[k] == runs[False].stats[k]
     assert 0 < runs[True].stats["hit_rate"] < 1
+
+
+def test_prefetch_loads_ahead_and_keeps_tokens(int4_dir, exp):
+    """--prefetch reads layer L+1's predicted experts into free slots while layer L computes: same tokens; its bytes
+    are part of bytes_read; its recall and its hits/unused are reported."""
+    runs = {}
+    for pf in (True, False):
+        eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=1, prefetch=pf, draft=0)
+        runs[pf] = _gen(eng, exp)
+        eng.close()
+    assert runs[True].tokens == runs[False].tokens
+    s = runs[True].stats
+    assert s["prefetch_loads"] > 0 and s["prefetch_hits"] > 0
+    assert s["prefetch_hits"] + s["prefetch_unused"] <= s["prefetch_loads"]
+    assert 0 < s["prefetch_recall"] <= 1
+    assert s["misses"] < runs[False].stats["misses"]

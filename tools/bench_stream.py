@@ -1,7 +1,8 @@
 """Streaming benchmark of the ExpertStore (the streaming part of tools/bench.py).
 
     python -m glm_jax_tools.bench_stream --model=CONTAINER_DIR [--cap=16] [--tokens=48] [--io_threads=4]
-                                         [--direct_io] [--policy=lru] [--compute]
+                                         [--read_chunk_mb=1] [--direct_io] [--policy=lru] [--compute]
+    python -m glm_jax_tools.bench_stream --model=CONTAINER_DIR --engine [--fetch=loop,callback] [--prefetch=0,1]
 
 1. Cold cache: ``posix_fadvise(DONTNEED)`` on every expert file before every token (outside the timing), so an
    evicted expert read again comes from the disk, not the page cache (or O_DIRECT reads with --direct_io).
@@ -24,7 +25,7 @@ import time
 import numpy as np
 
 from glm_jax.config import load_config
-from glm_jax.container import open_container, read_record_into, _aligned_empty
+from glm_jax.container import open_container, record_reads, _aligned_empty
 
 
 def drop_cache(paths):
@@ -36,33 +37,33 @@ def drop_cache(paths):
             os.close(fd)
 
 
-def disk_limit(container, n_reads: int, io_threads: int, direct_io: bool, seed: int = 1) -> dict:
-    """Random record reads of the container's files with the store's read path; page cache dropped first."""
+def disk_limit(container, n_reads: int, io_threads: int, direct_io: bool, seed: int = 1, chunk: int = 0) -> dict:
+    """Random record reads of the container's files with the store's read path (the same ``record_reads`` byte
+    ranges of ``chunk`` bytes, the same thread count, all queued at once so no thread ever idles: the best the disk
+    does with these requests); page cache dropped first."""
     drop_cache(container.files())
     rng = np.random.default_rng(seed)
     layers = list(container.expert_layers)
     jobs = [(layers[rng.integers(len(layers))], int(rng.integers(container.num_experts(layers[0]))))
             for _ in range(n_reads)]
     jobs = list(dict.fromkeys(jobs))        # each record once (no page-cache re-hits)
-    import threading
-    tls = threading.local()
+    bufs = {}
 
-    def one(job):
+    def reads(i, job):
         L, e = job
         lay = container.layout(L)
-        if not hasattr(tls, "bufs"):
-            tls.bufs = {}
-        key = (lay.fmt, lay.record_len)
-        if key not in tls.bufs:     # reused, pre-touched buffers, like the store's slots (no page faults timed)
-            tls.bufs[key] = {s.name: _aligned_empty(s.nbytes) for s in lay.sections}
-            for b in tls.bufs[key].values():
+        key = (lay.fmt, lay.record_len, i % (2 * io_threads))
+        if key not in bufs:     # a few reused, pre-touched buffer sets, like the store's slots (no page faults timed)
+            bufs[key] = {s.name: _aligned_empty(s.nbytes) for s in lay.sections}
+            for b in bufs[key].values():
                 b.fill(0)
         ent = container.entry(L)
-        return read_record_into(ent.fd, ent.direct_fd, lay, int(ent.offsets[e]), tls.bufs[key])
+        return record_reads(ent.fd, ent.direct_fd, lay, int(ent.offsets[e]), bufs[key], chunk)
 
+    work = [r for i, j in enumerate(jobs) for r in reads(i, j)]
     t = time.perf_counter()
     with cf.ThreadPoolExecutor(io_threads) as ex:
-        n = sum(ex.map(one, jobs))
+        n = sum(f.result() for f in [ex.submit(r) for r in work])
     dt = time.perf_counter() - t
     drop_cache(container.files())
     return {"bytes": n, "s": dt, "gbps": n / dt / 1e9, "reads": len(jobs)}
@@ -98,14 +99,16 @@ def synthetic_trace_from_model(model_dir, cfg, n_tokens, repeat=0.3, seed=0):
 
 
 def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="lru", compute=False,
-          trace_path=None, limit_reads=64, warmup_tokens=0, seed=0, verify="none", cold_every_token=True) -> dict:
+          trace_path=None, limit_reads=64, warmup_tokens=0, seed=0, verify="none", cold_every_token=True,
+          read_chunk_mb=1.0) -> dict:
     import jax
     import jax.numpy as jnp
     from glm_jax import quant
     from glm_jax.store import ExpertStore
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
-    lim = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 1)
+    chunk = int(read_chunk_mb * (1 << 20))
+    lim = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 1, chunk=chunk)
     rec = c.layout(c.expert_layers[0]).record_len
     if trace_path:
         from glm_jax_tools.cache_sim import load_trace
@@ -114,7 +117,8 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
         trace = synthetic_trace_from_model(model_dir, cfg, tokens, seed=seed)
     drop_cache(open_container(model_dir, cfg, verify="none").files())
     st = ExpertStore.open(model_dir, cfg, cache_cap=cap, io_threads=io_threads, direct_io=direct_io,
-                          policy=policy, verify=verify, max_working_set=cfg.num_experts_per_tok)
+                          policy=policy, verify=verify, max_working_set=cfg.num_experts_per_tok,
+                          read_chunk_mb=read_chunk_mb)
     H = cfg.hidden_size
 
     @jax.jit
@@ -148,18 +152,20 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
     wall = time.perf_counter() - t0
     s = st.stats()
     st.close(save_usage=False)
-    lim2 = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 2)   # before and after: noisy disk
+    lim2 = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 2, chunk=chunk)   # before and after
     c.close()
     lim = {"gbps": (lim["gbps"] + lim2["gbps"]) / 2}
     n = len(trace) - warmup_tokens
     return dict(tokens=n, wall_s=wall, tok_s=n / wall, bytes_per_token=s["bytes_read"] / n,
                 achieved_gbps=s["read_gbps"], limit_gbps=lim["gbps"], ratio=s["read_gbps"] / lim["gbps"],
+                e2e_ratio=s["bytes_read"] / wall / 1e9 / lim["gbps"],
                 hit_rate=s["hit_rate"], io_wait_s=s["io_wait_s"], compute_s=compute_s, record_mb=rec / 1e6,
-                cap=cap, io_threads=io_threads, direct_io=direct_io, misses=s["misses"], aliased=s["aliased"])
+                cap=cap, io_threads=io_threads, direct_io=direct_io, misses=s["misses"], aliased=s["aliased"],
+                chunk_mb=read_chunk_mb, prefetch=False)
 
 
 def bench_engine(model_dir, cap=16, tokens=32, io_threads=4, direct_io=True, fetch="loop", limit_reads=64,
-                 seed=0) -> dict:
+                 seed=0, read_chunk_mb=1.0, prefetch=False) -> dict:
     """The same measurement through the real engine (glm_jax.Engine, fetch=loop|callback, MTP off): the store is
     made cold (cache forgotten, page cache dropped) before the timed generation; with ``direct_io`` every miss is a
     disk read.  Compile time is excluded (a warm-up generation first)."""
@@ -167,61 +173,76 @@ def bench_engine(model_dir, cap=16, tokens=32, io_threads=4, direct_io=True, fet
 
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
-    lim = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 1)
+    chunk = int(read_chunk_mb * (1 << 20))
+    lim = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 1, chunk=chunk)
     rec = c.layout(c.expert_layers[0]).record_len
     eng = glm_jax.Engine.load(model_dir, fetch=fetch, cache_cap=cap, io_threads=io_threads, direct_io=direct_io,
-                              mtp=False, draft=0)
+                              mtp=False, draft=0, read_chunk_mb=read_chunk_mb, prefetch=prefetch)
     prompt = [1 + (7 * i) % (cfg.vocab_size - 1) for i in range(8)]
     eng.generate(prompt, max_new_tokens=3, stop_on_eos=False)           # compile
     eng.store.drop_cache()
     r = eng.generate(prompt, max_new_tokens=tokens, stop_on_eos=False)
     s = r.stats
-    lim2 = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 2)
+    lim2 = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 2, chunk=chunk)
     c.close()
     eng.close()
     limit = (lim["gbps"] + lim2["gbps"]) / 2
     n = s["decode_tokens"]
     return dict(tokens=n, wall_s=s["decode_s"], tok_s=s["decode_tok_s"], bytes_per_token=s["bytes_read_per_token"],
                 achieved_gbps=s["read_gbps"], limit_gbps=limit, ratio=s["read_gbps"] / limit, hit_rate=s["hit_rate"],
+                e2e_ratio=s["decode_bytes_read"] / s["decode_s"] / 1e9 / limit, chunk_mb=read_chunk_mb,
+                prefetch=prefetch, prefetch_recall=s.get("prefetch_recall", float("nan")),
                 io_wait_s=s["io_wait_s"], compute_s=max(s["decode_s"] - s["io_wait_s"], 0.0), record_mb=rec / 1e6,
                 cap=cap, io_threads=io_threads, direct_io=direct_io, misses=s["misses"], aliased=s["aliased"],
                 fetch=fetch)
 
 
+COLS = ["fetch", "prefetch", "cap/layer", "io_threads", "direct", "chunk MB", "record MB", "tok/s", "hit rate",
+        "MB read/token", "achieved GB/s", "disk limit GB/s", "ratio", "e2e ratio", "io_wait s", "compute s"]
+
+
 def table(rows) -> str:
-    out = ["| cap/layer | io_threads | direct | record MB | tok/s | hit rate | MB read/token | achieved GB/s | "
-           "disk limit GB/s (same files, size, threads) | ratio | io_wait s | compute s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['cap']} | {r['io_threads']} | {int(r['direct_io'])} | {r['record_mb']:.2f} | {r['tok_s']:.2f} | "
-                   f"{r['hit_rate']:.3f} | {r['bytes_per_token'] / 1e6:.1f} | {r['achieved_gbps']:.2f} | "
-                   f"{r['limit_gbps']:.2f} | {r['ratio']:.2f} | {r['io_wait_s']:.2f} | {r['compute_s']:.2f} |")
-    return "\n".join(out)
+    from glm_jax_tools.tables import markdown
+    return markdown([{"fetch": r.get("fetch", "store"), "prefetch": int(r.get("prefetch", False)),
+                      "cap/layer": r["cap"], "io_threads": r["io_threads"], "direct": int(r["direct_io"]),
+                      "chunk MB": r.get("chunk_mb"), "record MB": r["record_mb"], "tok/s": r["tok_s"],
+                      "hit rate": r["hit_rate"], "MB read/token": r["bytes_per_token"] / 1e6,
+                      "achieved GB/s": r["achieved_gbps"], "disk limit GB/s": r["limit_gbps"], "ratio": r["ratio"],
+                      "e2e ratio": r["e2e_ratio"], "io_wait s": r["io_wait_s"], "compute s": r["compute_s"]}
+                     for r in rows], COLS)
+
+
+NOTE = ("ratio = achieved read rate (bytes read / time blocked on reads) / disk limit; e2e ratio = bytes read / "
+        "decode wall time / disk limit (compute included: 1.0 means decode runs at the disk's speed). The disk limit "
+        "is measured by this tool on the same files with the same request size (chunk) and thread count, every "
+        "read queued at once, before and after the run (averaged).")
 
 
 def main(argv):
     from absl import flags
     F = flags.FLAGS
     rows = []
-    if F.engine:
-        for fetch in F.fetch.split(","):
+    threads = [int(t) for t in F.io_threads.split(",")]
+    chunks = [float(c) for c in F.read_chunk_mb.split(",")]
+    for th in threads:
+        for ch in chunks:
             for cap in [int(c) for c in F.cap.split(",")]:
-                rows.append(bench_engine(F.model, cap, F.tokens, int(F.io_threads.split(",")[0]), F.direct_io,
-                                         fetch, F.limit_reads))
-        out = table(rows).splitlines()
-        out[0] = "| fetch " + out[0]
-        out[1] = "|---" + out[1]
-        for i, r in enumerate(rows):
-            out[2 + i] = f"| {r['fetch']} " + out[2 + i]
-        print("\n".join(out))
-        print("\nengine decode through the store (MTP off), cold start; compute s = decode s - io_wait s")
-        return
-    for threads in [int(t) for t in F.io_threads.split(",")]:
-        for cap in [int(c) for c in F.cap.split(",")]:
-            rows.append(bench(F.model, cap, F.tokens, threads, F.direct_io, F.policy, F.compute, F.trace,
-                              F.limit_reads, F.warmup_tokens))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+                if F.engine:
+                    for fetch in F.fetch.split(","):
+                        for pf in sorted({int(p) for p in F.prefetch.split(",")}):
+                            if pf and fetch != "loop":
+                                continue
+                            rows.append(bench_engine(F.model, cap, F.tokens, th, F.direct_io, fetch, F.limit_reads,
+                                                     read_chunk_mb=ch, prefetch=bool(pf)))
+                            print(table(rows[-1:]).splitlines()[-1], flush=True)
+                else:
+                    rows.append(bench(F.model, cap, F.tokens, th, F.direct_io, F.policy, F.compute, F.trace,
+                                      F.limit_reads, F.warmup_tokens, read_chunk_mb=ch))
+                    print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
+    print("\n" + NOTE)
+    if F.engine:
+        print("engine decode through the store (MTP off), cold start; compute s = decode s - io_wait s")
 
 
 def run():
@@ -237,6 +258,8 @@ def run():
     flags.DEFINE_string("trace", None, "routing trace jsonl (default: synthetic from the router bias)")
     flags.DEFINE_bool("engine", False, "drive the real engine (Engine.generate) instead of replaying a trace")
     flags.DEFINE_string("fetch", "loop,callback", "with --engine: fetch modes to run (both printed)")
+    flags.DEFINE_string("read_chunk_mb", "1", "read chunk sizes in MB (comma list; 0 = one read per record)")
+    flags.DEFINE_string("prefetch", "0", "with --engine: router-lookahead prefetch off/on (comma list of 0/1)")
     flags.DEFINE_integer("limit_reads", 96, "random record reads for the disk limit (measured before and after)")
     app.run(main)
 

@@ -143,6 +143,28 @@ def write_hf_checkpoint(out: str, config: dict, seed: int = 0, dtype: str = "flo
             else:
                 w = make_tensor(key, shape, role, seed, zipf)
             return w
+        if dtype == "fp8" and role == "fused":     # fused FP8: per-expert 128x128 blocks, scales [E, out/128, in/128]
+            cache = {}
+
+            def qf(produce=produce, key=key, shape=shape, cache=cache):
+                w = produce()
+                parts = [_fp8_quant(w[e]) for e in range(w.shape[0])]
+                cache["s"] = np.stack([p[1] for p in parts])
+                if ref is not None:
+                    base = key.rsplit(".", 1)[0]
+                    half = shape[1] // 2
+                    for e, (_, _, r) in enumerate(parts):
+                        if key.endswith("gate_up_proj"):
+                            ref[f"{base}.{e}.gate_proj.weight"], ref[f"{base}.{e}.up_proj.weight"] = r[:half], r[half:]
+                        else:
+                            ref[f"{base}.{e}.down_proj.weight"] = r
+                return np.stack([p[0] for p in parts])
+
+            def scf(cache=cache):
+                return cache.pop("s")
+            plan.append((key, "F8_E4M3", shape, qf))
+            plan.append((key + "_scale_inv", "F32", (shape[0], -(-shape[1] // 128), -(-shape[2] // 128)), scf))
+            continue
         if dtype == "fp8" and role in ("proj", "expert"):
             cache = {}
 
