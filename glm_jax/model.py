@@ -160,12 +160,7 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
     w = jnp.where(valid, weights, 0.0).astype(F32)
     dt = x.dtype
     if (T * K <= S) if gather is None else gather:
-        gu, dn = bank_take(bank, slots, dt)                                 # [T,K,2I,H], [T,K,H,I]
-        I = dn.shape[-1]
-        h = jnp.einsum("th,tkih->tki", x, gu)
-        a = jax.nn.silu(h[..., :I]) * h[..., I:]
-        y = jnp.einsum("tki,tkhi->tkh", a, dn)
-        out = jnp.einsum("tkh,tk->th", y.astype(F32), w)
+        out = moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
     else:
         gu, dn = bank_all(bank, dt)                                         # [S,2I,H], [S,H,I]
         I = dn.shape[-1]
@@ -175,6 +170,25 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
         y = jnp.einsum("tsi,shi->tsh", a, dn)
         out = jnp.einsum("tsh,ts->th", y.astype(F32), comb)
     return out.astype(dt)
+
+
+def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None):
+    """The gather path's per-(t, k) expert outputs y [T, K, H] f32 (unweighted; invalid entries read slot 0 and
+    must be masked by the caller).  ``moe_combine(where(m, y1, y2), ...)`` over two partial computations is
+    bitwise equal to one ``moe_routed`` (the streaming loop's overlap of hits and misses relies on it)."""
+    S = bank.num_slots
+    slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
+    slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
+    gu, dn = bank_take(bank, slots, x.dtype)                                # [T,K,2I,H], [T,K,H,I]
+    I = dn.shape[-1]
+    h = jnp.einsum("th,tkih->tki", x, gu)
+    a = jax.nn.silu(h[..., :I]) * h[..., I:]
+    return jnp.einsum("tki,tkhi->tkh", a, dn).astype(F32)
+
+
+def moe_combine(y, weights, valid):
+    """sum_k valid * weights * y: [T, H] f32."""
+    return jnp.einsum("tkh,tk->th", y, jnp.where(valid, weights, 0.0).astype(F32))
 
 
 def moe_finish(mp, h, hn, routed):

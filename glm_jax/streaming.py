@@ -71,18 +71,39 @@ def _fns(engine):
         part = M.moe_routed(flat[:rows], ids[:rows], w[:rows], valid[:rows], bank, slot_of, gather=True)
         return jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, H)
 
-    @functools.partial(jax.jit, static_argnums=(0, 1))
-    def moe_part(finish, rows, mp, h, hn, ids, w, valid, bank, slot_of):
-        """The seam over a subset of the routing plan (valid masks the rest); with ``finish`` also h + shared."""
-        routed = routed_rows(rows, h, hn, ids, w, valid, bank, slot_of)
-        return M.moe_finish(mp, h, hn, routed) if finish else routed
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_part(rows, mp, h, hn, ids, w, valid, bank, slot_of):
+        """The seam + shared expert: the layer's output."""
+        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of))
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_early(rows, mp, hn, ids, hit, bank, slot_of):
+        """--overlap, dispatched before the misses are read: the resident (hit) experts' per-(t, k) terms and the
+        shared expert."""
+        B, T, H = hn.shape
+        r = B * T if rows is None else rows
+        flat = hn.reshape(B * T, H)[:r]
+        return M.moe_terms(flat, ids[:r], hit[:r], bank, slot_of), M.mlp(mp["shared"], hn)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_late(rows, h, hn, ids, w, valid, hit, y_hit, shared, bank, slot_of):
+        """--overlap, after the misses are read: their terms, merged per (t, k) with the early ones and combined in
+        the same order as moe_part -- bitwise the same output whatever the hit/miss split was."""
+        B, T, H = h.shape
+        r = B * T if rows is None else rows
+        flat = hn.reshape(B * T, H)
+        y = jnp.where(hit[:r, :, None], y_hit, M.moe_terms(flat[:r], ids[:r], valid[:r] & ~hit[:r], bank, slot_of))
+        part = M.moe_combine(y, w[:r], valid[:r]).astype(flat.dtype)
+        routed = part if rows is None else jnp.zeros_like(flat).at[:r].set(part)
+        return h + routed.reshape(B, T, H) + shared
 
     @jax.jit
     def head(norm, lm_head, x):
         hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
         return jnp.einsum("bth,vh->btv", hidden, lm_head, preferred_element_type=jnp.float32), hidden
 
-    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part, head=head)
+    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part,
+                                    moe_early=moe_early, moe_late=moe_late, head=head)
     return fns
 
 
@@ -133,9 +154,8 @@ def stream_step(engine, tokens, start, lengths):
             if hit.any() and not hit.all():
                 # dispatch the hits (+ shared expert) now; XLA runs it while the misses are read below
                 b0, s0 = store.peek(i)
-                hmask = jnp.asarray(res_now)
-                early = (f["moe_part"](True, rows, lp["moe"], h, hn, ids, w, valid & hmask[ids], b0,
-                                       jnp.asarray(s0)), hmask)
+                hit = valid & jnp.asarray(res_now)[ids]
+                early = (hit,) + f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, jnp.asarray(s0))
         bank, slot_of = store.fetch(i, union)
         if trace is not None:
             trace.append([i, union.tolist()])
@@ -147,10 +167,9 @@ def stream_step(engine, tokens, start, lengths):
         _acc(engine, "moe_layer_forwards", 1)
         engine._accumulate(summ)
         if early is None:
-            x = f["moe_part"](True, rows, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+            x = f["moe_part"](rows, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
         else:
-            x = early[0] + f["moe_part"](False, rows, lp["moe"], h, hn, ids, w, valid & ~early[1][ids], bank,
-                                         jnp.asarray(slot_of))
+            x = f["moe_late"](rows, h, hn, ids, w, valid, early[0], early[1], early[2], bank, jnp.asarray(slot_of))
     logits, hidden = f["head"](params["norm"], params["lm_head"], x)
     if trace:
         import json
@@ -183,7 +202,7 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
     union = np.unique(np.asarray(ids)[np.asarray(valid)])
     bank, slot_of = store.fetch(L, union)
     _acc(engine, "mtp_union_experts", len(union))
-    g = f["moe_part"](True, None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+    g = f["moe_part"](None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
     return io[1](params, g)
 
 
@@ -191,10 +210,13 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
 def _callback_step(engine, tokens, start, lengths):
     cfg = engine.cfg
     B, T = tokens.shape
-    key = ("cb_step", B, T, engine._cache_len)
+    n_real = int(np.max(np.asarray(lengths)))
+    # a padded decode / verify: routed experts (and the fetched buffer) for the real rows only, as fetch=loop does
+    rows = n_real if (B == 1 and T <= 16 and n_real < T) else None
+    key = ("cb_step", B, T, engine._cache_len, rows)
     fn = engine._jits.get(key)
     if fn is None:
-        fn = engine._jits[key] = _build_callback_step(engine, B * T)
+        fn = engine._jits[key] = _build_callback_step(engine, B * T, rows)
     resident = jnp.asarray(np.stack([engine.resident_for(i) for i in cfg.moe_layers]))
     logits, hidden, engine._cache, summ, unions = fn(engine.params, engine._cache, tokens, start, lengths, resident)
     engine._accumulate(summ)
@@ -203,14 +225,14 @@ def _callback_step(engine, tokens, start, lengths):
     return logits, hidden, engine._cache
 
 
-def _build_callback_step(engine, n_pos):
+def _build_callback_step(engine, n_pos, rows=None):
     cfg, store = engine.cfg, engine.store
     plugin = engine.plugin or M.identity_plugin
     want_stats = engine.plugin is not None
     from .engine import _routing_summary
 
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
-    W = min(E, K * n_pos)
+    W = min(E, K * (rows if rows is not None else n_pos))
     specs = {}
     for i in cfg.moe_layers:
         arrs = store._layer(i).arrays
@@ -251,13 +273,19 @@ def _build_callback_step(engine, n_pos):
             before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident[mi])
             mi += 1
             after = plugin(before)
+            r = B * T if rows is None else rows
             shapes = (specs[i], jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, i), shapes, after.ids, after.valid,
-                                                 ordered=True)
+            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, i), shapes, after.ids[:r],
+                                                 after.valid[:r], ordered=True)
             fmt = store._layer(i).layout.fmt
             bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
                               fmt=fmt)
-            routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
+            if rows is None:
+                routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
+            else:   # same gather-path products as fetch=loop's real-row path
+                part = M.moe_routed(flat[:r], after.ids[:r], after.weights[:r], after.valid[:r], bank, slot_of,
+                                    gather=True)
+                routed = jnp.zeros_like(flat).at[:r].set(part)
             x = M.moe_finish(lp["moe"], h, hn, routed.reshape(h.shape))
             summs.append((before, after))
             unions.append(n_union)

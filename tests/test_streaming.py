@@ -166,3 +166,32 @@ def test_prefetch_loads_ahead_and_keeps_tokens(int4_dir, exp):
     assert s["prefetch_hits"] + s["prefetch_unused"] <= s["prefetch_loads"]
     assert 0 < s["prefetch_recall"] <= 1
     assert s["misses"] < runs[False].stats["misses"]
+
+
+def test_callback_padded_forwards_run_real_rows_and_are_batch_invariant(int4_dir, exp):
+    """fetch=callback computes (and fetches) routed experts for the real rows of a padded decode / verify only:
+    a position's logits are bitwise the same whether it runs alone or with 1-3 others, and equal fetch=loop's."""
+    from glm_jax import speculative as S
+
+    ids = (exp["greedy_prompt"].tolist() + exp["greedy_tokens"].tolist())[:14]
+    P, out = 6, {}
+    for fetch in ("callback", "loop"):
+        eng = glm_jax.Engine.load(int4_dir, fetch=fetch, cache_cap=2)
+        W = S.decode_width(eng, 3)
+        eng._ensure_cache(1, 64)
+
+        def fwd(tokens, pos):
+            t = np.zeros((1, max(W, len(tokens))), np.int32)
+            t[0, :len(tokens)] = tokens
+            lg, _ = eng.forward(t, np.array([pos], np.int32), np.array([len(tokens)], np.int32))
+            return np.asarray(lg[0, :len(tokens)])
+
+        fwd(ids[:P], 0)
+        one = np.concatenate([fwd([ids[p]], p) for p in range(P, P + 8)])
+        many = np.concatenate([fwd(ids[p:p + 4], p) for p in range(P, P + 8, 4)])
+        assert np.array_equal(one, many), (fetch, np.abs(one - many).max())
+        out[fetch] = one
+        if fetch == "callback":
+            assert any(k[0] == "cb_step" and k[-1] == 1 for k in eng._jits)     # the real-rows program ran
+        eng.close()
+    assert np.abs(out["callback"] - out["loop"]).max() < 1e-5
