@@ -6,6 +6,11 @@
         the same model through fetch=resident | loop | callback (experts via the store for loop/callback).
     python tools/bench.py --mode=plugins [--model=CONTAINER] [--cache_cap=8]
         bytes read per token (store-measured) with and without each routing plugin, route agreement / KL.
+    python tools/bench.py --mode=formats [--model=HF_DIR]
+        quality of each expert storage format: the model converted to int4_g64 / int4_row / int8_row / bf16 experts
+        (dense f32) vs the HF checkpoint run resident in f32, teacher forced: KL, top-1 agreement, max |dlogit|,
+        perplexity (default: the shipped model's HF original on its held-out text; a golden fixture is compared
+        with transformers' logits in expected.npz).
     python tools/bench.py --mode=stream ...      -> tools/bench_stream.py (cold-cache streaming vs disk bandwidth)
 """
 
@@ -24,7 +29,7 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins"], "Which benchmark.")
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats"], "Which benchmark.")
 flags.DEFINE_integer("cache_cap", 8, "--mode=plugins: expert cache cap per layer.")
 flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe_full for hf, the default model "
                     "otherwise).")
@@ -133,7 +138,69 @@ def bench_plugins(model_dir, n_new, cap):
                               "MTP off; bytes counted by the store at the read")
 
 
+def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_windows=8, length=128):
+    """Each expert format vs the f32 resident reference on the same token windows (teacher forced)."""
+    import tempfile
+
+    import numpy as np
+
+    import glm_jax
+    from glm_jax_tools import evaluate as ev
+    from glm_jax_tools.convert import convert
+
+    exp_path = os.path.join(hf_dir, "expected.npz")
+    heldout = os.path.join(hf_dir, "heldout.txt")
+    if not os.path.exists(heldout):
+        heldout = os.path.join(glm_jax.default_model_path(), "heldout.txt")
+    ref_eng = glm_jax.Engine.load(hf_dir, fetch="resident", dtype="float32")
+    if os.path.exists(exp_path):            # a golden fixture: transformers' f32 logits are the reference
+        exp = dict(np.load(exp_path))
+        wins = [r.tolist() for r in exp["input_ids"]]
+        refs = [exp["logits"][i].astype(np.float32) for i in range(len(wins))]
+        ref_name = "transformers f32 (expected.npz)"
+    else:
+        wins = ev.make_windows(ref_eng.tokenizer, ev.read_plays(heldout), n_windows, length, 1234)
+        refs = [ref_eng.logits(w) for w in wins]
+        ref_name = "glm-jax resident f32 on the HF checkpoint"
+    rows = []
+
+    def score(name, eng, size_mb=None):
+        kls, agree, dmax, nll = [], [], [], []
+        for w, r in zip(wins, refs):
+            lg = eng.logits(w)
+            kls.append(ev.kl_divergence(r, lg))
+            agree.append(lg.argmax(-1) == r.argmax(-1))
+            dmax.append(np.abs(lg - r).max())
+            t = np.asarray(w[1:])
+            nll.append(-ev.log_softmax(lg[:-1])[np.arange(len(t)), t])
+        rows.append({"experts": name, "expert MB (MTP int8)": size_mb, "KL(ref‖fmt)/token": float(np.concatenate(kls).mean()),
+                     "top-1 agreement": float(np.concatenate(agree).mean()), "max |Δlogit|": float(max(dmax)),
+                     "PPL": float(np.exp(np.concatenate(nll).mean()))})
+
+    score("reference (" + ref_name + ")", ref_eng) if not os.path.exists(exp_path) else None
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in fmts:
+            d = os.path.join(tmp, f)
+            man = convert(hf_dir, d, expert_format=f, dense_format="f32", progress=False)
+            mb = sum(e["length"] for e in man["experts"]) / 1e6
+            eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32")
+            score(f, eng, mb)
+            eng.close()
+    cols = ["experts", "expert MB (MTP int8)", "KL(ref‖fmt)/token", "top-1 agreement", "max |Δlogit|", "PPL"]
+    return markdown(rows, cols) + (f"\n\nmodel {hf_dir}; reference: {ref_name}; {len(wins)} windows of "
+                                   f"{len(wins[0])} tokens, teacher forced; dense weights f32 in every conversion")
+
+
 def main(argv):
+    if FLAGS.mode == "formats":
+        import glm_jax
+
+        out = bench_formats(FLAGS.model or os.path.join(ROOT, "models", "tiny_shakespeare_hf"))
+        print(out)
+        if FLAGS.out:
+            with open(FLAGS.out, "w") as f:
+                f.write(out + "\n")
+        return
     if FLAGS.mode == "stream":
         from glm_jax_tools import bench_stream
 
