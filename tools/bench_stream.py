@@ -179,7 +179,7 @@ def bench_engine(model_dir, cap=16, tokens=32, io_threads=4, direct_io=True, fet
     eng = glm_jax.Engine.load(model_dir, fetch=fetch, cache_cap=cap, io_threads=io_threads, direct_io=direct_io,
                               mtp=False, draft=0, read_chunk_mb=read_chunk_mb, prefetch=prefetch)
     prompt = [1 + (7 * i) % (cfg.vocab_size - 1) for i in range(8)]
-    eng.generate(prompt, max_new_tokens=3, stop_on_eos=False)           # compile
+    eng.generate(prompt, max_new_tokens=tokens, stop_on_eos=False)      # compile (same cache size as the timed run)
     eng.store.drop_cache()
     r = eng.generate(prompt, max_new_tokens=tokens, stop_on_eos=False)
     s = r.stats
@@ -188,6 +188,8 @@ def bench_engine(model_dir, cap=16, tokens=32, io_threads=4, direct_io=True, fet
     eng.close()
     limit = (lim["gbps"] + lim2["gbps"]) / 2
     n = s["decode_tokens"]
+    if s.get("compile_s", 0.0) > 0.05:
+        print(f"warning: {s['compile_s']:.2f} s of compilation inside the timed run", flush=True)
     return dict(tokens=n, wall_s=s["decode_s"], tok_s=s["decode_tok_s"], bytes_per_token=s["bytes_read_per_token"],
                 achieved_gbps=s["read_gbps"], limit_gbps=limit, ratio=s["read_gbps"] / limit, hit_rate=s["hit_rate"],
                 e2e_ratio=s["decode_bytes_read"] / s["decode_s"] / 1e9 / limit, chunk_mb=read_chunk_mb,
@@ -218,29 +220,46 @@ NOTE = ("ratio = achieved read rate (bytes read / time blocked on reads) / disk 
         "read queued at once, before and after the run (averaged).")
 
 
+def _median_row(runs: list) -> dict:
+    import statistics
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, float):
+            out[k] = statistics.median(r[k] for r in runs)
+    out["reps"] = len(runs)
+    return out
+
+
 def main(argv):
     from absl import flags
     F = flags.FLAGS
-    rows = []
     threads = [int(t) for t in F.io_threads.split(",")]
     chunks = [float(c) for c in F.read_chunk_mb.split(",")]
+    plan = []
     for th in threads:
         for ch in chunks:
             for cap in [int(c) for c in F.cap.split(",")]:
                 if F.engine:
                     for fetch in F.fetch.split(","):
                         for pf in sorted({int(p) for p in F.prefetch.split(",")}):
-                            if pf and fetch != "loop":
-                                continue
-                            rows.append(bench_engine(F.model, cap, F.tokens, th, F.direct_io, fetch, F.limit_reads,
-                                                     read_chunk_mb=ch, prefetch=bool(pf)))
-                            print(table(rows[-1:]).splitlines()[-1], flush=True)
+                            if not (pf and fetch != "loop"):
+                                plan.append((th, ch, cap, fetch, bool(pf)))
                 else:
-                    rows.append(bench(F.model, cap, F.tokens, th, F.direct_io, F.policy, F.compute, F.trace,
-                                      F.limit_reads, F.warmup_tokens, read_chunk_mb=ch))
-                    print(table(rows[-1:]).splitlines()[-1], flush=True)
-    print(table(rows))
-    print("\n" + NOTE)
+                    plan.append((th, ch, cap, "store", False))
+    runs = {p: [] for p in plan}
+    for rep in range(F.reps):            # interleaved: config A B C, A B C, ... (the disk's drift hits all alike)
+        for p in plan:
+            th, ch, cap, fetch, pf = p
+            if F.engine:
+                r = bench_engine(F.model, cap, F.tokens, th, F.direct_io, fetch, F.limit_reads, seed=rep,
+                                 read_chunk_mb=ch, prefetch=pf)
+            else:
+                r = bench(F.model, cap, F.tokens, th, F.direct_io, F.policy, F.compute, F.trace, F.limit_reads,
+                          F.warmup_tokens, seed=rep, read_chunk_mb=ch)
+            runs[p].append(r)
+            print(f"rep {rep}: " + table([r]).splitlines()[-1], flush=True)
+    print(table([_median_row(v) for v in runs.values()]))
+    print(f"\nmedian of {F.reps} interleaved reps per row. " + NOTE)
     if F.engine:
         print("engine decode through the store (MTP off), cold start; compute s = decode s - io_wait s")
 
@@ -250,6 +269,7 @@ def run():
     flags.DEFINE_string("model", None, "container directory", required=True)
     flags.DEFINE_string("cap", "16", "cache caps (comma list)")
     flags.DEFINE_integer("tokens", 48, "decode tokens")
+    flags.DEFINE_integer("reps", 3, "interleaved repetitions per configuration (the median is printed)")
     flags.DEFINE_integer("warmup_tokens", 0, "tokens not counted (0: cold from the first token)")
     flags.DEFINE_string("io_threads", "4", "I/O threads (comma list)")
     flags.DEFINE_bool("direct_io", False, "O_DIRECT reads")
