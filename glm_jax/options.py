@@ -43,8 +43,10 @@ OPTIONS = [
         env=("RAM_GB",)),
     Opt("direct_io", False, "bool", "Read experts with O_DIRECT (bypass the page cache).", env=("DIRECT",)),
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",)),
-    Opt("overlap", True, "bool", "fetch=loop: start the layer's resident (hit) experts and the shared expert before "
-        "reading its misses, so the reads overlap that compute (decode-sized forwards).", env=("PIPE",)),
+    Opt("overlap", False, "bool", "fetch=loop: start the layer's resident (hit) experts and the shared expert before "
+        "reading its misses, so the reads overlap that compute (decode-sized forwards; exact). Off by default: with "
+        "static shapes the routed terms are computed twice, which cost more than it hid on a 2-core CPU "
+        "(measured; see README).", env=("PIPE",)),
     Opt("read_chunk_mb", 1.0, "float", "Split each expert read into byte ranges of this many MB, so a layer's "
         "few large misses keep every I/O thread busy (0: one read per expert)."),
     Opt("prefetch", False, "bool", "Router-lookahead prefetch: apply layer L+1's router to layer L's state and load "

@@ -178,7 +178,7 @@ def test_callback_padded_forwards_run_real_rows_and_are_batch_invariant(int4_dir
     ids = (exp["greedy_prompt"].tolist() + exp["greedy_tokens"].tolist())[:14]
     P, out = 6, {}
     for fetch in ("callback", "loop"):
-        eng = glm_jax.Engine.load(int4_dir, fetch=fetch, cache_cap=2)
+        eng = glm_jax.Engine.load(int4_dir, fetch=fetch, cache_cap=2, overlap=True)   # loop: the hit/miss split too
         W = S.decode_width(eng, 3)
         eng._ensure_cache(1, 64)
 
