@@ -38,6 +38,9 @@ def format_stats(s: dict) -> str:
         parts.append(f"read {s['bytes_read'] / 1e6:.1f} MB")
     if "bytes_read_per_token" in s:
         parts.append(f"{s['bytes_read_per_token'] / 1e6:.2f} MB/token")
+    if s.get("prefetch_loads"):
+        parts.append(f"prefetch {int(s['prefetch_hits'])}/{int(s['prefetch_loads'])} loads used"
+                     + (f", recall {100 * s['prefetch_recall']:.0f}%" if "prefetch_recall" in s else ""))
     if "mtp_acceptance" in s:
         parts.append(f"MTP acceptance {100 * s['mtp_acceptance']:.1f}% ({s['tokens_per_forward']:.2f} tok/forward)")
     if s.get("experts_dropped"):

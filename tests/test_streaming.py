@@ -166,6 +166,10 @@ def test_prefetch_loads_ahead_and_keeps_tokens(int4_dir, exp):
     assert s["prefetch_hits"] + s["prefetch_unused"] <= s["prefetch_loads"]
     assert 0 < s["prefetch_recall"] <= 1
     assert s["misses"] < runs[False].stats["misses"]
+    from glm_jax.cli import format_stats
+    line = format_stats(s)
+    assert f"prefetch {s['prefetch_hits']}/{s['prefetch_loads']} loads used" in line and "recall" in line
+    assert "prefetch" not in format_stats(runs[False].stats)
 
 
 def test_callback_padded_forwards_run_real_rows_and_are_batch_invariant(int4_dir, exp):
