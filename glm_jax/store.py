@@ -204,6 +204,25 @@ def choose_pins(usage: dict, rec_bytes: dict, pin_bytes: float) -> dict:
     return out
 
 
+def _then(jobs: list, fin) -> list:
+    """Wrap a record's read jobs so that whichever finishes last runs ``fin`` (its checksum) on that I/O thread,
+    in parallel with the other records' reads instead of serially on the caller's thread."""
+    left = [len(jobs)]
+    lock = threading.Lock()
+
+    def wrap(j):
+        def run():
+            n = j()
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fin()
+            return n
+        return run
+    return [wrap(j) for j in jobs]
+
+
 class _Layer:
     def __init__(self, layer, source, E, slots, aliased_ok, device):
         import jax
@@ -227,7 +246,7 @@ class _Layer:
         self.free = list(range(slots - 1, -1, -1))
         self.touched: set = set()
         self.release: list = []
-        self.pending: list = []          # prefetch loads in flight: (futures, finish callbacks)
+        self.pending: list = []          # prefetch loads in flight: lists of futures
         self.prefetched: set = set()     # experts loaded by prefetch, not yet asked for
 
     def dests(self, slot: int) -> dict:
@@ -367,15 +386,14 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ I/O
     def _submit(self, L: int, experts: list, slots: list):
-        """Issue every read of these records at once (records split into ``read_chunk`` byte ranges); returns
-        (futures, finish callbacks) -- run the callbacks after the futures (checksums)."""
+        """Issue every read of these records at once (records split into ``read_chunk`` byte ranges; a record's
+        checksum runs on the thread that completes its last range); returns the futures (bytes each)."""
         lc = self.layers[L]
-        futs, fins = [], []
+        futs = []
         for e, s in zip(experts, slots):
             jobs, fin = self.source.read_jobs(L, e, lc.dests(s), self.read_chunk)
-            futs += [self._pool.submit(j) for j in jobs]
-            fins.append(fin)
-        return futs, fins
+            futs += [self._pool.submit(j) for j in _then(jobs, fin)]
+        return futs
 
     def _read_many(self, L: int, experts: list, slots: list) -> int:
         t = time.perf_counter()
@@ -385,10 +403,7 @@ class ExpertStore:
             n = sum(j() for j in jobs)
             fin()
         else:
-            futs, fins = self._submit(L, experts, slots)
-            n = sum(f.result() for f in futs)
-            for fin in fins:
-                fin()
+            n = sum(f.result() for f in self._submit(L, experts, slots))
         if self.sim_disk_gbps > 0:
             # benchmark aid (--sim_disk_gbps): pretend each loaded expert were sim_expert_mb on a disk of that
             # bandwidth.  Reported apart (sim_io_s, sim_bytes); bytes_read stays what was really read.
@@ -409,10 +424,8 @@ class ExpertStore:
         t = time.perf_counter()
         pend, lc.pending = lc.pending, []
         n = 0
-        for futs, fins in pend:
+        for futs in pend:
             n += sum(f.result() for f in futs)
-            for fin in fins:
-                fin()
         dt = time.perf_counter() - t
         with self._lock:
             self._stats["bytes_read"] += n
@@ -562,13 +575,13 @@ class ExpertStore:
                 lc.slot_of[e] = s
                 idx.cached.add(e)
             lc.prefetched.update(todo)
-            futs, fins = self._submit(layer, todo, slots)
+            futs = self._submit(layer, todo, slots)
             if self.sim_disk_gbps > 0:      # the simulated disk time runs in the background too
                 sim = len(todo) * self.sim_expert_mb * 1e6
                 futs.append(self._pool.submit(lambda t=sim / (self.sim_disk_gbps * 1e9): time.sleep(t) or 0))
                 self._stats["sim_io_s"] += sim / (self.sim_disk_gbps * 1e9)
                 self._stats["sim_bytes"] += int(sim)
-            lc.pending.append((futs, fins))
+            lc.pending.append(futs)
             self._stats["prefetch_loads"] += len(todo)
             self._stats["expert_loads"] += len(todo)
             self._stats["loads_per_layer"][layer] = self._stats["loads_per_layer"].get(layer, 0) + len(todo)
@@ -616,7 +629,7 @@ class ExpertStore:
         if save_usage and any(c.any() for c in self._usage.values()):
             self.save_usage()
         for lc in self.layers.values():
-            for futs, _ in lc.pending:
+            for futs in lc.pending:
                 cf.wait(futs)
             lc.pending = []
         self._pool.shutdown(wait=True)
