@@ -199,6 +199,10 @@ def _plot(rows, path):
     except ImportError:
         print("matplotlib not installed: no plot (pip install '.[bench]')", file=sys.stderr)
         return
+    rows = [r for r in rows if r.get("PPL Δ%") is not None]      # --noquality: nothing to plot against
+    if not rows:
+        print("no quality columns (--noquality): no speed-vs-quality plot", file=sys.stderr)
+        return
     corners = sorted({r["corner"] for r in rows})
     fig, axes = plt.subplots(1, len(corners), figsize=(7 * len(corners), 5), squeeze=False)
     for ax, c in zip(axes[0], corners):
