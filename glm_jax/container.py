@@ -32,7 +32,7 @@ Expert sources (what ``ExpertStore`` reads from) share one duck type::
     src.expert_layers -> tuple of layer indices      src.num_experts(layer) -> int
     src.layout(layer) -> RecordLayout                src.read_expert(layer, e, dests) -> bytes read
     src.read_jobs(layer, e, dests, chunk) -> (jobs, finish)   (the same read split into parallel byte ranges)
-    src.files() -> list of paths                     src.hint(layer, e)  (readahead)       src.close()
+    src.files() -> list of paths                     src.close()
 
 ``Container`` is the converted form; ``HFExpertSource`` (``open_expert_source`` on a plain HF directory) reads
 the experts straight from the safetensors files (f32 or bf16 records).
@@ -54,6 +54,7 @@ import numpy as np
 
 from glm_jax import quant
 from glm_jax.config import GlmJaxError, ModelConfig
+from glm_jax.weights import dequant_fp8     # weights imports this module only lazily (no cycle)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -449,13 +450,6 @@ class Container:
         self.read_expert(layer, e, dests)
         return dests
 
-    def hint(self, layer: int, e: int):
-        ent = self.entry(layer)
-        try:
-            os.posix_fadvise(ent.fd, int(ent.offsets[e]), int(ent.lengths[e]), os.POSIX_FADV_WILLNEED)
-        except (AttributeError, OSError):
-            pass
-
     def verify_all(self):
         for L in self.expert_layers:
             for e in range(self.num_experts(L)):
@@ -690,7 +684,7 @@ class SafeTensorsDir:
         if self.is_fp8(key):
             w = w.astype(np.float32)
             if sk in self.tensors:
-                w = fp8_block_dequant(w, self.read(sk).astype(np.float32))
+                w = dequant_fp8(w, self.read(sk).astype(np.float32))
             return w
         return np.asarray(w, np.float32) if w.dtype != np.float32 else w
 
@@ -702,11 +696,6 @@ class SafeTensorsDir:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-
-def fp8_block_dequant(w: np.ndarray, s: np.ndarray, block: int = 128) -> np.ndarray:
-    from glm_jax.weights import dequant_fp8     # one implementation (weights does not import this module)
-    return dequant_fp8(w, s, block)
 
 
 def expert_keys(layer: int) -> dict:
@@ -745,7 +734,7 @@ class HFExperts:
         if sk not in self.st:
             raise SourceError(f"{self.st.info(key).file}: FP8 tensor '{key}' has no '{sk}' (128x128 block scales)")
         try:
-            return fp8_block_dequant(w, self.st.read_row(sk, e))
+            return dequant_fp8(w, self.st.read_row(sk, e))
         except GlmJaxError as err:
             raise SourceError(f"{self.st.info(key).file}: '{sk}': {err}") from None
 
@@ -814,9 +803,6 @@ class HFExpertSource:
 
     def read_jobs(self, layer: int, e: int, dests: dict, chunk: int = 0):
         return [functools.partial(self.read_expert, layer, e, dests)], lambda: None
-
-    def hint(self, layer: int, e: int):
-        pass
 
     def close(self):
         self.st.close()

@@ -20,7 +20,7 @@ import numpy as np
 from glm_jax_plugins.routing import RoutingState
 
 from .config import ModelConfig
-from .quant import ExpertBank, bank_all, bank_take, take_dot
+from .quant import FLOAT_FORMATS, ExpertBank, bank_all, bank_take, take_dot
 
 F32 = jnp.float32
 
@@ -179,7 +179,7 @@ def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None):
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
-    if bank.fmt not in ("f32", "bf16"):     # quantized: no dequantized weight copy (quant.take_dot)
+    if bank.fmt not in FLOAT_FORMATS:      # quantized: no dequantized weight copy (quant.take_dot)
         def one(xs):                        # one row at a time: XLA:CPU's reduce codegen depends on the row
             x1, s1 = xs                     # count, and a row's result must not (decode vs verify, bitwise)
             h = take_dot(bank, "gate_up", s1[None], x1[None, None, :])      # [1,K,2I] f32

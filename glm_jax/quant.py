@@ -146,17 +146,18 @@ def take_dot(bank: ExpertBank, part: str, slots: jax.Array, x: jax.Array) -> jax
     are split into low (even j) and high (odd j) nibbles and multiplied with x's even / odd elements, summed per
     group, offset-corrected and scaled: a fused multiply-reduce over the packed bytes (XLA:CPU makes the
     dequantize-then-dot form several passes over an interleaved float copy: 3-8x slower at decode, measured).
-    int8 / float weights: converted, then one dot (faster than a multiply-reduce there, measured)."""
+    int8: converted, then one dot (faster than a multiply-reduce there, measured).  Float banks use bank_take."""
     q = jnp.take(getattr(bank, part), slots, axis=0)                          # [T, K, O, in'] packed/int8
     sc = getattr(bank, part + "_scale")
     sc = None if sc is None else jnp.take(sc, slots, axis=0)                  # [T, K, O, G]
     kind, _ = parse_format(bank.fmt)
+    if kind in FLOAT_FORMATS:
+        raise ValueError(f"take_dot is for quantized banks (got {bank.fmt}); float banks use bank_take")
     x = x.astype(jnp.float32)
     T, K = slots.shape
-    if kind in FLOAT_FORMATS or kind == "int8_row":      # a dot is fastest here (measured; XLA:CPU)
+    if kind == "int8_row":      # a dot is fastest here (measured; XLA:CPU)
         xb = jnp.broadcast_to(x, (T, K, x.shape[-1]))
-        y = jnp.einsum("tkoh,tkh->tko", q.astype(jnp.float32), xb)
-        return y if sc is None else y * sc[..., 0]
+        return jnp.einsum("tkoh,tkh->tko", q.astype(jnp.float32), xb) * sc[..., 0]
     # int4: sum_j (q_j - 8) x_j s_g = s_g (sum_j q_j x_j - 8 sum_j x_j), per group g
     G = sc.shape[-1]
     gs2 = q.shape[-1] // G

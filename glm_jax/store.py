@@ -405,16 +405,19 @@ class ExpertStore:
         else:
             n = sum(f.result() for f in self._submit(L, experts, slots))
         if self.sim_disk_gbps > 0:
-            # benchmark aid (--sim_disk_gbps): pretend each loaded expert were sim_expert_mb on a disk of that
-            # bandwidth.  Reported apart (sim_io_s, sim_bytes); bytes_read stays what was really read.
-            sim = len(experts) * self.sim_expert_mb * 1e6
-            time.sleep(sim / (self.sim_disk_gbps * 1e9))
-            self._stats["sim_io_s"] += sim / (self.sim_disk_gbps * 1e9)
-            self._stats["sim_bytes"] += int(sim)
+            time.sleep(self._sim_disk(len(experts)))
         self._stats["bytes_read"] += n
         self._stats["read_s"] += time.perf_counter() - t
         lc.touched.update(slots)
         return n
+
+    def _sim_disk(self, n_experts: int) -> float:
+        """Benchmark aid (--sim_disk_gbps): seconds that ``n_experts`` loads of ``sim_expert_mb`` MB would take on a
+        disk of that bandwidth; counted apart (sim_io_s, sim_bytes), bytes_read stays what was really read."""
+        sim = n_experts * self.sim_expert_mb * 1e6
+        self._stats["sim_io_s"] += sim / (self.sim_disk_gbps * 1e9)
+        self._stats["sim_bytes"] += int(sim)
+        return sim / (self.sim_disk_gbps * 1e9)
 
     def _wait_pending(self, L: int):
         """Block until the layer's prefetch loads have landed (their bytes counted now, where they are known)."""
@@ -577,10 +580,7 @@ class ExpertStore:
             lc.prefetched.update(todo)
             futs = self._submit(layer, todo, slots)
             if self.sim_disk_gbps > 0:      # the simulated disk time runs in the background too
-                sim = len(todo) * self.sim_expert_mb * 1e6
-                futs.append(self._pool.submit(lambda t=sim / (self.sim_disk_gbps * 1e9): time.sleep(t) or 0))
-                self._stats["sim_io_s"] += sim / (self.sim_disk_gbps * 1e9)
-                self._stats["sim_bytes"] += int(sim)
+                futs.append(self._pool.submit(lambda t=self._sim_disk(len(todo)): time.sleep(t) or 0))
             lc.pending.append(futs)
             self._stats["prefetch_loads"] += len(todo)
             self._stats["expert_loads"] += len(todo)
