@@ -95,22 +95,16 @@ def test_mtp_layer_one_position_at_a_time_equals_window(case):
 def test_decode_and_verify_rows_are_bitwise_equal(case):
     """Every decode / verify forward runs at one padded width, so a position's logits do not depend on how many
     positions share the forward (XLA:CPU T=1 vs T=4 kernels differ by ~1e-5 otherwise)."""
+    from padded_rows import padded_forward, rows_logits
+
     name, exp, eng, _ = case
-    W = S.decode_width(eng, 3)
     ids = (exp["greedy_prompt"].tolist() + exp["greedy_tokens"].tolist())[:14]
     P = 6
-    eng._ensure_cache(1, 64)
-
-    def fwd(tokens, pos):
-        t = np.zeros((1, max(W, len(tokens))), np.int32)
-        t[0, :len(tokens)] = tokens
-        lg, _ = eng.forward(t, np.array([pos], np.int32), np.array([len(tokens)], np.int32))
-        return np.asarray(lg[0, :len(tokens)])
-
+    fwd = padded_forward(eng)
     fwd(ids[:P], 0)
-    one = np.concatenate([fwd([ids[p]], p) for p in range(P, P + 8)])
+    one = rows_logits(fwd, ids, 1, P)
     for n in (2, 3, 4):
-        many = np.concatenate([fwd(ids[p:min(p + n, P + 8)], p) for p in range(P, P + 8, n)])
+        many = rows_logits(fwd, ids, n, P)
         assert np.array_equal(one, many), (name, n, np.abs(one - many).max())
 
 

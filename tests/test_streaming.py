@@ -177,24 +177,16 @@ def test_callback_padded_forwards_run_real_rows_and_are_batch_invariant(int4_dir
     fetch=loop (the default): a position's logits are bitwise the same whether it runs alone or with 1-3 others.
     fetch=callback compiles the whole step as one program per real-row count, and XLA fuses the int4 kernel
     differently in each: equal within 1e-4 there (measured ~8e-6), and equal to loop's within 1e-4."""
-    from glm_jax import speculative as S
+    from padded_rows import padded_forward, rows_logits
 
     ids = (exp["greedy_prompt"].tolist() + exp["greedy_tokens"].tolist())[:14]
     P, out = 6, {}
     for fetch in ("callback", "loop"):
         eng = glm_jax.Engine.load(int4_dir, fetch=fetch, cache_cap=2, overlap=True)   # loop: the hit/miss split too
-        W = S.decode_width(eng, 3)
-        eng._ensure_cache(1, 64)
-
-        def fwd(tokens, pos):
-            t = np.zeros((1, max(W, len(tokens))), np.int32)
-            t[0, :len(tokens)] = tokens
-            lg, _ = eng.forward(t, np.array([pos], np.int32), np.array([len(tokens)], np.int32))
-            return np.asarray(lg[0, :len(tokens)])
-
+        fwd = padded_forward(eng)
         fwd(ids[:P], 0)
-        one = np.concatenate([fwd([ids[p]], p) for p in range(P, P + 8)])
-        many = np.concatenate([fwd(ids[p:p + 4], p) for p in range(P, P + 8, 4)])
+        one = rows_logits(fwd, ids, 1, P)
+        many = rows_logits(fwd, ids, 4, P)
         if fetch == "loop":
             assert np.array_equal(one, many), (fetch, np.abs(one - many).max())
         else:
