@@ -177,7 +177,8 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
                      "top-1 agreement": float(np.concatenate(agree).mean()), "max |Δlogit|": float(max(dmax)),
                      "PPL": float(np.exp(np.concatenate(nll).mean()))})
 
-    score("reference (" + ref_name + ")", ref_eng) if not os.path.exists(exp_path) else None
+    if not os.path.exists(exp_path):
+        score("reference (" + ref_name + ")", ref_eng)
     with tempfile.TemporaryDirectory() as tmp:
         for f in fmts:
             d = os.path.join(tmp, f)
@@ -192,36 +193,22 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
 
 
 def main(argv):
-    if FLAGS.mode == "formats":
-        import glm_jax
-
-        out = bench_formats(FLAGS.model or os.path.join(ROOT, "models", "tiny_shakespeare_hf"))
-        print(out)
-        if FLAGS.out:
-            with open(FLAGS.out, "w") as f:
-                f.write(out + "\n")
-        return
     if FLAGS.mode == "stream":
         from glm_jax_tools import bench_stream
 
         return bench_stream.main(argv)
-    if FLAGS.mode == "plugins":
-        import glm_jax
+    import glm_jax
 
+    hf_model = os.path.join(ROOT, "models", "tiny_shakespeare_hf")
+    if FLAGS.mode == "formats":
+        out = bench_formats(FLAGS.model or hf_model)
+    elif FLAGS.mode == "plugins":
         out = bench_plugins(FLAGS.model or glm_jax.default_model_path(), FLAGS.new_tokens, FLAGS.cache_cap)
-        print(out)
-        if FLAGS.out:
-            with open(FLAGS.out, "w") as f:
-                f.write(out + "\n")
-        return
-    if FLAGS.mode == "hf":
-        model = FLAGS.model or os.path.join(ROOT, "tests", "golden", "glm4moe_full")
-        out = bench_hf(model, FLAGS.new_tokens, FLAGS.reps)
+    elif FLAGS.mode == "hf":
+        out = bench_hf(FLAGS.model or os.path.join(ROOT, "tests", "golden", "glm4moe_full"), FLAGS.new_tokens,
+                       FLAGS.reps)
     else:
-        import glm_jax
-
-        model = FLAGS.model or os.path.join(ROOT, "models", "tiny_shakespeare_hf")
-        out = bench_fetch(model, FLAGS.new_tokens, FLAGS.reps)
+        out = bench_fetch(FLAGS.model or hf_model, FLAGS.new_tokens, FLAGS.reps)
     print(out)
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
