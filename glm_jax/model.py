@@ -151,24 +151,24 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
     """THE MOE SEAM.  x [T, H]; ids/weights/valid [T, K]; bank: S expert slots; slot_of [E] id -> slot (None: identity).
 
     out[t] = sum_k valid[t,k] * weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k].
-    Small T*K gathers the selected slots; otherwise every slot is computed for every token and combined with a
-    [T, S] weight matrix (no data-dependent shapes either way); ``gather`` forces the choice."""
+    Small T*K gathers the selected slots; otherwise every slot is computed for every token and each token's K
+    outputs are picked from those (no data-dependent shapes either way); ``gather`` forces the choice."""
     T, K = ids.shape
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
-    w = jnp.where(valid, weights, 0.0).astype(F32)
     dt = x.dtype
     if (T * K <= S) if gather is None else gather:
         out = moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
     else:
         gu, dn = bank_all(bank, dt)                                         # [S,2I,H], [S,H,I]
         I = dn.shape[-1]
-        comb = jnp.zeros((T, S), F32).at[jnp.arange(T)[:, None], slots].add(w)
         h = jnp.einsum("th,sih->tsi", x, gu)
         a = jax.nn.silu(h[..., :I]) * h[..., I:]
-        y = jnp.einsum("tsi,shi->tsh", a, dn)
-        out = jnp.einsum("tsh,ts->th", y.astype(F32), comb)
+        y = jnp.einsum("tsi,shi->tsh", a, dn).astype(F32)                  # [T,S,H]
+        # summed in routing order (k), not slot order: where an expert sits depends on the cache's history, and
+        # the output must not (bitwise)
+        out = moe_combine(jnp.take_along_axis(y, slots[:, :, None], axis=1), weights, valid)
     return out.astype(dt)
 
 

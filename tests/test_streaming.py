@@ -196,3 +196,16 @@ def test_callback_padded_forwards_run_real_rows_and_are_batch_invariant(int4_dir
             assert any(k[0] == "cb_step" and k[-1] == 1 for k in eng._jits)     # the real-rows program ran
         eng.close()
     assert np.abs(out["callback"] - out["loop"]).max() < 1e-4
+
+
+def test_prefill_output_does_not_depend_on_cache_state(int4_dir, exp):
+    """A prefill (T*K > slots: every slot computed for every token) sums the experts in routing order, not in slot
+    order: slot placement depends on what the cache held before, and the logits must not (bitwise)."""
+    ids = exp["input_ids"][0].tolist()
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=3, draft=0)
+    cold = eng.logits(ids)
+    _gen(eng, exp, 16)                       # moves other experts into the cache
+    eng.logits(ids[::-1])
+    warm = eng.logits(ids)
+    eng.close()
+    assert np.array_equal(cold, warm), np.abs(cold - warm).max()
