@@ -282,6 +282,18 @@ def read_record_into(fd: int, direct_fd: Optional[int], layout: RecordLayout, of
     return sum(r() for r in record_reads(fd, direct_fd, layout, offset, dests))
 
 
+def balanced_chunk(length: int, threads: int, chunk: int) -> int:
+    """The byte-range size the store reads a ``length``-byte record with: at most ``chunk`` bytes, and the record
+    split into a multiple of ``threads`` near-equal ranges (4096-aligned), so that a batch of a few records ends
+    with every thread finishing together (1 MB ranges of a 3.5 MB record on 4 threads leave the fourth thread a
+    0.5 MB range: 11% of the batch's time with a thread idle).  0 stays 0 (one read per record)."""
+    if chunk <= 0 or length <= 0:
+        return 0
+    threads = max(1, threads)
+    n = threads * -(-length // (threads * chunk))          # ranges: a multiple of threads, each <= chunk
+    return min(_round_up(-(-length // n)), _round_up(chunk))
+
+
 def record_reads(fd: int, direct_fd: Optional[int], layout: RecordLayout, offset: int, dests: dict,
                  chunk: int = 0) -> list:
     """The read of one record as independent callables (run them in any order, on any threads; each returns the

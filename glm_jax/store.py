@@ -16,8 +16,9 @@ section (``gate_up [S, ...]``, ``gate_up_scale``, ``down``, ``down_scale``), wra
 retained cache OR the whole expert union of one forward, whichever is larger (a union larger than the cap is
 served, then trimmed back to ``cache_cap`` retained experts at the end of the call).  A miss is ONE ``preadv`` of
 the expert's record scattered straight into its slot rows of the four arrays (padding goes to scratch); all misses
-of one call are issued at once, each record split into ``read_chunk_mb`` byte ranges so every I/O thread stays busy
-to the end of the batch (a handful of large records over 4 threads otherwise leaves threads idle at the tail).
+of one call are issued at once, each record split into a multiple of ``io_threads`` near-equal byte ranges of at most
+``read_chunk_mb`` (``container.balanced_chunk``) so every I/O thread stays busy to the end of the batch (a handful of
+large records over 4 threads otherwise leaves threads idle at the tail).
 
 No re-transfer of hits.  On XLA:CPU ``jax.device_put`` of a 64-byte-aligned numpy array aliases it (checked at
 open with ``unsafe_buffer_pointer``; ``aliased`` in stats), so a read into a slot IS the device update and a hit
@@ -61,7 +62,7 @@ from typing import Optional
 import numpy as np
 
 from glm_jax.config import GlmJaxError, ModelConfig
-from glm_jax.container import config_hash, expert_layers, open_expert_source
+from glm_jax.container import balanced_chunk, config_hash, expert_layers, open_expert_source
 
 USAGE_FILE = ".glm_jax_usage.json"
 USAGE_VERSION = 1
@@ -389,9 +390,10 @@ class ExpertStore:
         """Issue every read of these records at once (records split into ``read_chunk`` byte ranges; a record's
         checksum runs on the thread that completes its last range); returns the futures (bytes each)."""
         lc = self.layers[L]
+        chunk = balanced_chunk(self.source.layout(L).record_len, self.io_threads, self.read_chunk)
         futs = []
         for e, s in zip(experts, slots):
-            jobs, fin = self.source.read_jobs(L, e, lc.dests(s), self.read_chunk)
+            jobs, fin = self.source.read_jobs(L, e, lc.dests(s), chunk)
             futs += [self._pool.submit(j) for j in _then(jobs, fin)]
         return futs
 

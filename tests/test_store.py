@@ -297,3 +297,19 @@ def test_chunked_reads_match_whole_record_reads(cont, tmp_path, direct):
     st.close(save_usage=False)
     with pytest.raises(StoreError, match="read_chunk_mb"):
         ExpertStore.open(d, cfg, cache_cap=1, read_chunk_mb=-1)
+
+
+def test_balanced_chunk_splits_a_record_evenly_over_the_threads():
+    """Each record is read as a multiple of io_threads near-equal ranges of at most read_chunk bytes."""
+    from glm_jax.container import balanced_chunk
+    MB = 1 << 20
+    for length in (3_540_000, 19_000_000, 4096 * 3, 7 * MB):
+        for threads in (1, 2, 4, 8):
+            for chunk in (4096, MB, 4 * MB):
+                c = balanced_chunk(length, threads, chunk)
+                n = -(-length // c)
+                assert c % 4096 == 0 and c <= max(chunk, 4096)
+                assert n % threads == 0 or c == 4096, (length, threads, chunk, c, n)
+                assert length - (n - 1) * c >= c - n * 4096      # the last range is as long as the others, +- rounding
+    assert balanced_chunk(3_540_000, 4, MB) == 4096 * 217           # 4 ranges of 0.885 MB, not 1+1+1+0.54
+    assert balanced_chunk(123, 4, 0) == 0

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from glm_jax.config import load_config
-from glm_jax.container import open_container, record_reads, _aligned_empty
+from glm_jax.container import balanced_chunk, open_container, record_reads, _aligned_empty
 
 
 def drop_cache(paths):
@@ -39,8 +39,8 @@ def drop_cache(paths):
 
 def disk_limit(container, n_reads: int, io_threads: int, direct_io: bool, seed: int = 1, chunk: int = 0) -> dict:
     """Random record reads of the container's files with the store's read path (the same ``record_reads`` byte
-    ranges of ``chunk`` bytes, the same thread count, all queued at once so no thread ever idles: the best the disk
-    does with these requests); page cache dropped first."""
+    ranges, ``balanced_chunk`` of ``chunk`` bytes, the same thread count, all queued at once so no thread ever
+    idles: the best the disk does with these requests); page cache dropped first."""
     drop_cache(container.files())
     rng = np.random.default_rng(seed)
     layers = list(container.expert_layers)
@@ -58,7 +58,8 @@ def disk_limit(container, n_reads: int, io_threads: int, direct_io: bool, seed: 
             for b in bufs[key].values():
                 b.fill(0)
         ent = container.entry(L)
-        return record_reads(ent.fd, ent.direct_fd, lay, int(ent.offsets[e]), bufs[key], chunk)
+        return record_reads(ent.fd, ent.direct_fd, lay, int(ent.offsets[e]), bufs[key],
+                            balanced_chunk(lay.record_len, io_threads, chunk))
 
     work = [r for i, j in enumerate(jobs) for r in reads(i, j)]
     t = time.perf_counter()
