@@ -332,16 +332,22 @@ def record_reads(fd: int, direct_fd: Optional[int], layout: RecordLayout, offset
     if chunk <= 0 or chunk >= length:
         return [lambda: _preadv_full(dfd, iov, offset)]
     chunk = _round_up(chunk)
-    views = [memoryview(b).cast("B") for b in iov]
-    starts = np.cumsum([0] + [len(v) for v in views])
-    out = []
+    views, s0 = [], 0                   # (view, start, end) in record bytes; plain ints (numpy scalars are slow here)
+    for b in iov:
+        v = memoryview(b).cast("B")
+        views.append((v, s0, s0 + len(v)))
+        s0 += len(v)
+    out, i = [], 0
     for a in range(0, length, chunk):
         b = min(a + chunk, length)
         part = []
-        for v, s0, s1 in zip(views, starts[:-1], starts[1:]):
-            lo, hi = max(a, s0), min(b, s1)
-            if lo < hi:
-                part.append(v[lo - s0:hi - s0])
+        while i < len(views) and views[i][2] <= a:
+            i += 1
+        j = i
+        while j < len(views) and views[j][1] < b:
+            v, lo, hi = views[j]
+            part.append(v[max(a, lo) - lo:min(b, hi) - lo])
+            j += 1
         out.append(functools.partial(_preadv_full, dfd, part, offset + a))
     return out
 

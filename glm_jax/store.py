@@ -14,11 +14,12 @@ Memory layout.  Each expert layer owns a slot arena: one page-aligned (anonymous
 section (``gate_up [S, ...]``, ``gate_up_scale``, ``down``, ``down_scale``), wrapped once as the jax arrays of an
 ``ExpertBank``.  ``S = min(E, pinned + max(cache_cap, max_working_set))``: the pinned experts, then room for the
 retained cache OR the whole expert union of one forward, whichever is larger (a union larger than the cap is
-served, then trimmed back to ``cache_cap`` retained experts at the end of the call).  A miss is ONE ``preadv`` of
-the expert's record scattered straight into its slot rows of the four arrays (padding goes to scratch); all misses
-of one call are issued at once, each record split into a multiple of ``io_threads`` near-equal byte ranges of at most
+served, then trimmed back to ``cache_cap`` retained experts at the end of the call).  A miss reads the expert's
+record straight into its slot rows of the four arrays (``preadv`` scatter; padding goes to scratch); all misses of
+one call are issued at once, each record split into a multiple of ``io_threads`` near-equal byte ranges of at most
 ``read_chunk_mb`` (``container.balanced_chunk``) so every I/O thread stays busy to the end of the batch (a handful of
-large records over 4 threads otherwise leaves threads idle at the tail).
+large records over 4 threads otherwise leaves threads idle at the tail).  The retained slots' pages are faulted in
+by a background thread at open (``MADV_POPULATE_WRITE``), so a first read into a slot does not pay page faults.
 
 No re-transfer of hits.  On XLA:CPU ``jax.device_put`` of a 64-byte-aligned numpy array aliases it (checked at
 open with ``unsafe_buffer_pointer``; ``aliased`` in stats), so a read into a slot IS the device update and a hit
@@ -64,6 +65,7 @@ import numpy as np
 from glm_jax.config import GlmJaxError, ModelConfig
 from glm_jax.container import balanced_chunk, config_hash, expert_layers, open_expert_source
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)    # Linux >= 5.14; older kernels: EINVAL -> touch
 USAGE_FILE = ".glm_jax_usage.json"
 USAGE_VERSION = 1
 
@@ -276,6 +278,20 @@ class _Layer:
             if ok:
                 self.touched.discard(slot)
 
+    def populate(self, n: int) -> bool:
+        """Fault in the first ``n`` slots' pages (MADV_POPULATE_WRITE: page tables only, the contents are not
+        touched, so it is safe while reads land in those slots), so that a miss into a fresh slot does not pay
+        its page faults inside the read.  Slots are handed out from 0 up: these are the retained cache's slots.
+        False where the kernel lacks it (< 5.14): the pages then fault in on first use, as before."""
+        for name, mm in zip(list(self.arrays), list(self._mms)):
+            nb = min(n, self.S) * self.slot_bytes[name]
+            if nb:
+                try:
+                    mm.madvise(MADV_POPULATE_WRITE, 0, nb)
+                except (AttributeError, OSError, ValueError):     # old kernel, or the store closed meanwhile
+                    return False
+        return True
+
     def slot_of_slot(self, slot: int) -> int:
         hit = np.nonzero(self.slot_of == slot)[0]
         return int(hit[0]) if len(hit) else -1
@@ -316,6 +332,13 @@ class ExpertStore:
             self.index[L] = CacheIndex(E, min(cache_cap, E - P), S - P, policy, pinned)
             self._usage[L] = np.zeros(E, np.float64)
         self.aliased = all(lc.aliased for lc in self.layers.values())
+        # fault in the retained cache's pages in the background (startup is not delayed; ~2 GB/s of page tables)
+        todo = [(lc, int(self.index[L].pinned.sum()) + self.index[L].cap) for L, lc in self.layers.items()]
+        self._closing = False
+        self._populate = threading.Thread(
+            target=lambda: all(not self._closing and lc.populate(n) for lc, n in todo), daemon=True,
+            name="glm-jax-populate")
+        self._populate.start()
         self._scatter = None
         self.reset_stats()
         # load pinned experts (counted: pin_bytes_read and bytes_read)
@@ -628,6 +651,7 @@ class ExpertStore:
             pass
 
     def close(self, save_usage: bool = True):
+        self._closing = True
         if save_usage and any(c.any() for c in self._usage.values()):
             self.save_usage()
         for lc in self.layers.values():
@@ -635,6 +659,7 @@ class ExpertStore:
                 cf.wait(futs)
             lc.pending = []
         self._pool.shutdown(wait=True)
+        self._populate.join()
         self.source.close()
         for lc in self.layers.values():
             lc.close()

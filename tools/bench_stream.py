@@ -6,8 +6,10 @@
 
 1. Cold cache: ``posix_fadvise(DONTNEED)`` on every expert file before every token (outside the timing), so an
    evicted expert read again comes from the disk, not the page cache (or O_DIRECT reads with --direct_io).
-2. Disk limit (measured before and after the run, averaged): random whole-record reads of the SAME files, with the SAME read path (one preadv per record into
-   page-aligned buffers), request size (= record length) and thread count, page cache dropped first.
+2. Disk limit (``DiskLimit``): random record reads of the SAME files with the SAME read path (the store's byte
+   ranges into page-aligned buffers), request size and thread count, every range queued at once, page cache dropped
+   first; sampled before the run, after it, and in bursts of ``--limit_burst`` records every ``--limit_every``
+   fetch calls during it (outside the timing), so the disk's drift hits the run and its limit alike.
 3. Decode: a routing trace (``--trace`` jsonl from the engine, else synthetic: Zipf popularity from the model's
    ``e_score_correction_bias`` + temporal locality) replayed through ``store.fetch`` per layer per token, with
    the experts' compute (in-jit dequant + matvec of the routed experts via ``bank_take``) when ``--compute``.
@@ -37,37 +39,72 @@ def drop_cache(paths):
             os.close(fd)
 
 
-def disk_limit(container, n_reads: int, io_threads: int, direct_io: bool, seed: int = 1, chunk: int = 0) -> dict:
-    """Random record reads of the container's files with the store's read path (the same ``record_reads`` byte
-    ranges, ``balanced_chunk`` of ``chunk`` bytes, the same thread count, all queued at once so no thread ever
-    idles: the best the disk does with these requests); page cache dropped first."""
-    drop_cache(container.files())
-    rng = np.random.default_rng(seed)
-    layers = list(container.expert_layers)
-    jobs = [(layers[rng.integers(len(layers))], int(rng.integers(container.num_experts(layers[0]))))
-            for _ in range(n_reads)]
-    jobs = list(dict.fromkeys(jobs))        # each record once (no page-cache re-hits)
-    bufs = {}
+class DiskLimit:
+    """The disk limit, sampled in bursts interleaved with the run (this virtual disk drifts by +-30% within
+    minutes, so a limit measured only before and after a run scatters the ratio more than the store does).
 
-    def reads(i, job):
-        L, e = job
-        lay = container.layout(L)
-        key = (lay.fmt, lay.record_len, i % (2 * io_threads))
-        if key not in bufs:     # a few reused, pre-touched buffer sets, like the store's slots (no page faults timed)
-            bufs[key] = {s.name: _aligned_empty(s.nbytes) for s in lay.sections}
-            for b in bufs[key].values():
+    A burst: ``n`` distinct random records of the container's files read with the store's read path (the same
+    ``record_reads`` byte ranges, ``balanced_chunk`` of ``chunk`` bytes, the same thread count), every range queued
+    at once so no thread idles: the best the disk does with these requests.  The page cache is dropped before and
+    after each burst, so the burst reads the disk and leaves the run nothing to hit.  ``gbps`` = all bursts' bytes
+    / all bursts' seconds."""
+
+    def __init__(self, container, io_threads: int, direct_io: bool, chunk: int = 0, seed: int = 1):
+        self.c, self.threads, self.direct, self.chunk = container, io_threads, direct_io, chunk
+        self.rng = np.random.default_rng(seed)
+        self.pool = cf.ThreadPoolExecutor(io_threads)
+        self.bufs: dict = {}
+        self.bytes, self.s, self.bursts = 0, 0.0, 0
+
+    def _reads(self, i, L, e):
+        lay = self.c.layout(L)
+        key = (lay.fmt, lay.record_len, i % (2 * self.threads))
+        if key not in self.bufs:    # a few reused, pre-touched buffer sets, like the store's slots (no page faults)
+            self.bufs[key] = {s.name: _aligned_empty(s.nbytes) for s in lay.sections}
+            for b in self.bufs[key].values():
                 b.fill(0)
-        ent = container.entry(L)
-        return record_reads(ent.fd, ent.direct_fd, lay, int(ent.offsets[e]), bufs[key],
-                            balanced_chunk(lay.record_len, io_threads, chunk))
+        ent = self.c.entry(L)
+        return record_reads(ent.fd, ent.direct_fd, lay, int(ent.offsets[e]), self.bufs[key],
+                            balanced_chunk(lay.record_len, self.threads, self.chunk))
 
-    work = [r for i, j in enumerate(jobs) for r in reads(i, j)]
-    t = time.perf_counter()
-    with cf.ThreadPoolExecutor(io_threads) as ex:
-        n = sum(f.result() for f in [ex.submit(r) for r in work])
-    dt = time.perf_counter() - t
-    drop_cache(container.files())
-    return {"bytes": n, "s": dt, "gbps": n / dt / 1e9, "reads": len(jobs)}
+    def burst(self, n: int) -> float:
+        """Read ``n`` random records; returns the seconds spent (reading and dropping the page cache)."""
+        t0 = time.perf_counter()
+        layers = list(self.c.expert_layers)
+        jobs = [(layers[self.rng.integers(len(layers))], int(self.rng.integers(self.c.num_experts(layers[0]))))
+                for _ in range(n)]
+        jobs = list(dict.fromkeys(jobs))          # each record once (no page-cache re-hits)
+        work = [r for i, (L, e) in enumerate(jobs) for r in self._reads(i, L, e)]
+        drop_cache(self.c.files())
+        t = time.perf_counter()
+        nb = sum(f.result() for f in [self.pool.submit(r) for r in work])
+        self.s += time.perf_counter() - t
+        self.bytes += nb
+        self.bursts += 1
+        drop_cache(self.c.files())
+        return time.perf_counter() - t0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.s / 1e9 if self.s else float("nan")
+
+    def close(self):
+        self.pool.shutdown()
+
+
+def interleave_limit(store, lim: DiskLimit, every: int, n: int, skip: int = 0) -> dict:
+    """Wrap ``store.fetch`` so that every ``every``-th call (after the first ``skip``) first runs a disk-limit burst
+    of ``n`` records; returns {"s": seconds spent in bursts} (the caller takes them out of its wall time)."""
+    out = {"s": 0.0, "calls": 0}
+    fetch = store.fetch
+
+    def wrapped(layer, ids):
+        out["calls"] += 1
+        if every > 0 and out["calls"] > skip and out["calls"] % every == 0:
+            out["s"] += lim.burst(n)
+        return fetch(layer, ids)
+    store.fetch = wrapped
+    return out
 
 
 def synthetic_trace_from_model(model_dir, cfg, n_tokens, repeat=0.3, seed=0):
@@ -101,15 +138,15 @@ def synthetic_trace_from_model(model_dir, cfg, n_tokens, repeat=0.3, seed=0):
 
 def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="lru", compute=False,
           trace_path=None, limit_reads=64, warmup_tokens=0, seed=0, verify="none", cold_every_token=True,
-          read_chunk_mb=1.0) -> dict:
+          read_chunk_mb=1.0, limit_every=8, limit_burst=16) -> dict:
     import jax
     import jax.numpy as jnp
     from glm_jax import quant
     from glm_jax.store import ExpertStore
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
-    chunk = int(read_chunk_mb * (1 << 20))
-    lim = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 1, chunk=chunk)
+    lim = DiskLimit(c, io_threads, direct_io, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
+    lim.burst(limit_reads)
     rec = c.layout(c.expert_layers[0]).record_len
     if trace_path:
         from glm_jax_tools.cache_sim import load_trace
@@ -120,6 +157,7 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
     st = ExpertStore.open(model_dir, cfg, cache_cap=cap, io_threads=io_threads, direct_io=direct_io,
                           policy=policy, verify=verify, max_working_set=cfg.num_experts_per_tok,
                           read_chunk_mb=read_chunk_mb)
+    bursts = interleave_limit(st, lim, limit_every, limit_burst)
     H = cfg.hidden_size
 
     @jax.jit
@@ -143,6 +181,7 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
             st.reset_stats()
             t0 = time.perf_counter()
             compute_s = 0.0
+            bursts["s"] = 0.0
         for L, ids in fwd:
             bank, so = st.fetch(L, np.asarray(ids, np.int32))
             if compute:
@@ -150,52 +189,57 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
                 y = experts(bank, jnp.asarray(so[ids]), x)
                 y.block_until_ready()            # the engine reads the next routing back: same sync point
                 compute_s += time.perf_counter() - tc
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - bursts["s"]
     s = st.stats()
     st.close(save_usage=False)
-    lim2 = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 2, chunk=chunk)   # before and after
+    lim.burst(limit_reads)
+    lim.close()
     c.close()
-    lim = {"gbps": (lim["gbps"] + lim2["gbps"]) / 2}
     n = len(trace) - warmup_tokens
     return dict(tokens=n, wall_s=wall, tok_s=n / wall, bytes_per_token=s["bytes_read"] / n,
-                achieved_gbps=s["read_gbps"], limit_gbps=lim["gbps"], ratio=s["read_gbps"] / lim["gbps"],
-                e2e_ratio=s["bytes_read"] / wall / 1e9 / lim["gbps"],
+                achieved_gbps=s["read_gbps"], limit_gbps=lim.gbps, ratio=s["read_gbps"] / lim.gbps,
+                e2e_ratio=s["bytes_read"] / wall / 1e9 / lim.gbps, limit_bursts=lim.bursts,
                 hit_rate=s["hit_rate"], io_wait_s=s["io_wait_s"], compute_s=compute_s, record_mb=rec / 1e6,
                 cap=cap, io_threads=io_threads, direct_io=direct_io, misses=s["misses"], aliased=s["aliased"],
                 chunk_mb=read_chunk_mb, prefetch=False)
 
 
 def bench_engine(model_dir, cap=16, tokens=32, io_threads=4, direct_io=True, fetch="loop", limit_reads=64,
-                 seed=0, read_chunk_mb=1.0, prefetch=False) -> dict:
+                 seed=0, read_chunk_mb=1.0, prefetch=False, limit_every=8, limit_burst=16) -> dict:
     """The same measurement through the real engine (glm_jax.Engine, fetch=loop|callback, MTP off): the store is
     made cold (cache forgotten, page cache dropped) before the timed generation; with ``direct_io`` every miss is a
-    disk read.  Compile time is excluded (a warm-up generation first)."""
+    disk read.  Compile time is excluded (a warm-up generation first).  Disk-limit bursts run between fetch calls
+    of the decode (not the prefill's) and their time is taken out of the decode time."""
     import glm_jax
 
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
-    chunk = int(read_chunk_mb * (1 << 20))
-    lim = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 1, chunk=chunk)
+    lim = DiskLimit(c, io_threads, direct_io, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
+    lim.burst(limit_reads)
     rec = c.layout(c.expert_layers[0]).record_len
     eng = glm_jax.Engine.load(model_dir, fetch=fetch, cache_cap=cap, io_threads=io_threads, direct_io=direct_io,
                               mtp=False, draft=0, read_chunk_mb=read_chunk_mb, prefetch=prefetch)
     prompt = [1 + (7 * i) % (cfg.vocab_size - 1) for i in range(8)]
     eng.generate(prompt, max_new_tokens=tokens, stop_on_eos=False)      # compile (same cache size as the timed run)
     eng.store.drop_cache()
+    bursts = interleave_limit(eng.store, lim, limit_every, limit_burst, skip=len(c.expert_layers))  # not prefill
     r = eng.generate(prompt, max_new_tokens=tokens, stop_on_eos=False)
     s = r.stats
-    lim2 = disk_limit(c, limit_reads, io_threads, direct_io, seed=seed + 2, chunk=chunk)
+    lim.burst(limit_reads)
+    lim.close()
     c.close()
     eng.close()
-    limit = (lim["gbps"] + lim2["gbps"]) / 2
+    limit = lim.gbps
     n = s["decode_tokens"]
+    decode_s = s["decode_s"] - bursts["s"]
     if s.get("compile_s", 0.0) > 0.05:
         print(f"warning: {s['compile_s']:.2f} s of compilation inside the timed run", flush=True)
-    return dict(tokens=n, wall_s=s["decode_s"], tok_s=s["decode_tok_s"], bytes_per_token=s["bytes_read_per_token"],
+    return dict(tokens=n, wall_s=decode_s, tok_s=n / decode_s, bytes_per_token=s["bytes_read_per_token"],
                 achieved_gbps=s["read_gbps"], limit_gbps=limit, ratio=s["read_gbps"] / limit, hit_rate=s["hit_rate"],
-                e2e_ratio=s["decode_bytes_read"] / s["decode_s"] / 1e9 / limit, chunk_mb=read_chunk_mb,
+                e2e_ratio=s["decode_bytes_read"] / decode_s / 1e9 / limit, chunk_mb=read_chunk_mb,
+                limit_bursts=lim.bursts,
                 prefetch=prefetch, prefetch_recall=s.get("prefetch_recall", float("nan")),
-                io_wait_s=s["io_wait_s"], compute_s=max(s["decode_s"] - s["io_wait_s"], 0.0), record_mb=rec / 1e6,
+                io_wait_s=s["io_wait_s"], compute_s=max(decode_s - s["io_wait_s"], 0.0), record_mb=rec / 1e6,
                 cap=cap, io_threads=io_threads, direct_io=direct_io, misses=s["misses"], aliased=s["aliased"],
                 fetch=fetch)
 
@@ -218,7 +262,7 @@ def table(rows) -> str:
 NOTE = ("ratio = achieved read rate (bytes read / time blocked on reads) / disk limit; e2e ratio = bytes read / "
         "decode wall time / disk limit (compute included: 1.0 means decode runs at the disk's speed). The disk limit "
         "is measured by this tool on the same files with the same request size (chunk) and thread count, every "
-        "read queued at once, before and after the run (averaged).")
+        "read queued at once, before and after the run and in bursts during it (outside the timing).")
 
 
 def _median_row(runs: list) -> dict:
@@ -253,10 +297,11 @@ def main(argv):
             th, ch, cap, fetch, pf = p
             if F.engine:
                 r = bench_engine(F.model, cap, F.tokens, th, F.direct_io, fetch, F.limit_reads, seed=rep,
-                                 read_chunk_mb=ch, prefetch=pf)
+                                 read_chunk_mb=ch, prefetch=pf, limit_every=F.limit_every, limit_burst=F.limit_burst)
             else:
                 r = bench(F.model, cap, F.tokens, th, F.direct_io, F.policy, F.compute, F.trace, F.limit_reads,
-                          F.warmup_tokens, seed=rep, read_chunk_mb=ch)
+                          F.warmup_tokens, seed=rep, read_chunk_mb=ch, limit_every=F.limit_every,
+                          limit_burst=F.limit_burst)
             runs[p].append(r)
             print(f"rep {rep}: " + table([r]).splitlines()[-1], flush=True)
     print(table([_median_row(v) for v in runs.values()]))
@@ -281,7 +326,9 @@ def run():
     flags.DEFINE_string("fetch", "loop,callback", "with --engine: fetch modes to run (both printed)")
     flags.DEFINE_string("read_chunk_mb", "1", "read chunk sizes in MB (comma list; 0 = one read per record)")
     flags.DEFINE_string("prefetch", "0", "with --engine: router-lookahead prefetch off/on (comma list of 0/1)")
-    flags.DEFINE_integer("limit_reads", 96, "random record reads for the disk limit (measured before and after)")
+    flags.DEFINE_integer("limit_reads", 96, "random record reads for the disk limit before and after the run (each)")
+    flags.DEFINE_integer("limit_every", 8, "a disk-limit burst every this many fetch calls during the run (0: none)")
+    flags.DEFINE_integer("limit_burst", 16, "records per disk-limit burst")
     app.run(main)
 
 
