@@ -102,7 +102,10 @@ class Engine:
                  store=None):
         self.path = path
         self.cfg = cfg
-        self.params = params
+        # committed to the device, like the store's banks and the cache: jit keys its compiled programs on whether
+        # each argument is committed, and a mix that changes between calls compiles the same program again
+        self.device = jax.devices()[0]
+        self.params = jax.device_put(params, self.device)
         self.opts = opts
         self.tokenizer = tokenizer
         self.store = store
@@ -181,7 +184,8 @@ class Engine:
         if need > cap:
             raise GlmJaxError(f"option 'max_seq_len': {cap} tokens is too small for this request ({need} needed)")
         if self._cache is None or self._cache_len < cap or self._cache_batch != batch:
-            self._cache = M.init_cache(self.cfg, batch, cap, self.dtype, with_mtp=self.params.get("mtp") is not None)
+            self._cache = jax.device_put(M.init_cache(self.cfg, batch, cap, self.dtype,
+                                                      with_mtp=self.params.get("mtp") is not None), self.device)
             self._cache_len = cap
             self._cache_batch = batch
         return self._cache

@@ -47,8 +47,9 @@ OPTIONS = [
         "reading its misses, so the reads overlap that compute (decode-sized forwards; exact). Off by default: with "
         "static shapes the routed terms are computed twice, which cost more than it hid on a 2-core CPU "
         "(measured; see README).", env=("PIPE",)),
-    Opt("read_chunk_mb", 1.0, "float", "Split each expert read into byte ranges of this many MB, so a layer's "
-        "few large misses keep every I/O thread busy (0: one read per expert)."),
+    Opt("read_chunk_mb", 1.0, "float", "Split each expert read into a multiple of io_threads near-equal byte "
+        "ranges of at most this many MB, so a layer's few large misses keep every I/O thread busy to the end "
+        "(0: one read per expert)."),
     Opt("prefetch", False, "bool", "Router-lookahead prefetch: apply layer L+1's router to layer L's state and load "
         "its predicted experts into free cache slots in the background while layer L computes (recall and "
         "prefetch_hits / prefetch_unused are reported).", env=("PILOT",)),

@@ -207,5 +207,21 @@ def test_prefill_output_does_not_depend_on_cache_state(int4_dir, exp):
     _gen(eng, exp, 16)                       # moves other experts into the cache
     eng.logits(ids[::-1])
     warm = eng.logits(ids)
-    eng.close()
     assert np.array_equal(cold, warm), np.abs(cold - warm).max()
+    eng.close()
+
+
+def test_second_generation_compiles_nothing(int4_dir, exp):
+    """Params and cache are committed to the device from the start: jit keys its programs on each argument's
+    committed-ness, and a mix that changed between calls made a second generate compile the same programs again."""
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=3, draft=0)
+
+    def compiled():     # compiled variants of every jitted function the engine holds
+        fs = list(eng._jits.values()) + list(getattr(eng, "_stream_fns", {}).values())
+        return sum(g._cache_size() for f in fs for g in (f if isinstance(f, tuple) else (f,)))
+    _gen(eng, exp, 4)
+    assert compiled() > 0
+    n = compiled()
+    _gen(eng, exp, 4)
+    assert compiled() == n
+    eng.close()

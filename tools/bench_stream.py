@@ -199,6 +199,7 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
     return dict(tokens=n, wall_s=wall, tok_s=n / wall, bytes_per_token=s["bytes_read"] / n,
                 achieved_gbps=s["read_gbps"], limit_gbps=lim.gbps, ratio=s["read_gbps"] / lim.gbps,
                 e2e_ratio=s["bytes_read"] / wall / 1e9 / lim.gbps, limit_bursts=lim.bursts,
+                loads_per_layer=s["loads_per_layer"],
                 hit_rate=s["hit_rate"], io_wait_s=s["io_wait_s"], compute_s=compute_s, record_mb=rec / 1e6,
                 cap=cap, io_threads=io_threads, direct_io=direct_io, misses=s["misses"], aliased=s["aliased"],
                 chunk_mb=read_chunk_mb, prefetch=False)
