@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "glm_moe_dsa")
 

@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import time
 from typing import Optional, Sequence, Union
 
 import jax

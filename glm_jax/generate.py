@@ -88,7 +88,6 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
     prefill_s = time.perf_counter() - t0 - (engine.compile_s - compile0)
     compile1 = engine.compile_s
     store_prefill = engine.store.stats() if engine.store is not None else None
-    route_prefill = dict(engine._route_acc)
     engine._route_acc = {}
 
     out = []

@@ -32,7 +32,7 @@ glm_moe_dsa (``get_mtp_config`` raises), so this is the vLLM/SGLang reading of t
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

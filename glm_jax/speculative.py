@@ -220,7 +220,6 @@ class SpecPlan:
         """Continue a generation whose prefill is done.  prompt_hidden [P, H]: main hidden of the prompt positions;
         out = [x_P] (sampled from the prefill logits, not yet in the cache).  Returns (out, forwards, stats, key)."""
         k, W = self.k, decode_width(engine, self.k)
-        cfg = engine.cfg
         mtp = self.source == "mtp"
         streamed = engine.opts["fetch"] != "resident"
         P = len(prompt_ids)

@@ -63,7 +63,7 @@ from typing import Optional
 import numpy as np
 
 from glm_jax.config import GlmJaxError, ModelConfig
-from glm_jax.container import balanced_chunk, config_hash, expert_layers, open_expert_source
+from glm_jax.container import balanced_chunk, config_hash, open_expert_source
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)    # Linux >= 5.14; older kernels: EINVAL -> touch
 USAGE_FILE = ".glm_jax_usage.json"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 
 from absl import app, flags
@@ -39,7 +38,6 @@ flags.DEFINE_string("out", "", "Also write the markdown table here.")
 
 
 def bench_hf(model_dir, n_new, reps):
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 

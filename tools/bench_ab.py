@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 from absl import app, flags
 
@@ -84,8 +83,6 @@ def _needs_pin(cfg: dict) -> bool:
 
 
 def main(argv):
-    import numpy as np
-
     import glm_jax
     from glm_jax.container import open_container
     from glm_jax_tools import evaluate as ev

@@ -31,7 +31,6 @@ Measured on a busy 2-core CPU: ~3-4 s/step at the defaults (4 x 256 tokens); ~40
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
