@@ -6,10 +6,10 @@
 
 1. Cold cache: ``posix_fadvise(DONTNEED)`` on every expert file before every token (outside the timing), so an
    evicted expert read again comes from the disk, not the page cache (or O_DIRECT reads with --direct_io).
-2. Disk limit (``DiskLimit``): random record reads of the SAME files with the SAME read path (the store's byte
+2. Disk limit (``DiskLimit``): reads of the records the run missed, with the SAME read path (the store's byte
    ranges into page-aligned buffers), request size and thread count, every range queued at once, page cache dropped
-   first; sampled before the run, after it, and in bursts of ``--limit_burst`` records every ``--limit_every``
-   fetch calls during it (outside the timing), so the disk's drift hits the run and its limit alike.
+   first; sampled in bursts of ``--limit_burst`` records every ``--limit_every`` fetch calls during the run (outside
+   the timing) and ``--limit_reads`` records after it, so the disk's drift hits the run and its limit alike.
 3. Decode: a routing trace (``--trace`` jsonl from the engine, else synthetic: Zipf popularity from the model's
    ``e_score_correction_bias`` + temporal locality) replayed through ``store.fetch`` per layer per token, with
    the experts' compute (in-jit dequant + matvec of the routed experts via ``bank_take``) when ``--compute``.
@@ -43,11 +43,13 @@ class DiskLimit:
     """The disk limit, sampled in bursts interleaved with the run (this virtual disk drifts by +-30% within
     minutes, so a limit measured only before and after a run scatters the ratio more than the store does).
 
-    A burst: ``n`` distinct random records of the container's files read with the store's read path (the same
-    ``record_reads`` byte ranges, ``balanced_chunk`` of ``chunk`` bytes, the same thread count), every range queued
-    at once so no thread idles: the best the disk does with these requests.  The page cache is dropped before and
-    after each burst, so the burst reads the disk and leaves the run nothing to hit.  ``gbps`` = all bursts' bytes
-    / all bursts' seconds."""
+    A burst: ``n`` distinct records read with the store's read path (the same ``record_reads`` byte ranges,
+    ``balanced_chunk`` of ``chunk`` bytes, the same thread count), every range queued at once so no thread idles:
+    the best the disk does with these requests.  The records are drawn from the run's own misses so far (``note``;
+    uniform over the container before any): the virtual disk's host caches recently read blocks, and a limit read
+    from uniformly random records ran 25-40% below the store's O_DIRECT reads of its popular experts.  The page
+    cache is dropped before and after each burst, so the burst reads the disk and leaves the run nothing to hit.
+    ``gbps`` = all bursts' bytes / all bursts' seconds."""
 
     def __init__(self, container, io_threads: int, direct_io: bool, chunk: int = 0, seed: int = 1):
         self.c, self.threads, self.direct, self.chunk = container, io_threads, direct_io, chunk
@@ -55,6 +57,10 @@ class DiskLimit:
         self.pool = cf.ThreadPoolExecutor(io_threads)
         self.bufs: dict = {}
         self.bytes, self.s, self.bursts = 0, 0.0, 0
+        self.seen: list = []            # (layer, expert) of the run's misses, with multiplicity
+
+    def note(self, layer: int, experts):
+        self.seen.extend((int(layer), int(e)) for e in experts)
 
     def _reads(self, i, L, e):
         lay = self.c.layout(L)
@@ -71,8 +77,11 @@ class DiskLimit:
         """Read ``n`` random records; returns the seconds spent (reading and dropping the page cache)."""
         t0 = time.perf_counter()
         layers = list(self.c.expert_layers)
-        jobs = [(layers[self.rng.integers(len(layers))], int(self.rng.integers(self.c.num_experts(layers[0]))))
-                for _ in range(n)]
+        if self.seen:
+            jobs = [self.seen[i] for i in self.rng.integers(len(self.seen), size=n)]
+        else:
+            jobs = [(layers[self.rng.integers(len(layers))], int(self.rng.integers(self.c.num_experts(layers[0]))))
+                    for _ in range(n)]
         jobs = list(dict.fromkeys(jobs))          # each record once (no page-cache re-hits)
         work = [r for i, (L, e) in enumerate(jobs) for r in self._reads(i, L, e)]
         drop_cache(self.c.files())
@@ -94,12 +103,15 @@ class DiskLimit:
 
 def interleave_limit(store, lim: DiskLimit, every: int, n: int, skip: int = 0) -> dict:
     """Wrap ``store.fetch`` so that every ``every``-th call (after the first ``skip``) first runs a disk-limit burst
-    of ``n`` records; returns {"s": seconds spent in bursts} (the caller takes them out of its wall time)."""
+    of ``n`` records, and every call tells ``lim`` its misses; returns {"s": seconds spent in bursts} (the caller
+    takes them out of its wall time)."""
     out = {"s": 0.0, "calls": 0}
     fetch = store.fetch
 
     def wrapped(layer, ids):
         out["calls"] += 1
+        res = store.resident_mask(layer)
+        lim.note(layer, [e for e in dict.fromkeys(np.asarray(ids).reshape(-1).tolist()) if not res[e]])
         if every > 0 and out["calls"] > skip and out["calls"] % every == 0:
             out["s"] += lim.burst(n)
         return fetch(layer, ids)
@@ -146,7 +158,6 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
     lim = DiskLimit(c, io_threads, direct_io, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
-    lim.burst(limit_reads)
     rec = c.layout(c.expert_layers[0]).record_len
     if trace_path:
         from glm_jax_tools.cache_sim import load_trace
@@ -216,7 +227,6 @@ def bench_engine(model_dir, cap=16, tokens=32, io_threads=4, direct_io=True, fet
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
     lim = DiskLimit(c, io_threads, direct_io, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
-    lim.burst(limit_reads)
     rec = c.layout(c.expert_layers[0]).record_len
     eng = glm_jax.Engine.load(model_dir, fetch=fetch, cache_cap=cap, io_threads=io_threads, direct_io=direct_io,
                               mtp=False, draft=0, read_chunk_mb=read_chunk_mb, prefetch=prefetch)
@@ -263,7 +273,8 @@ def table(rows) -> str:
 NOTE = ("ratio = achieved read rate (bytes read / time blocked on reads) / disk limit; e2e ratio = bytes read / "
         "decode wall time / disk limit (compute included: 1.0 means decode runs at the disk's speed). The disk limit "
         "is measured by this tool on the same files with the same request size (chunk) and thread count, every "
-        "read queued at once, before and after the run and in bursts during it (outside the timing).")
+        "read queued at once, of the records the run missed, in bursts during the run and after it (outside the "
+        "timing).")
 
 
 def _median_row(runs: list) -> dict:
@@ -327,7 +338,7 @@ def run():
     flags.DEFINE_string("fetch", "loop,callback", "with --engine: fetch modes to run (both printed)")
     flags.DEFINE_string("read_chunk_mb", "1", "read chunk sizes in MB (comma list; 0 = one read per record)")
     flags.DEFINE_string("prefetch", "0", "with --engine: router-lookahead prefetch off/on (comma list of 0/1)")
-    flags.DEFINE_integer("limit_reads", 96, "random record reads for the disk limit before and after the run (each)")
+    flags.DEFINE_integer("limit_reads", 96, "record reads for the disk limit after the run")
     flags.DEFINE_integer("limit_every", 8, "a disk-limit burst every this many fetch calls during the run (0: none)")
     flags.DEFINE_integer("limit_burst", 16, "records per disk-limit burst")
     app.run(main)
