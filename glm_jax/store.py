@@ -332,8 +332,10 @@ class ExpertStore:
             self.index[L] = CacheIndex(E, min(cache_cap, E - P), S - P, policy, pinned)
             self._usage[L] = np.zeros(E, np.float64)
         self.aliased = all(lc.aliased for lc in self.layers.values())
-        # fault in the retained cache's pages in the background (startup is not delayed; ~2 GB/s of page tables)
-        todo = [(lc, int(self.index[L].pinned.sum()) + self.index[L].cap) for L, lc in self.layers.items()]
+        # fault in the retained cache's pages in the background (startup is not delayed; ~2 GB/s of page tables),
+        # never more than the RAM budget holds (an explicit --cache_cap beyond it must not OOM the process at open)
+        fits = sizing.get("cap_that_fits", cache_cap)
+        todo = [(lc, int(self.index[L].pinned.sum()) + min(self.index[L].cap, fits)) for L, lc in self.layers.items()]
         self._closing = False
         self._populate = threading.Thread(
             target=lambda: all(not self._closing and lc.populate(n) for lc, n in todo), daemon=True,

@@ -329,6 +329,24 @@ def test_populate_keeps_slot_contents(cont, tmp_path):
     st.close(save_usage=False)
 
 
+def test_populate_stays_within_the_ram_budget(cont, tmp_path, monkeypatch):
+    """An explicit --cache_cap beyond the RAM budget: only the slots the budget holds are faulted in at open."""
+    from glm_jax import store as S
+    d, cfg = _fresh(cont, tmp_path)
+    c = open_container(d, cfg)
+    recs = [c.layout(L).record_len for L in c.expert_layers]
+    c.close()
+    W = cfg.num_experts_per_tok
+    ram = (2 * max(recs) + W * max(recs) + 1.5 * sum(recs)) / 1e9      # buffers + 1.5 experts per layer
+    seen = []
+    monkeypatch.setattr(S._Layer, "populate", lambda self, n: seen.append(n) or True)
+    st = ExpertStore.open(d, cfg, cache_cap=6, ram_gb=ram, io_threads=2, max_working_set=W)
+    st._populate.join()
+    assert st.sizing["cap_that_fits"] == 1 and st.cache_cap == 6
+    assert seen == [1] * len(recs)
+    st.close(save_usage=False)
+
+
 def test_stream_bench_counts_what_the_store_read(cont, tmp_path):
     """tools/bench_stream on a tiny container: bytes per token are the store's misses x record length, and the
     disk limit was sampled during (every 3rd fetch call) and after the run."""
