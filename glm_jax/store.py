@@ -19,7 +19,8 @@ record straight into its slot rows of the four arrays (``preadv`` scatter; paddi
 one call are issued at once, each record split into a multiple of ``io_threads`` near-equal byte ranges of at most
 ``read_chunk_mb`` (``container.balanced_chunk``) so every I/O thread stays busy to the end of the batch (a handful of
 large records over 4 threads otherwise leaves threads idle at the tail).  The retained slots' pages are faulted in
-by a background thread at open (``MADV_POPULATE_WRITE``), so a first read into a slot does not pay page faults.
+by a background thread at open (``MADV_POPULATE_WRITE``; never more than the RAM budget holds), so a first read
+into a slot does not pay page faults.
 
 No re-transfer of hits.  On XLA:CPU ``jax.device_put`` of a 64-byte-aligned numpy array aliases it (checked at
 open with ``unsafe_buffer_pointer``; ``aliased`` in stats), so a read into a slot IS the device update and a hit
