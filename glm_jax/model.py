@@ -160,6 +160,8 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
     dt = x.dtype
     if (T * K <= S) if gather is None else gather:
         out = moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
+    elif bank.fmt not in FLOAT_FORMATS:
+        out = moe_combine(_slot_terms(x, slots, valid, bank), weights, valid)
     else:
         gu, dn = bank_all(bank, dt)                                         # [S,2I,H], [S,H,I]
         I = dn.shape[-1]
@@ -170,6 +172,29 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
         # the output must not (bitwise)
         out = moe_combine(jnp.take_along_axis(y, slots[:, :, None], axis=1), weights, valid)
     return out.astype(dt)
+
+
+def _slot_terms(x, slots, valid, bank: ExpertBank):
+    """Quantized banks, many tokens: per-(t, k) expert outputs y [T, K, H] f32, computing each slot that some valid
+    (t, k) uses once for all T tokens (a scan over the slots; ``lax.cond`` skips the unused ones) with only that
+    slot dequantized.  Dequantizing every slot at once would hold S experts in float: 19 GB (bf16) to 38 GB (f32)
+    per layer for GLM-5.2's 256 experts, most of them unused by a short prefill."""
+    T, K = slots.shape
+    H = x.shape[-1]
+    used = jnp.zeros((bank.num_slots,), bool).at[slots].max(valid)
+
+    def body(y, s):
+        def compute(y):
+            gu, dn = bank_take(bank, s[None], x.dtype)                       # [1,2I,H], [1,H,I]
+            I = dn.shape[-1]
+            h = jnp.einsum("th,ih->ti", x, gu[0])
+            a = jax.nn.silu(h[:, :I]) * h[:, I:]
+            ys = jnp.einsum("ti,hi->th", a, dn[0]).astype(F32)
+            return jnp.where((slots == s)[:, :, None], ys[:, None, :], y)
+        return jax.lax.cond(used[s], compute, lambda y: y, y), None
+
+    y, _ = jax.lax.scan(body, jnp.zeros((T, K, H), F32), jnp.arange(bank.num_slots))
+    return y
 
 
 def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None):
