@@ -66,7 +66,7 @@ import numpy as np
 from glm_jax.config import GlmJaxError, ModelConfig
 from glm_jax.container import balanced_chunk, config_hash, open_expert_source
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)    # Linux >= 5.14; older kernels: EINVAL -> touch
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)    # Linux >= 5.14; older kernels: EINVAL -> skip
 USAGE_FILE = ".glm_jax_usage.json"
 USAGE_VERSION = 1
 
@@ -416,7 +416,7 @@ class ExpertStore:
         """Issue every read of these records at once (records split into ``read_chunk`` byte ranges; a record's
         checksum runs on the thread that completes its last range); returns the futures (bytes each)."""
         lc = self.layers[L]
-        chunk = balanced_chunk(self.source.layout(L).record_len, self.io_threads, self.read_chunk)
+        chunk = balanced_chunk(lc.layout.record_len, self.io_threads, self.read_chunk)
         futs = []
         for e, s in zip(experts, slots):
             jobs, fin = self.source.read_jobs(L, e, lc.dests(s), chunk)

@@ -327,6 +327,7 @@ def test_populate_keeps_slot_contents(cont, tmp_path):
     assert lc.populate(lc.S) in (True, False)     # False only on kernels < 5.14
     _check(bank, so, [1, 4, 6], c, 3)
     st.close(save_usage=False)
+    c.close()
 
 
 def test_populate_stays_within_the_ram_budget(cont, tmp_path, monkeypatch):

@@ -51,8 +51,9 @@ class DiskLimit:
     cache is dropped before and after each burst, so the burst reads the disk and leaves the run nothing to hit.
     ``gbps`` = all bursts' bytes / all bursts' seconds."""
 
-    def __init__(self, container, io_threads: int, direct_io: bool, chunk: int = 0, seed: int = 1):
-        self.c, self.threads, self.direct, self.chunk = container, io_threads, direct_io, chunk
+    def __init__(self, container, io_threads: int, chunk: int = 0, seed: int = 1):
+        """``container`` opened as the store's (its O_DIRECT fds are used when it has them)."""
+        self.c, self.threads, self.chunk = container, io_threads, chunk
         self.rng = np.random.default_rng(seed)
         self.pool = cf.ThreadPoolExecutor(io_threads)
         self.bufs: dict = {}
@@ -74,12 +75,13 @@ class DiskLimit:
                             balanced_chunk(lay.record_len, self.threads, self.chunk))
 
     def burst(self, n: int) -> float:
-        """Read ``n`` random records; returns the seconds spent (reading and dropping the page cache)."""
+        """Read ``n`` records drawn from the run's misses (uniform before any); returns the seconds spent (reading
+        and dropping the page cache)."""
         t0 = time.perf_counter()
-        layers = list(self.c.expert_layers)
         if self.seen:
             jobs = [self.seen[i] for i in self.rng.integers(len(self.seen), size=n)]
         else:
+            layers = list(self.c.expert_layers)
             jobs = [(layers[self.rng.integers(len(layers))], int(self.rng.integers(self.c.num_experts(layers[0]))))
                     for _ in range(n)]
         jobs = list(dict.fromkeys(jobs))          # each record once (no page-cache re-hits)
@@ -157,7 +159,7 @@ def bench(model_dir, cap=16, tokens=48, io_threads=4, direct_io=False, policy="l
     from glm_jax.store import ExpertStore
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
-    lim = DiskLimit(c, io_threads, direct_io, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
+    lim = DiskLimit(c, io_threads, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
     rec = c.layout(c.expert_layers[0]).record_len
     if trace_path:
         from glm_jax_tools.cache_sim import load_trace
@@ -226,7 +228,7 @@ def bench_engine(model_dir, cap=16, tokens=32, io_threads=4, direct_io=True, fet
 
     cfg = load_config(model_dir)
     c = open_container(model_dir, cfg, verify="none", direct_io=direct_io)
-    lim = DiskLimit(c, io_threads, direct_io, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
+    lim = DiskLimit(c, io_threads, int(read_chunk_mb * (1 << 20)), seed=seed + 1)
     rec = c.layout(c.expert_layers[0]).record_len
     eng = glm_jax.Engine.load(model_dir, fetch=fetch, cache_cap=cap, io_threads=io_threads, direct_io=direct_io,
                               mtp=False, draft=0, read_chunk_mb=read_chunk_mb, prefetch=prefetch)
