@@ -19,6 +19,7 @@ import numpy as np
 from . import model as M
 from . import options as O
 from .config import GlmJaxError, ModelConfig, load_config
+from .store import RamBudgetError
 
 _COMPILE_S = [0.0]
 
@@ -107,7 +108,7 @@ class Engine:
         self.opts = opts
         self.tokenizer = tokenizer
         self.store = store
-        self.dtype = params["embed"].dtype
+        self.dtype = params["norm"].dtype
         self.moe_layers = cfg.moe_layers
         self._cache = None
         self._cache_len = 0
@@ -115,6 +116,7 @@ class Engine:
         self.lossy = self.plugin is not None
         self._jits = {}
         self._route_acc = {}
+        self._view = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -128,20 +130,23 @@ class Engine:
 
         container = os.path.exists(os.path.join(path, "manifest.json"))
         fetch = opts["fetch"]
-        if fetch == "auto":
-            fetch = "loop" if container else "resident"
+        if fetch == "auto" and not container:
+            fetch = "resident"
         opts["fetch"] = fetch
         dtype = _pick_dtype(opts["dtype"], path, cfg)
+        kernel = _pick_kernel(opts["kernels"])
         store = None
-        if fetch == "resident" and not container:
-            params = W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"])
+        if fetch == "resident" and not container:   # a plain HF dir: experts straight into params
+            params = W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel,
+                                   dense_fmt=opts["dense_format"])
         else:
             from . import store as S
 
             if container:
-                params = W.load_dense_params(path, cfg, dtype=dtype)
+                params = W.load_dense_params(path, cfg, dtype=dtype, kernel=kernel, dense_fmt=opts["dense_format"])
             else:
-                params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None)
+                params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=kernel,
+                                       dense_fmt=opts["dense_format"])
             store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None, ram_gb=opts["ram_gb"] or None,
                                        direct_io=opts["direct_io"], io_threads=opts["io_threads"],
                                        read_chunk_mb=opts["read_chunk_mb"],
@@ -149,11 +154,25 @@ class Engine:
                                        dense_bytes=_tree_bytes(params),
                                        # a prefill can route to every expert of a layer: the working set may be E
                                        # (anonymous-mmap slots cost RAM only while they hold a forward's union)
-                                       max_working_set=cfg.n_routed_experts)
+                                       max_working_set=cfg.n_routed_experts, kernel=kernel)
             store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
-            if fetch == "resident":
-                raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint (this is a converted "
-                                  "container); use --fetch=loop or --fetch=callback")
+            if fetch in ("auto", "resident") and container:
+                # every expert fits the RAM budget: load them all now, then run one compiled step per token over
+                # the store's slot arenas (no per-layer host round trip); otherwise stream them (fetch=loop)
+                if store.can_hold_all():
+                    store.preload_all()
+                    fetch = "resident"
+                elif fetch == "resident":
+                    cap, E = store.cache_cap, cfg.n_routed_experts
+                    store.close(save_usage=False)
+                    raise RamBudgetError(f"{path}: --fetch=resident needs every expert in RAM, but the budget "
+                                         f"holds {cap} of {E} per layer (raise --ram_gb or --cache_cap, or use "
+                                         f"--fetch=loop)")
+                else:
+                    fetch = "loop"
+            elif fetch == "resident":
+                raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint or a container")
+            opts["fetch"] = fetch
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
         return cls(path, cfg, params, opts, tok, store)
@@ -169,9 +188,9 @@ class Engine:
         cfg, plugin = self.cfg, self.plugin or M.identity_plugin
         want_stats = self.plugin is not None
 
-        def f(params, cache, tokens, start, lengths, resident, moe_rows=None):
+        def f(params, cache, tokens, start, lengths, resident, logit_rows=None, moe_rows=None):
             logits, hidden, cache, routing = M.step(cfg, params, cache, tokens, start, lengths, resident, plugin,
-                                                    moe_rows)
+                                                    moe_rows, logit_rows)
             return logits, hidden, cache, _routing_summary(routing, want_stats)
 
         return self._jit("step", f, donate_argnums=(1,), static_argnames=("moe_rows",))
@@ -188,6 +207,27 @@ class Engine:
             self._cache_batch = batch
         return self._cache
 
+    def step_params(self):
+        """The params the one-jit step runs on: ``self.params``, plus, when an expert store holds every expert
+        (fetch=resident on a container), each MoE layer's store bank and slot map (aliasing the store's arenas)."""
+        if self.store is None:
+            return self.params
+        if self._view is None:
+            if not self.store.all_resident():
+                raise GlmJaxError("internal: the one-jit step needs every expert resident in the store")
+            L = self.cfg.num_hidden_layers
+            params = dict(self.params)
+            layers = list(params["layers"])
+            for i, (bank, slot_of) in self.store.resident_view().items():
+                extra = {"experts": bank, "slot_of": jax.device_put(slot_of, self.device)}
+                if i < L:
+                    layers[i] = dict(layers[i], **extra)
+                elif params.get("mtp") is not None:
+                    params["mtp"] = dict(params["mtp"], layer=dict(params["mtp"]["layer"], **extra))
+            params["layers"] = layers
+            self._view = params
+        return self._view
+
     def resident_for(self, layer: int) -> np.ndarray:
         """bool [E]: what the routing plugins see as resident in ``layer`` (--budget_residency: the live cache +
         pins, the pins only, or nothing; nothing without a store)."""
@@ -200,8 +240,10 @@ class Engine:
         return jnp.asarray(np.stack([self.resident_for(l) for l in self.moe_layers]).reshape(
             len(self.moe_layers), self.cfg.n_routed_experts))
 
-    def forward(self, tokens: np.ndarray, start: np.ndarray, lengths: np.ndarray):
-        """Run tokens [B, T] at positions start[b] on the engine's cache.  Returns (logits, hidden, summary)."""
+    def forward(self, tokens: np.ndarray, start: np.ndarray, lengths: np.ndarray, logit_rows=None):
+        """Run tokens [B, T] at positions start[b] on the engine's cache.  Returns (logits, hidden).
+        ``logit_rows`` (bool [B, T], optional): the positions whose logits are needed (a prefill: its last); the
+        native kernels leave the others 0."""
         # a short padded forward (decode / MTP verify at a fixed width, speculative.py) runs the routed experts on
         # its real rows only
         B, T = np.shape(tokens)
@@ -210,13 +252,16 @@ class Engine:
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         if self.opts["fetch"] == "resident":
+            lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
             logits, hidden, self._cache, summ = self._step_resident()(
-                self.params, self._cache, tokens, start, lengths, self._resident_masks(), moe_rows=moe_rows)
+                self.step_params(), self._cache, tokens, start, lengths, self._resident_masks(), lr,
+                moe_rows=moe_rows)
             self._accumulate(summ)
             return logits, hidden
         from .streaming import stream_step
 
-        logits, hidden, self._cache = stream_step(self, tokens, start, lengths)
+        lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
+        logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr)
         return logits, hidden
 
     def _accumulate(self, summ):
@@ -286,6 +331,23 @@ def _pick_dtype(name: str, path: str, cfg: ModelConfig):
         return jnp.bfloat16
     # auto: f32 for small models (exact parity with the oracle), bf16 for big ones
     return jnp.float32 if cfg.hidden_size <= 1024 else jnp.bfloat16
+
+
+def _pick_kernel(mode: str) -> str:
+    """--kernels: "native" where the C++ kernels build (or are cached) here, else "xla"."""
+    if mode == "xla":
+        return "xla"
+    from . import kernels
+
+    try:
+        if kernels.load(required=(mode == "native")):
+            return "native"
+    except kernels.KernelError as e:
+        raise GlmJaxError(f"option 'kernels': {e}") from None
+    from absl import logging
+
+    logging.warning("glm-jax: native kernels unavailable (%s); using the XLA path (slower)", kernels.last_error())
+    return "xla"
 
 
 def _tree_bytes(tree) -> int:

@@ -82,7 +82,9 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
     T = _bucket(P)
     toks = np.zeros((1, T), np.int32)
     toks[0, :P] = ids
-    logits, hidden = engine.forward(toks, np.zeros(1, np.int32), np.array([P], np.int32))
+    last = np.zeros((1, T), bool)
+    last[0, P - 1] = True            # only the last position's logits are needed
+    logits, hidden = engine.forward(toks, np.zeros(1, np.int32), np.array([P], np.int32), logit_rows=last)
     key, sk = jax.random.split(key)
     nxt = int(sample(logits[0, P - 1], sk, **samp))
     prefill_s = time.perf_counter() - t0 - (engine.compile_s - compile0)
@@ -99,6 +101,9 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
         if plan is not None and not (nxt in eos):
             out, forwards, spec_stats, key = plan.run(engine, ids, out, hidden[0, :P], key, samp,
                                                       max_new_tokens, eos)
+        elif engine.opts["fetch"] == "resident":
+            # many tokens per dispatch: the step and the sampler in one compiled loop (no host round trip per token)
+            forwards, key = _fused_decode(engine, out, P, key, samp, max_new_tokens, eos)
         else:
             pos = P
             # decode at the same padded width as a speculative verify (batch invariance: speculative.py)
@@ -131,6 +136,74 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
     from .engine import GenerationResult
 
     return GenerationResult(tokens=out, text=text, stats=stats, prompt_tokens=ids)
+
+
+FUSED_CHUNK = 32      # decode tokens per dispatch of the compiled loop (at most; it stops early at EOS)
+
+
+def _fused_decode(engine, out: list, P: int, key, samp: dict, max_new_tokens: int, eos: set):
+    """Plain decode with resident experts, FUSED_CHUNK tokens per dispatch: ``lax.while_loop`` over (step at the
+    padded decode width -> sample -> stop at EOS / the budget) on the device.  Same step function, same width,
+    same key sequence as the one-forward-per-token loop.  Appends to ``out``; returns (forwards, key)."""
+    from .speculative import decode_width
+
+    W = decode_width(engine)
+    fn = _fused_decode_fn(engine, samp, W)
+    ev = np.full(max(1, len(eos)), -1, np.int32)
+    ev[:len(eos)] = sorted(eos)
+    eos_arr = jnp.asarray(ev)
+    resident = engine._resident_masks()
+    params = engine.step_params()
+    pos, forwards = P, 0
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        n = min(FUSED_CHUNK, max_new_tokens - len(out))
+        engine._cache, toks, cnt, key, acc = fn(params, engine._cache, jnp.int32(out[-1]), jnp.int32(pos), key,
+                                                jnp.int32(n), eos_arr, resident)
+        cnt = int(cnt)
+        out.extend(int(t) for t in np.asarray(toks)[:cnt])
+        engine._accumulate(acc)
+        pos += cnt
+        forwards += cnt
+    return forwards, key
+
+
+def _fused_decode_fn(engine, samp: dict, W: int):
+    key_ = ("fused_decode", W, tuple(sorted(samp.items())))
+    f = engine._jits.get(key_)
+    if f is not None:
+        return f
+    from . import model as M
+    from .engine import _routing_summary
+
+    cfg = engine.cfg
+    plugin = engine.plugin or M.identity_plugin
+    want_stats = engine.plugin is not None
+
+    def one(params, cache, tok, pos, key, resident):
+        toks = jnp.zeros((1, W), jnp.int32).at[0, 0].set(tok)
+        logits, _, cache, routing = M.step(cfg, params, cache, toks, pos[None], jnp.ones((1,), jnp.int32), resident,
+                                           plugin, moe_rows=1)
+        key, sk = jax.random.split(key)
+        nxt = sample(logits[0, 0], sk, **samp)
+        return cache, nxt, key, _routing_summary(routing, want_stats)
+
+    def f(params, cache, tok, pos, key, n, eos, resident):
+        acc0 = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                      jax.eval_shape(one, params, cache, tok, pos, key, resident)[3])
+
+        def body(c):
+            cache, nxt, key, summ = one(params, c["cache"], c["tok"], c["pos"], c["key"], resident)
+            return dict(cache=cache, tok=nxt, pos=c["pos"] + 1, key=key, i=c["i"] + 1,
+                        out=c["out"].at[c["i"]].set(nxt), done=jnp.any(nxt == eos),
+                        acc=jax.tree_util.tree_map(jnp.add, c["acc"], summ))
+
+        c = jax.lax.while_loop(lambda c: (c["i"] < n) & ~c["done"], body,
+                               dict(cache=cache, tok=tok, pos=pos, key=key, i=jnp.int32(0),
+                                    out=jnp.zeros((FUSED_CHUNK,), jnp.int32), done=jnp.bool_(False), acc=acc0))
+        return c["cache"], c["out"], c["i"], c["key"], c["acc"]
+
+    f = engine._jits[key_] = jax.jit(f, donate_argnums=(1,))
+    return f
 
 
 def _bucket(n):

@@ -140,8 +140,9 @@ def layer_norm(x, w, b, eps):
 
 
 def _lin(x, w, b=None):
-    y = x @ w.T
-    return y if b is None else y + b
+    from .model import linear      # QWeight-aware (native kernels) when a weight was packed
+
+    return linear(x, w, b)
 
 
 # ----------------------------------------------------------------------------- params / cache

@@ -20,7 +20,7 @@ import numpy as np
 from glm_jax_plugins.routing import RoutingState
 
 from .config import ModelConfig
-from .quant import FLOAT_FORMATS, ExpertBank, bank_all, bank_take, take_dot
+from .quant import FLOAT_FORMATS, ExpertBank, QWeight, bank_all, bank_take, qdot, qtake, take_dot
 
 F32 = jnp.float32
 
@@ -33,9 +33,10 @@ def rms_norm(x, w, eps):
     return w * y.astype(x.dtype)
 
 
-def linear(x, w, b=None):
-    """x [..., in] @ w[out, in].T (+ b)."""
-    y = jnp.einsum("...i,oi->...o", x, w)
+def linear(x, w, b=None, rows=None):
+    """x [..., in] @ w[out, in].T (+ b); ``w`` a float array or a QWeight (quant.py: native kernels).  ``rows``
+    (bool, x's leading shape): the rows that matter (the native kernels skip padding rows)."""
+    y = qdot(x, w, rows).astype(x.dtype) if isinstance(w, QWeight) else jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 
 
@@ -57,7 +58,11 @@ def apply_rope_half(x, cos, sin):
     return jnp.concatenate([xr * c + rotated * s, xp], axis=-1)
 
 
-def mlp(p, x):
+def mlp(p, x, rows=None):
+    if "gate_up" in p:       # gate and up fused into one matrix (quant.pack_dense)
+        h = linear(x, p["gate_up"], rows=rows)
+        I = h.shape[-1] // 2
+        return linear(jax.nn.silu(h[..., :I]) * h[..., I:], p["down_w"], rows=rows)
     return linear(jax.nn.silu(linear(x, p["gate_w"])) * linear(x, p["up_w"]), p["down_w"])
 
 
@@ -77,13 +82,20 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(n)]
 
 
-def gqa_attention(cfg: ModelConfig, p, x, cache, start):
-    """x [B, T, H] (input-normed).  Writes K/V at positions start..start+T-1 and attends causally over the cache."""
+def gqa_attention(cfg: ModelConfig, p, x, cache, start, rows=None):
+    """x [B, T, H] (input-normed).  Writes K/V at positions start..start+T-1 and attends causally over the cache.
+    ``rows`` [B, T] bool: real (non-padding) positions (the native projections skip the others)."""
     B, T, _ = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = linear(x, p["q_w"], p.get("q_b")).reshape(B, T, nh, hd)
-    k = linear(x, p["k_w"], p.get("k_b")).reshape(B, T, nkv, hd)
-    v = linear(x, p["v_w"], p.get("v_b")).reshape(B, T, nkv, hd)
+    if "qkv" in p:           # q/k/v fused into one matrix (quant.pack_dense)
+        qkv = linear(x, p["qkv"], p.get("qkv_b"), rows)
+        q = qkv[..., :nh * hd].reshape(B, T, nh, hd)
+        k = qkv[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)
+        v = qkv[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)
+    else:
+        q = linear(x, p["q_w"], p.get("q_b")).reshape(B, T, nh, hd)
+        k = linear(x, p["k_w"], p.get("k_b")).reshape(B, T, nkv, hd)
+        v = linear(x, p["v_w"], p.get("v_b")).reshape(B, T, nkv, hd)
     if "q_norm" in p:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -102,21 +114,21 @@ def gqa_attention(cfg: ModelConfig, p, x, cache, start):
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bngts,bsnd->btngd", probs, cv.astype(q.dtype)).reshape(B, T, nh * hd)
-    return linear(out, p["o_w"]), {"k": ck, "v": cv}, None
+    return linear(out, p["o_w"], rows=rows), {"k": ck, "v": cv}, None
 
 
-def attention(cfg: ModelConfig, p, x, cache, start, layer: int, prev_sel):
+def attention(cfg: ModelConfig, p, x, cache, start, layer: int, prev_sel, rows=None):
     if cfg.model_type == "glm_moe_dsa":
         from . import mla
 
         return mla.mla_attention(cfg, p, x, cache, start, layer, prev_sel)
-    return gqa_attention(cfg, p, x, cache, start)
+    return gqa_attention(cfg, p, x, cache, start, rows)
 
 
-def attn_block(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel=None):
+def attn_block(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel=None, rows=None):
     """h = x + Attn(RMSNorm_in(x)).  Returns (h, cache, sel) — sel is the DSA selection (None for GQA)."""
     a, cache, sel = attention(cfg, lp["attn"], rms_norm(x, lp["input_norm"], cfg.rms_norm_eps), cache, start, layer,
-                              prev_sel)
+                              prev_sel, rows)
     return x + a, cache, sel
 
 
@@ -156,8 +168,10 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
     T, K = ids.shape
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
-    slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     dt = x.dtype
+    if bank.kernel == "native":     # glm_jax/kernels: each used expert once over its tokens, summed in routing order
+        return _native(x, slots, weights, valid, bank, terms=False).astype(dt)
+    slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     if (T * K <= S) if gather is None else gather:
         out = moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
     elif bank.fmt not in FLOAT_FORMATS:
@@ -172,6 +186,16 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
         # the output must not (bitwise)
         out = moe_combine(jnp.take_along_axis(y, slots[:, :, None], axis=1), weights, valid)
     return out.astype(dt)
+
+
+def _native(x, slots, weights, valid, bank: ExpertBank, terms: bool):
+    from . import kernels
+
+    S = bank.num_slots
+    slots = jnp.where(valid & (slots >= 0), jnp.clip(slots, 0, S - 1), -1).astype(jnp.int32)
+    w = jnp.where(valid, weights, 0.0).astype(F32)
+    return kernels.moe(x.astype(F32), slots, w, bank.gate_up, bank.gate_up_scale, bank.down, bank.down_scale,
+                       bank.fmt, bank.group("gate_up"), bank.group("down"), terms=terms)
 
 
 def _slot_terms(x, slots, valid, bank: ExpertBank):
@@ -203,6 +227,8 @@ def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None):
     bitwise equal to one ``moe_routed`` (the streaming loop's overlap of hits and misses relies on it)."""
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
+    if bank.kernel == "native":
+        return _native(x, slots, jnp.ones(ids.shape, F32), valid, bank, terms=True)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     if bank.fmt not in FLOAT_FORMATS:      # quantized: no dequantized weight copy (quant.take_dot)
         def one(xs):                        # one row at a time: XLA:CPU's reduce codegen depends on the row
@@ -224,9 +250,9 @@ def moe_combine(y, weights, valid):
     return jnp.einsum("tkh,tk->th", y, jnp.where(valid, weights, 0.0).astype(F32))
 
 
-def moe_finish(mp, h, hn, routed):
+def moe_finish(mp, h, hn, routed, rows=None):
     """y = h + routed + Shared(hn)."""
-    return h + routed + mlp(mp["shared"], hn)
+    return h + routed + mlp(mp["shared"], hn, rows)
 
 
 # ----------------------------------------------------------------------------- one decoder layer, full model
@@ -243,15 +269,17 @@ def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, v
     (a decode padded to the verify width pays for one row of experts, not T; speculative.py).
     Returns (y, cache, sel, routing) where routing is (before, after) RoutingState or None for dense layers."""
     B, T, H = x.shape
-    h, cache, sel = attn_block(cfg, lp, x, cache, start, layer, prev_sel)
+    h, cache, sel = attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
     hn = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
     if "moe" not in lp:
-        return h + mlp(lp["mlp"], hn), cache, sel, None
+        return h + mlp(lp["mlp"], hn, valid_bt), cache, sel, None
     flat = hn.reshape(B * T, H)
     before = route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident)
     after = plugin(before)
-    bank = bank if bank is not None else lp["experts"]
-    if moe_rows is not None and B == 1 and moe_rows < T and T * after.ids.shape[1] <= bank.num_slots:
+    if bank is None:        # resident experts: the layer's own bank (slot_of: where an expert store put them)
+        bank, slot_of = lp["experts"], lp.get("slot_of")
+    if (bank.kernel != "native" and moe_rows is not None and B == 1 and moe_rows < T and
+            T * after.ids.shape[1] <= bank.num_slots):
         # only where the full-width forward takes the gather path too: its per-(t, k) products are row-count
         # invariant (the dense all-slots path is not, so it keeps the full width)
         R = moe_rows
@@ -259,26 +287,36 @@ def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, v
         routed = jnp.zeros_like(flat).at[:R].set(part)
     else:
         routed = moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
-    y = moe_finish(lp["moe"], h, hn, routed.reshape(B, T, H))
+    y = moe_finish(lp["moe"], h, hn, routed.reshape(B, T, H), valid_bt)
     return y, cache, sel, (before, after)
 
 
 def embed(params, tokens):
-    return jnp.take(params["embed"], tokens, axis=0)
+    e = qtake(params["embed"], tokens)
+    return e if not isinstance(params["embed"], QWeight) else e.astype(params["norm"].dtype)
 
 
-def head(params, h):
+def head_logits(h, w, rows=None):
+    """h [..., H] @ w[V, H].T -> logits f32 (w a float array or a QWeight; ``rows``: see linear)."""
+    if isinstance(w, QWeight):
+        return qdot(h, w, rows)
+    return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=F32)
+
+
+def head(params, h, rows=None):
     """Final norm is applied by the caller; logits in f32."""
-    return jnp.einsum("bth,vh->btv", h, params["lm_head"], preferred_element_type=F32)
+    return head_logits(h, params["lm_head"], rows)
 
 
 def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=None,
-         plugin: Callable = identity_plugin, moe_rows: Optional[int] = None):
+         plugin: Callable = identity_plugin, moe_rows: Optional[int] = None, logit_rows=None):
     """Run tokens [B, T] at positions start[b].. through every layer with resident experts.
 
     lengths [B]: number of real (non-padding) tokens per row (default T).  resident [n_moe_layers, E] bool: what the
-    plugins see as resident.  Returns (logits [B,T,V] f32, hidden [B,T,H] post-final-norm, cache, routing) where
-    routing is a list (one per MoE layer) of (before, after) RoutingState."""
+    plugins see as resident.  ``logit_rows`` [B, T] bool: positions whose logits are wanted (default: the real
+    ones; a prefill needs only its last; with the native kernels the others come out 0).  Returns (logits [B,T,V]
+    f32, hidden [B,T,H] post-final-norm, cache, routing) where routing is a list (one per MoE layer) of (before,
+    after) RoutingState."""
     B, T = tokens.shape
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
@@ -299,7 +337,7 @@ def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=
             routing.append(r)
     new_cache.extend(cache[len(params["layers"]):])        # the MTP layer's cache rides along untouched
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return head(params, hidden), hidden, new_cache, routing
+    return head(params, hidden, valid_bt if logit_rows is None else logit_rows), hidden, new_cache, routing
 
 
 # ----------------------------------------------------------------------------- the MTP (nextn) layer
@@ -308,7 +346,7 @@ def mtp_input(cfg: ModelConfig, params, tokens, hidden, own_embed: bool = False)
     the main model's post-final-norm hidden, or the previous MTP step's output when chaining)."""
     mp = params["mtp"]
     table = mp["embed"] if own_embed and mp.get("embed") is not None else params["embed"]
-    e = rms_norm(jnp.take(table, tokens, axis=0), mp["enorm"], cfg.rms_norm_eps)
+    e = rms_norm(qtake(table, tokens).astype(mp["enorm"].dtype), mp["enorm"], cfg.rms_norm_eps)
     h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], cfg.rms_norm_eps)
     return linear(jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
 
@@ -318,7 +356,7 @@ def mtp_output(cfg: ModelConfig, params, g, own_head: bool = False):
     mp = params["mtp"]
     hn = rms_norm(g, mp["head_norm"], cfg.rms_norm_eps)
     w = mp["head"] if own_head and mp.get("head") is not None else params["lm_head"]
-    return jnp.einsum("bth,vh->btv", hn, w, preferred_element_type=F32), hn
+    return head_logits(hn, w), hn
 
 
 def mtp_forward(cfg: ModelConfig, params, cache, tokens, hidden, start, lengths=None, resident=None,

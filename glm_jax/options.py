@@ -30,6 +30,14 @@ class Opt:
 OPTIONS = [
     Opt("dtype", "auto", "enum", "Compute dtype of the dense weights/activations (auto: float32 for f32 checkpoints "
         "and tiny models, bfloat16 otherwise).", ("auto", "float32", "bfloat16")),
+    Opt("kernels", "auto", "enum", "Expert (and quantized dense) matrix products: native (C++ kernels through jax.ffi, "
+        "built on first use with the machine's C++ compiler into the per-user cache; int8 activations x int4/int8 "
+        "weights with AVX-512 VNNI where present), xla (jnp code, no compiler needed), auto (native if it builds, "
+        "else xla with a warning).", ("auto", "native", "xla")),
+    Opt("dense_format", "native", "str", "Storage format of the dense (non-expert) matrices at run time: native (as "
+        "stored: the checkpoint's dtype, or the container's --dense_format), f32, bf16, int8_row, int4_g64 "
+        "(quantized at load; the lm_head stays int8 for int4 formats). Quantized dense weights need the native "
+        "kernels to be fast."),
     Opt("max_seq_len", 0, "int", "KV-cache capacity in tokens (0: prompt + max_new_tokens, rounded up)."),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "

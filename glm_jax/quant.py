@@ -109,10 +109,36 @@ class ExpertBank:
     gate_up_scale: Optional[jax.Array] = None   # [S, 2I, H/g] | [S, 2I, 1] f32
     down_scale: Optional[jax.Array] = None
     fmt: str = dataclasses.field(default="f32", metadata=dict(static=True))
+    # "native": the MoE seam runs glm_jax/kernels (C++ through jax.ffi); "xla": the jnp paths below
+    kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     @property
     def num_slots(self) -> int:
         return self.gate_up.shape[0]
+
+    def group(self, part: str) -> int:
+        """int4 group size of ``part`` ("gate_up" | "down") in elements (0 = one group per row / not int4)."""
+        kind, g = parse_format(self.fmt)
+        if kind != "int4_g":
+            return 0
+        n_in = self.gate_up.shape[-1] * 2 if part == "gate_up" else self.down.shape[-1] * 2
+        return 0 if g >= n_in else g
+
+
+def native_ok(fmt: str, hidden: int, inter: int) -> bool:
+    """Can the native kernels run experts of this format and shape (glm_jax.kernels.supported)."""
+    from . import kernels
+
+    _, g = parse_format(fmt)
+    return kernels.supported(fmt, hidden, g or hidden) and kernels.supported(fmt, inter, g or inter)
+
+
+def with_kernel(bank: "ExpertBank", kernel: str) -> "ExpertBank":
+    """``bank`` computed by ``kernel`` ("native" where the kernels support its format and shape, else "xla")."""
+    if kernel == "native" and not native_ok(bank.fmt, bank.down.shape[1], bank.down.shape[2] *
+                                            (2 if bank.fmt.startswith("int4") else 1)):
+        kernel = "xla"
+    return dataclasses.replace(bank, kernel=kernel)
 
 
 def _dequant_jax(q, s, fmt: str, dtype):
@@ -175,13 +201,165 @@ def bank_all(bank: ExpertBank, dtype) -> tuple[jax.Array, jax.Array]:
     return gu, dn
 
 
-def bank_from_float(gate_up: np.ndarray, down: np.ndarray, fmt: str = "f32") -> ExpertBank:
+def bank_from_float(gate_up: np.ndarray, down: np.ndarray, fmt: str = "f32", kernel: str = "xla") -> ExpertBank:
     """Quantize float expert stacks ``[E, 2I, H]`` / ``[E, H, I]`` into a resident ExpertBank."""
     kind, _ = parse_format(fmt)
     if kind == "f32":
-        return ExpertBank(jnp.asarray(gate_up), jnp.asarray(down), fmt="f32")
-    if kind == "bf16":
-        return ExpertBank(jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16), fmt="bf16")
-    gq, gs = quantize(gate_up, fmt)
-    dq, ds = quantize(down, fmt)
-    return ExpertBank(jnp.asarray(gq), jnp.asarray(dq), jnp.asarray(gs), jnp.asarray(ds), fmt=fmt)
+        bank = ExpertBank(jnp.asarray(gate_up), jnp.asarray(down), fmt="f32")
+    elif kind == "bf16":
+        bank = ExpertBank(jnp.asarray(gate_up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16), fmt="bf16")
+    else:
+        gq, gs = quantize(gate_up, fmt)
+        dq, ds = quantize(down, fmt)
+        bank = ExpertBank(jnp.asarray(gq), jnp.asarray(dq), jnp.asarray(gs), jnp.asarray(ds), fmt=fmt)
+    return with_kernel(bank, kernel)
+
+
+# ----------------------------------------------------------------------------- dense weights
+class QTensor(tuple):
+    """A dense weight as stored quantized on disk (numpy ``q``, ``scale``, format name), before it becomes a QWeight.
+    ``shape`` is the logical [out, in]."""
+
+    def __new__(cls, q, scale, fmt):
+        return super().__new__(cls, (q, scale, fmt))
+
+    q = property(lambda self: self[0])
+    scale = property(lambda self: self[1])
+    fmt = property(lambda self: self[2])
+
+    @property
+    def shape(self):
+        return (self.q.shape[0], self.q.shape[1] * (2 if self.fmt.startswith("int4") else 1))
+
+    def dequant(self) -> np.ndarray:
+        return dequantize(self.q, self.scale, self.fmt)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QWeight:
+    """A dense weight ``[out, in]`` (HF orientation, math ``x @ W.T``) in one storage format: ``q`` float
+    (f32 / bf16) or quantized (int8_row: int8 [out, in]; int4_g<G>: packed uint8 [out, in/2]) with f32 ``scale``
+    [out, groups].  ``kernel`` "native": products run glm_jax/kernels (always for quantized formats; for float
+    formats up to NATIVE_MAX_ROWS rows, above that XLA's GEMM is faster); "xla": dequantize + einsum."""
+
+    q: jax.Array
+    scale: Optional[jax.Array] = None
+    fmt: str = dataclasses.field(default="f32", metadata=dict(static=True))
+    kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple:
+        return (self.q.shape[0], self.q.shape[1] * (2 if self.fmt.startswith("int4") else 1))
+
+    def group(self) -> int:
+        kind, g = parse_format(self.fmt)
+        return g if kind == "int4_g" and g < self.shape[1] else 0
+
+    def dequant(self, dtype):
+        return _dequant_jax(self.q, self.scale, self.fmt, dtype)
+
+
+NATIVE_MAX_ROWS = 32     # float weights: the native kernel up to this many rows (decode / verify), XLA's GEMM above
+
+
+def qdot(x, w: QWeight, rows=None):
+    """x [..., in] @ w.T -> [..., out] f32.  ``rows`` (bool, x's leading shape, optional): rows that matter; the
+    native kernel skips the others (their output is 0), the XLA path computes them anyway."""
+    out_dim, in_dim = w.shape
+    lead = x.shape[:-1]
+    n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    if w.kernel == "native" and (w.fmt not in FLOAT_FORMATS or n <= NATIVE_MAX_ROWS):
+        from . import kernels
+
+        y = kernels.qlinear(x.reshape(n, in_dim).astype(jnp.float32), w.q, w.scale, w.fmt, w.group(),
+                            None if rows is None else rows.reshape(n))
+        return y.reshape(*lead, out_dim)
+    dt = x.dtype if w.fmt not in FLOAT_FORMATS else w.q.dtype
+    return jnp.einsum("...i,oi->...o", x.astype(dt), w.dequant(dt), preferred_element_type=jnp.float32)
+
+
+def qtake(w, ids):
+    """Rows ``ids`` of an embedding table (a float array or a QWeight) as float."""
+    if not isinstance(w, QWeight):
+        return jnp.take(w, ids, axis=0)
+    sc = None if w.scale is None else jnp.take(w.scale, ids, axis=0)
+    return _dequant_jax(jnp.take(w.q, ids, axis=0), sc, w.fmt, jnp.float32)
+
+
+def to_qweight(a, fmt: str, kernel: str, dtype) -> "QWeight":
+    """A loaded dense weight (float array or QTensor) as a QWeight in ``fmt`` ("native": as stored / the compute
+    dtype)."""
+    if isinstance(a, QTensor):
+        if fmt in ("native", a.fmt):
+            return QWeight(jnp.asarray(a.q), jnp.asarray(a.scale), fmt=a.fmt, kernel=kernel)
+        a = a.dequant()
+    if fmt == "native":
+        fmt = "bf16" if dtype == jnp.bfloat16 else "f32"
+    kind, _ = parse_format(fmt)
+    if kind in FLOAT_FORMATS:
+        return QWeight(jnp.asarray(a, jnp.bfloat16 if kind == "bf16" else jnp.float32), fmt=kind, kernel=kernel)
+    q, s = quantize(np.asarray(a, np.float32), fmt)
+    return QWeight(jnp.asarray(q), jnp.asarray(s), fmt=fmt, kernel=kernel)
+
+
+def _concat(parts: list):
+    """Fuse float arrays or same-format QTensors along the output axis."""
+    if all(isinstance(p, QTensor) for p in parts) and len({p.fmt for p in parts}) == 1:
+        return QTensor(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]), parts[0].fmt)
+    return np.concatenate([p.dequant() if isinstance(p, QTensor) else np.asarray(p, np.float32) for p in parts])
+
+
+def pack_dense(params: dict, kernel: str, fmt: str = "native", head_fmt: Optional[str] = None, dtype=None):
+    """Turn a loaded params pytree's dense matrices into QWeights for the native kernels, fusing the GQA q/k/v
+    projections into one ``qkv`` and each MLP's gate/up into one ``gate_up`` (one kernel call each).  ``fmt``: the
+    dense storage format ("native" keeps what was loaded).  ``head_fmt``: the lm_head's (default: ``fmt``, but int8
+    for int4 dense formats, as llama.cpp keeps its output matrix above 4 bits).  The embedding stays a float table
+    unless it was stored quantized.  Leaves MLA attention weights alone (they are reshaped for absorption).
+    Expects numpy leaves (or QTensors) for dense matrices; other leaves pass through."""
+    import jax.numpy as jnp  # noqa: F811
+
+    dtype = dtype or jnp.float32
+    if head_fmt is None:
+        head_fmt = "int8_row" if fmt.startswith("int4") else fmt
+
+    def qw(a, f=fmt):
+        return to_qweight(a, f, kernel, dtype)
+
+    def mlp(p):
+        if p is None or "gate_w" not in p:
+            return p
+        return {"gate_up": qw(_concat([p["gate_w"], p["up_w"]])), "down_w": qw(p["down_w"])}
+
+    def layer(lp):
+        lp = dict(lp)
+        a = lp.get("attn")
+        if a is not None and "q_w" in a:
+            a = dict(a)
+            a["qkv"] = qw(_concat([a.pop("q_w"), a.pop("k_w"), a.pop("v_w")]))
+            if "q_b" in a:
+                a["qkv_b"] = np.concatenate([np.asarray(a.pop(k), np.float32) for k in ("q_b", "k_b", "v_b")])
+            a["o_w"] = qw(a["o_w"])
+            lp["attn"] = a
+        if "mlp" in lp:
+            lp["mlp"] = mlp(lp["mlp"])
+        if "moe" in lp:
+            lp["moe"] = dict(lp["moe"], shared=mlp(lp["moe"]["shared"]))
+        return lp
+
+    out = dict(params)
+    out["layers"] = [layer(lp) for lp in params["layers"]]
+    out["lm_head"] = qw(params["lm_head"], head_fmt)
+    if isinstance(params["embed"], QTensor):
+        out["embed"] = qw(params["embed"], "native")
+    m = params.get("mtp")
+    if m is not None:
+        m = dict(m)
+        m["eh_proj"] = qw(m["eh_proj"])
+        if m.get("head") is not None:
+            m["head"] = qw(m["head"], head_fmt)
+        if isinstance(m.get("embed"), QTensor):
+            m["embed"] = qw(m["embed"], "native")
+        m["layer"] = layer(m["layer"])
+        out["mtp"] = m
+    return out

@@ -268,7 +268,7 @@ class SpecPlan:
                                                    jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32), sk)
                     else:
                         fn = _mtp_draft_fn(engine, k, samp)
-                        d, q, engine._cache = fn(engine.params, engine._cache, jnp.asarray(toks), hid,
+                        d, q, engine._cache = fn(engine.step_params(), engine._cache, jnp.asarray(toks), hid,
                                                  jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
                                                  sk, _mtp_resident(engine))
                     mtp_next += n

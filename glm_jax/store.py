@@ -228,7 +228,7 @@ def _then(jobs: list, fin) -> list:
 
 
 class _Layer:
-    def __init__(self, layer, source, E, slots, aliased_ok, device):
+    def __init__(self, layer, source, E, slots, aliased_ok, device, kernel="xla"):
         import jax
         from glm_jax.quant import ExpertBank
         self.layer, self.E, self.S = layer, E, slots
@@ -244,8 +244,9 @@ class _Layer:
                                           for n, a in self.arrays.items())
         if not self.aliased:   # host staging + device copy updated per miss
             dev = {n: jax.device_put(np.array(a), device) for n, a in self.arrays.items()}
-        self.bank = ExpertBank(dev["gate_up"], dev["down"], dev.get("gate_up_scale"), dev.get("down_scale"),
-                               fmt=self.layout.fmt)
+        from glm_jax.quant import with_kernel
+        self.bank = with_kernel(ExpertBank(dev["gate_up"], dev["down"], dev.get("gate_up_scale"),
+                                           dev.get("down_scale"), fmt=self.layout.fmt), kernel)
         self.slot_of = np.full(E, -1, np.int32)
         self.free = list(range(slots - 1, -1, -1))
         self.touched: set = set()
@@ -307,7 +308,7 @@ class ExpertStore:
 
     def __init__(self, source, cfg: ModelConfig, model_dir: str, cache_cap: int, pins: dict, policy: str,
                  io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict, alias: bool = True,
-                 read_chunk: int = 0):
+                 read_chunk: int = 0, kernel: str = "xla"):
         import jax
         self.source, self.cfg, self.model_dir = source, cfg, model_dir
         self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
@@ -329,7 +330,7 @@ class ExpertStore:
             pinned[pins.get(L, [])] = True
             P = int(pinned.sum())
             S = min(E, P + max(cache_cap, max_working_set))
-            self.layers[L] = _Layer(L, source, E, S, on_cpu, device)
+            self.layers[L] = _Layer(L, source, E, S, on_cpu, device, kernel)
             self.index[L] = CacheIndex(E, min(cache_cap, E - P), S - P, policy, pinned)
             self._usage[L] = np.zeros(E, np.float64)
         self.aliased = all(lc.aliased for lc in self.layers.values())
@@ -364,7 +365,7 @@ class ExpertStore:
              direct_io: bool = False, io_threads: int = 4, read_chunk_mb: float = 1.0, pin=None, pin_gb: float = 0.0,
              policy: str = "lru",
              dense_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
-             verify: str = "first", source=None, alias: bool = True) -> "ExpertStore":
+             verify: str = "first", source=None, alias: bool = True, kernel: str = "xla") -> "ExpertStore":
         """``alias=False`` forces the non-CPU path (host staging + donated scatter of missed slots; tests)."""
         if policy not in POLICIES:
             raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
@@ -409,7 +410,7 @@ class ExpertStore:
             src.close()
             raise StoreError(f"--read_chunk_mb={read_chunk_mb}: must be >= 0 (0 = one read per record)")
         return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing, alias,
-                   read_chunk=int(read_chunk_mb * (1 << 20)))
+                   read_chunk=int(read_chunk_mb * (1 << 20)), kernel=kernel)
 
     # ------------------------------------------------------------------ I/O
     def _submit(self, L: int, experts: list, slots: list):
@@ -474,7 +475,7 @@ class ExpertStore:
             def scatter(bank, idx, rows):
                 upd = {n: getattr(bank, n).at[idx].set(r) for n, r in rows.items()}
                 return type(bank)(upd["gate_up"], upd["down"], upd.get("gate_up_scale"), upd.get("down_scale"),
-                                  fmt=bank.fmt)
+                                  fmt=bank.fmt, kernel=bank.kernel)
             self._scatter = jax.jit(scatter, donate_argnums=(0,))
         idx = np.asarray(slots, np.int32)
         rows = {n: a[idx] for n, a in lc.arrays.items()}
@@ -548,6 +549,44 @@ class ExpertStore:
             st["io_wait_s"] += t2 - t1
             st["fetch_s"] += time.perf_counter() - t0 - wait_pf
             return lc.bank, out_slot_of
+
+    def can_hold_all(self) -> bool:
+        """Every expert of every layer fits in the cache (its cap is the layer's expert count)."""
+        return all(int(self.index[L].pinned.sum()) + self.index[L].cap >= lc.E and lc.S >= lc.E
+                   for L, lc in self.layers.items())
+
+    def preload_all(self):
+        """Load every expert of every layer (the model fits the RAM budget): afterwards no forward needs the store
+        and the engine runs one compiled step per token over the slot arenas (``resident_view``).  Counted apart
+        (``preload_bytes_read``, ``preload_s``), not as the first tokens' misses; not added to the usage history."""
+        t0 = time.perf_counter()
+        with self._lock:
+            n = 0
+            for L, lc in self.layers.items():
+                self._wait_pending(L)
+                idx = self.index[L]
+                todo = [e for e in range(lc.E) if not idx.pinned[e] and e not in idx.cached]
+                slots = [lc.free.pop() for _ in todo]
+                if todo:
+                    n += self._read_many(L, todo, slots)
+                for e, s in zip(todo, slots):
+                    lc.slot_of[e] = s
+                    idx.cached.add(e)
+                idx.policy.touch(todo)
+                self._sync_device(lc, slots)
+        dt = time.perf_counter() - t0
+        pinned = self._stats["pinned_experts"]
+        self.reset_stats()
+        self._stats.update(pinned_experts=pinned, preload_bytes_read=n, preload_s=dt)
+
+    def all_resident(self) -> bool:
+        """Every expert of every layer is in its slot arena (nothing to fetch for any routing)."""
+        return all(bool((lc.slot_of >= 0).all()) and not lc.pending for lc in self.layers.values())
+
+    def resident_view(self) -> dict:
+        """{layer: (bank, slot_of int32 [E])} while ``all_resident()``: no forward can miss, so no fetch runs and
+        nothing rewrites a slot; the banks alias the arenas (no copy)."""
+        return {L: (lc.bank, lc.slot_of.copy()) for L, lc in self.layers.items()}
 
     def drop_cache(self, page_cache: bool = True):
         """Make the store cold: forget every cached (non-pinned) expert and, with ``page_cache``, ask the kernel to
@@ -631,6 +670,8 @@ class ExpertStore:
                            loads_per_layer={}, prefetch_loads=0, prefetch_hits=0, prefetch_unused=0,
                            prefetch_bytes=0, prefetch_wait_s=0.0, pin_bytes_read=0,
                            pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0,
+                           preload_bytes_read=getattr(self, "_stats", {}).get("preload_bytes_read", 0),
+                           preload_s=getattr(self, "_stats", {}).get("preload_s", 0.0),
                            sim_io_s=0.0, sim_bytes=0)
 
     def save_usage(self, decay: float = 1.0):

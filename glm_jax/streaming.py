@@ -39,18 +39,18 @@ def _fns(engine):
     from .engine import _routing_summary
 
     @jax.jit
-    def embed(e, tokens):
-        return jnp.take(e, tokens, axis=0)
+    def embed(params, tokens):
+        return M.embed(params, tokens)
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-    def dense(layer, lp, x, cache, start, prev_sel):
-        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel)
-        return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)), cache, sel
+    def dense(layer, lp, x, cache, start, prev_sel, valid_bt):
+        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+        return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps), valid_bt), cache, sel
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
     def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router):
         B, T, H = x.shape
-        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel)
+        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
         hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
         flat = hn.reshape(B * T, H)
         before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident)
@@ -74,7 +74,8 @@ def _fns(engine):
     @functools.partial(jax.jit, static_argnums=(0,))
     def moe_part(rows, mp, h, hn, ids, w, valid, bank, slot_of):
         """The seam + shared expert: the layer's output."""
-        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of))
+        real = valid.any(-1).reshape(h.shape[:2])   # a real position routes to >= 1 expert (plugins never empty one)
+        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of), real)
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def moe_early(rows, mp, hn, ids, hit, bank, slot_of):
@@ -98,9 +99,9 @@ def _fns(engine):
         return h + routed.reshape(B, T, H) + shared
 
     @jax.jit
-    def head(norm, lm_head, x):
+    def head(norm, lm_head, x, rows):
         hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
-        return jnp.einsum("bth,vh->btv", hidden, lm_head, preferred_element_type=jnp.float32), hidden
+        return M.head_logits(hidden, lm_head, rows), hidden
 
     engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part,
                                     moe_early=moe_early, moe_late=moe_late, head=head)
@@ -111,16 +112,16 @@ def _acc(engine, key, v):
     engine._route_acc[key] = engine._route_acc.get(key, 0.0) + float(v)
 
 
-def stream_step(engine, tokens, start, lengths):
+def stream_step(engine, tokens, start, lengths, logit_rows=None):
     """engine.forward for fetch=loop|callback.  Returns (logits, hidden, cache)."""
     if engine.opts["fetch"] == "callback":
-        return _callback_step(engine, tokens, start, lengths)
+        return _callback_step(engine, tokens, start, lengths, logit_rows)
     cfg, params, store = engine.cfg, engine.params, engine.store
     f = _fns(engine)
     B, T = tokens.shape
     valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
     valid_np = np.asarray(valid_bt)
-    x = f["embed"](params["embed"], tokens)
+    x = f["embed"]({"embed": params["embed"], "norm": params["norm"]}, tokens)
     cache = engine._cache
     n_real = int(np.max(np.asarray(lengths)))
     short = B == 1 and T <= 16 and n_real < T       # a padded decode / verify: experts for the real rows only
@@ -132,7 +133,7 @@ def stream_step(engine, tokens, start, lengths):
     for i, lp in enumerate(layers):
         k = _layer_key(cfg, i)
         if "moe" not in lp:
-            x, cache[i], sel = f["dense"](k, lp, x, cache[i], start, sel)
+            x, cache[i], sel = f["dense"](k, lp, x, cache[i], start, sel, valid_bt)
             continue
         nxt = None
         if engine.opts["prefetch"]:
@@ -170,7 +171,7 @@ def stream_step(engine, tokens, start, lengths):
             x = f["moe_part"](rows, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
         else:
             x = f["moe_late"](rows, h, hn, ids, w, valid, early[0], early[1], early[2], bank, jnp.asarray(slot_of))
-    logits, hidden = f["head"](params["norm"], params["lm_head"], x)
+    logits, hidden = f["head"](params["norm"], params["lm_head"], x, valid_bt if logit_rows is None else logit_rows)
     if trace:
         import json
 
@@ -207,7 +208,7 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
 
 
 # ----------------------------------------------------------------------------- callback mode
-def _callback_step(engine, tokens, start, lengths):
+def _callback_step(engine, tokens, start, lengths, logit_rows=None):
     cfg = engine.cfg
     B, T = tokens.shape
     n_real = int(np.max(np.asarray(lengths)))
@@ -279,7 +280,7 @@ def _build_callback_step(engine, n_pos, rows=None):
                                                  after.valid[:r], ordered=True)
             fmt = store._layer(i).layout.fmt
             bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
-                              fmt=fmt)
+                              fmt=fmt, kernel=store._layer(i).bank.kernel)
             if rows is None:
                 routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
             else:   # same gather-path products as fetch=loop's real-row path

@@ -97,14 +97,30 @@ class TensorSource:
         except Exception as e:
             raise WeightError(f"{self._files[key]}: cannot read tensor '{key}' ({e})") from None
 
-    def get(self, key: str, shape: Optional[tuple] = None, dtype=np.float32) -> np.ndarray:
-        """Read ``key`` as ``dtype``; FP8 tensors are dequantized with their ``weight_scale_inv``."""
+    def get(self, key: str, shape: Optional[tuple] = None, dtype=np.float32, keep_quant: bool = False):
+        """Read ``key`` as ``dtype``; FP8 tensors are dequantized with their ``weight_scale_inv``.  A dense weight
+        that glm-jax-convert stored quantized (int8 / packed int4 + ``{key}_scale``) is dequantized, or with
+        ``keep_quant`` returned as a ``quant.QTensor``."""
         if key not in self._files:
             exp = f" (expected shape {list(shape)})" if shape is not None else ""
             raise WeightError(f"{self.path}: missing tensor '{key}'{exp}")
         a = self.raw(key)
-        if a.dtype == np.int8 and key + INT8_SCALE_SUFFIX in self._files:   # glm-jax-convert --dense_format=int8
-            a = a.astype(np.float32) * self.raw(key + INT8_SCALE_SUFFIX).astype(np.float32)
+        if a.dtype in (np.int8, np.uint8) and key + INT8_SCALE_SUFFIX in self._files:   # --dense_format=int8|int4
+            from .quant import QTensor
+
+            sc = self.raw(key + INT8_SCALE_SUFFIX).astype(np.float32)
+            if a.dtype == np.int8:
+                qt = QTensor(a, sc, "int8_row")
+            else:
+                n_in = a.shape[-1] * 2
+                g = -(-n_in // sc.shape[-1])
+                qt = QTensor(a, sc, "int4_row" if sc.shape[-1] == 1 else f"int4_g{g}")
+            if shape is not None and tuple(qt.shape) != tuple(shape):
+                raise WeightError(f"{self._files[key]}: tensor '{key}' has shape {list(qt.shape)}, expected "
+                                  f"{list(shape)}")
+            if keep_quant:
+                return qt
+            a = qt.dequant()
         elif a.dtype.name.startswith("float8"):
             a = dequant_fp8(a, self.raw(key + "_scale_inv") if (key + "_scale_inv") in self._files
                             else self.raw(key.rsplit(".", 1)[0] + ".weight_scale_inv"))
@@ -167,6 +183,12 @@ def load_experts(src: TensorSource, cfg: ModelConfig, layer: int, dtype=np.float
     return gu, dn
 
 
+def _float(a):
+    from .quant import QTensor
+
+    return a.dequant() if isinstance(a, QTensor) else a
+
+
 def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     """Everything of layer i except its routed experts."""
     H = cfg.hidden_size
@@ -175,7 +197,8 @@ def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
           "post_norm": get(pre + "post_attention_layernorm.weight", (H,))}
     if cfg.model_type == "glm_moe_dsa":
         from . import mla
-        lp["attn"] = mla.load_mla_params(get, pre + "self_attn.", cfg, i)
+        # MLA's matrices are reshaped for absorption: always float here
+        lp["attn"] = mla.load_mla_params(lambda *a: _float(get(*a)), pre + "self_attn.", cfg, i)
     else:
         lp["attn"] = _attn_gqa(get, pre + "self_attn.", cfg)
     if moe:
@@ -216,16 +239,22 @@ def _cast_tree(tree, dtype):
 
 
 def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[str] = "f32",
-                load_mtp: bool = True, src: Optional[TensorSource] = None) -> dict:
+                load_mtp: bool = True, src: Optional[TensorSource] = None, kernel: str = "xla",
+                dense_fmt: str = "native") -> dict:
     """Build the params pytree.  ``expert_fmt=None`` leaves routed experts out (they are streamed by a store);
-    otherwise they are stored resident as an ExpertBank in that format (f32 / bf16 / int8_row / int4_g64 ...)."""
+    otherwise they are stored resident as an ExpertBank in that format (f32 / bf16 / int8_row / int4_g64 ...).
+    ``kernel="native"`` (or a ``dense_fmt`` other than "native") packs the dense matrices as QWeights
+    (quant.pack_dense: fused q/k/v and gate/up, stored-quantized weights kept quantized)."""
     import jax.numpy as jnp
 
-    from .quant import bank_from_float
+    from .quant import bank_from_float, pack_dense
 
     dtype = dtype or jnp.float32
     src = src or TensorSource(path)
-    get = src.get
+    pack = kernel == "native" or dense_fmt != "native"
+
+    def get(key, shape=None, dt=np.float32):
+        return src.get(key, shape, dt, keep_quant=pack)
     H, V = cfg.hidden_size, cfg.vocab_size
     params = {"embed": get("model.embed_tokens.weight", (V, H)), "norm": get("model.norm.weight", (H,))}
     if cfg.tie_word_embeddings:
@@ -238,7 +267,7 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
         moe = cfg.is_moe_layer(i)
         layers.append(load_layer(get, cfg, i, moe))
         if moe and expert_fmt is not None:
-            banks[i] = bank_from_float(*load_experts(src, cfg, i), _bank_fmt(expert_fmt, dtype))
+            banks[i] = bank_from_float(*load_experts(src, cfg, i), _bank_fmt(expert_fmt, dtype), kernel)
     params["layers"] = layers
     params["mtp"] = None
     L = cfg.num_hidden_layers
@@ -252,7 +281,9 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
                "layer": load_layer(get, cfg, L, True)}
         params["mtp"] = mtp
         if expert_fmt is not None:
-            banks[L] = bank_from_float(*load_experts(src, cfg, L), _bank_fmt(expert_fmt, dtype))
+            banks[L] = bank_from_float(*load_experts(src, cfg, L), _bank_fmt(expert_fmt, dtype), kernel)
+    if pack:
+        params = pack_dense(params, kernel, dense_fmt, dtype=dtype)
     params = _cast_tree(params, dtype)
     for i, b in banks.items():
         if i == L:
@@ -262,11 +293,12 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     return params
 
 
-def load_dense_params(path: str, cfg: ModelConfig, dtype=None) -> dict:
+def load_dense_params(path: str, cfg: ModelConfig, dtype=None, kernel: str = "xla", dense_fmt: str = "native") -> dict:
     """Dense (non-expert) params of a glm-jax-convert container (its dense.safetensors)."""
     from .container import DENSE_NAME
 
-    return load_params(path, cfg, dtype=dtype, expert_fmt=None, src=TensorSource(path, files=[DENSE_NAME]))
+    return load_params(path, cfg, dtype=dtype, expert_fmt=None, src=TensorSource(path, files=[DENSE_NAME]),
+                       kernel=kernel, dense_fmt=dense_fmt)
 
 
 def _bank_fmt(expert_fmt: str, dtype) -> str:

@@ -58,8 +58,10 @@ def test_loop_and_callback_identical_on_int4_container(int4_dir, exp):
 
 
 def test_int4_container_matches_numpy_dequant_of_the_same_records(int4_dir, exp):
-    """Reference: a resident f32 engine whose experts are the numpy-dequantized container records."""
-    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=8)
+    """Reference: a resident f32 engine whose experts are the numpy-dequantized container records.  The XLA path
+    (f32 activations x dequantized weights) is exact against it; the native kernels' int8 activations are checked
+    against their own emulation in test_kernels.py."""
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=8, kernels="xla")
     ref = glm_jax.Engine.load(SRC, fetch="resident", dtype="float32")
     c = open_container(int4_dir, ref.cfg)
     cfg = ref.cfg
@@ -78,9 +80,13 @@ def test_int4_container_matches_numpy_dequant_of_the_same_records(int4_dir, exp)
     assert np.abs(got - want).max() < 1e-4
 
 
-def test_int4_tracks_f32_model(int4_dir, exp):
-    """int4_g64 experts vs the f32 oracle: top-1 agreement and KL on the fixture inputs."""
-    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=8)
+@pytest.mark.parametrize("kernels,min_agree", [("xla", 0.75), ("native", 0.7)])
+def test_int4_tracks_f32_model(int4_dir, exp, kernels, min_agree):
+    """int4_g64 experts vs the f32 oracle: top-1 agreement and KL on the fixture inputs.  This random-init fixture
+    has nearly flat logits, so rounding flips many argmaxes; the native kernels also quantize activations to int8
+    (as llama.cpp's Q4_0 x Q8_0 does), which moved agreement from 0.75 to 0.72 here.  On the trained shipped model
+    both kernels score the same (tools/bench.py --mode=formats: KL 1.7e-4 vs 1.9e-4, top-1 0.990 vs 0.992)."""
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=8, kernels=kernels)
     agree, kls = [], []
     for row in range(exp["input_ids"].shape[0]):
         lg = eng.logits(exp["input_ids"][row].tolist()).astype(np.float64)
@@ -89,7 +95,7 @@ def test_int4_tracks_f32_model(int4_dir, exp):
         q = np.exp(lg - lg.max(-1, keepdims=True)); q /= q.sum(-1, keepdims=True)
         kls.append((p * (np.log(p) - np.log(q))).sum(-1).mean())
         agree.append((lg.argmax(-1) == ref.argmax(-1)).mean())
-    assert np.mean(agree) >= 0.75, agree
+    assert np.mean(agree) >= min_agree, agree
     assert np.mean(kls) < 0.1, kls
 
 

@@ -35,6 +35,7 @@ flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe
 flags.DEFINE_integer("new_tokens", 64, "Tokens to decode per run.")
 flags.DEFINE_integer("reps", 3, "Repetitions per configuration (interleaved; the median is reported).")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")
+flags.DEFINE_string("kernels", "native,xla", "--mode=formats: expert kernels to score (comma-separated).")
 
 
 def bench_hf(model_dir, n_new, reps):
@@ -182,9 +183,11 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
             d = os.path.join(tmp, f)
             man = convert(hf_dir, d, expert_format=f, dense_format="f32", progress=False)
             mb = sum(e["length"] for e in man["experts"]) / 1e6
-            eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32")
-            score(f, eng, mb)
-            eng.close()
+            for kern in FLAGS.kernels.split(","):
+                # native: int8 activations x quantized weights (VNNI); xla: f32 activations x dequantized weights
+                eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32", kernels=kern)
+                score(f"{f} ({kern})", eng, mb)
+                eng.close()
     cols = ["experts", "expert MB (MTP int8)", "KL(ref‖fmt)/token", "top-1 agreement", "max |Δlogit|", "PPL"]
     return markdown(rows, cols) + (f"\n\nmodel {hf_dir}; reference: {ref_name}; {len(wins)} windows of "
                                    f"{len(wins[0])} tokens, teacher forced; dense weights f32 in every conversion")

@@ -1,0 +1,167 @@
+"""The native kernels (glm_jax/kernels: C++ through jax.ffi) against a numpy emulation of their arithmetic.
+
+Quantized formats multiply int8 activations (per 64-block, scale amax/127, round half to even) by the integer
+weights; the emulation does the same in exact integers, so the tolerance only covers float summation order.  Float
+formats are plain dot products.  Also: every row's result is bitwise independent of the rows around it (the
+engine's batch invariance), of which slot holds an expert (cache history), and padding rows are skipped."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm_jax import kernels
+from glm_jax import model as M
+from glm_jax import quant
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"native kernels unavailable: {kernels.last_error()}")
+
+FORMATS = ["f32", "bf16", "int8_row", "int4_g64", "int4_row", "int4_g128"]
+
+
+def _act_quant(x):
+    """The kernels' activation quantization of one row: int8 values and per-element block scales."""
+    x = np.asarray(x, np.float32)
+    q = np.zeros(len(x), np.int64)
+    s = np.zeros(len(x), np.float64)
+    for b in range(0, len(x), 64):
+        blk = x[b:b + 64]
+        amax = np.float32(np.abs(blk).max())
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0)
+        q[b:b + 64] = np.clip(np.rint(blk * inv), -127, 127)
+        s[b:b + 64] = np.float32(amax / np.float32(127.0))
+    return q, s
+
+
+def _int_weights(q, scale, fmt):
+    """Integer weights and per-element scales of a quantized [out, in] matrix (numpy reference layout)."""
+    if fmt == "int8_row":
+        return q.astype(np.int64), np.broadcast_to(scale, q.shape).astype(np.float64)
+    lo, hi = (q & 15).astype(np.int64) - 8, (q >> 4).astype(np.int64) - 8
+    w = np.stack([lo, hi], -1).reshape(q.shape[0], -1)
+    g = -(-w.shape[1] // scale.shape[1])
+    return w, np.repeat(scale, g, axis=1)[:, :w.shape[1]].astype(np.float64)
+
+
+def _matvec(q, scale, fmt, x):
+    """W @ x as the kernels compute it (up to float summation order), in float64."""
+    if fmt in ("f32", "bf16"):
+        return np.asarray(quant.dequantize(np.asarray(q), None, fmt), np.float64) @ np.asarray(x, np.float64)
+    w, sw = _int_weights(np.asarray(q), np.asarray(scale), fmt)
+    xq, sx = _act_quant(x)
+    # blocks of 64 share sx; groups share sw: sum_b s_x[b] * sum_{i in b} s_w[i] w_i xq_i (sw constant per block)
+    return (w * xq[None, :] * sw * sx[None, :]).sum(1)
+
+
+def _silu(v):
+    v = np.asarray(v, np.float32)
+    return v / (np.float32(1) + np.exp(-v))
+
+
+def _bank(fmt, E, H, I, seed):
+    rng = np.random.default_rng(seed)
+    gu = rng.normal(size=(E, 2 * I, H)).astype(np.float32) * 0.1
+    dn = rng.normal(size=(E, H, I)).astype(np.float32) * 0.1
+    return quant.bank_from_float(gu, dn, fmt, kernel="native")
+
+
+def _seam_reference(bank, slots, w, x, terms=False):
+    E = bank.num_slots
+    T, K = slots.shape
+    H = bank.down.shape[1]
+    g = lambda a: None if a is None else np.asarray(a)  # noqa: E731
+    out = np.zeros((T, K, H) if terms else (T, H))
+    for t in range(T):
+        for k in range(K):
+            s = slots[t, k]
+            if s < 0 or s >= E:
+                continue
+            h = _matvec(g(bank.gate_up)[s], None if bank.gate_up_scale is None else g(bank.gate_up_scale)[s],
+                        bank.fmt, x[t]).astype(np.float32)
+            I = h.shape[0] // 2
+            a = (_silu(h[:I]) * h[I:]).astype(np.float32)
+            y = _matvec(g(bank.down)[s], None if bank.down_scale is None else g(bank.down_scale)[s], bank.fmt, a)
+            if terms:
+                out[t, k] = y
+            else:
+                out[t] += w[t, k] * y
+    return out
+
+
+_moe = jax.jit(lambda x, s, w, b, terms: kernels.moe(x, s, w, b.gate_up, b.gate_up_scale, b.down, b.down_scale,
+                                                     b.fmt, b.group("gate_up"), b.group("down"), terms),
+               static_argnums=(4,))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("H,I,T,K", [(256, 128, 1, 4), (192, 96, 5, 3)])
+def test_seam_matches_the_emulation(fmt, H, I, T, K):
+    """Whole and partial 64-blocks, a lone last block pair (H=192: 3 blocks), invalid entries, odd T and K."""
+    kind, g = quant.parse_format(fmt)
+    if kind == "int4_g" and any(n % g and n > g for n in (H, I)):
+        pytest.skip(f"{fmt}: the numpy quantizer needs widths that are multiples of the group")
+    E = 6
+    bank = _bank(fmt, E, H, I, seed=H + T)
+    rng = np.random.default_rng(T)
+    slots = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    slots[rng.random((T, K)) < 0.25] = -1
+    w = rng.random((T, K)).astype(np.float32)
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    for terms in (False, True):
+        got = np.asarray(_moe(jnp.asarray(x), jnp.asarray(slots), jnp.asarray(w), bank, terms))
+        ref = _seam_reference(bank, slots, w, x, terms)
+        assert np.abs(got - ref).max() <= 2e-5 * max(1.0, np.abs(ref).max()), (fmt, terms, np.abs(got - ref).max())
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int8_row", "int4_g64"])
+def test_seam_rows_are_batch_and_slot_invariant(fmt):
+    """A token's output is bitwise the same alone, among 7 others, and with its experts in other slots."""
+    E, H, I, T, K = 8, 128, 64, 7, 3
+    bank = _bank(fmt, E, H, I, seed=3)
+    rng = np.random.default_rng(4)
+    slots = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    full = np.asarray(_moe(jnp.asarray(x), jnp.asarray(slots), jnp.asarray(w), bank, False))
+    for t in (0, 3, 6):
+        one = np.asarray(_moe(jnp.asarray(x[t:t + 1]), jnp.asarray(slots[t:t + 1]), jnp.asarray(w[t:t + 1]), bank,
+                              False))
+        assert np.array_equal(one[0], full[t]), (fmt, t)
+    perm = rng.permutation(E)                                # expert e now lives in slot perm[e]
+    moved = jax.tree_util.tree_map(lambda a: a[np.argsort(perm)] if a.ndim else a, bank)
+    got = np.asarray(_moe(jnp.asarray(x), jnp.asarray(perm[slots].astype(np.int32)), jnp.asarray(w), moved, False))
+    assert np.array_equal(got, full)
+
+
+def test_seam_through_moe_routed_and_slot_map():
+    """model.moe_routed on a native bank with a slot map = the emulation on the mapped slots; invalid -> 0."""
+    E, H, I, T, K = 8, 128, 64, 4, 2
+    bank = _bank("int4_g64", E, H, I, seed=5)
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, E, (T, K)).astype(np.int32)
+    valid = np.array([[1, 1], [1, 0], [0, 0], [1, 1]], bool)
+    slot_of = rng.permutation(E).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    got = np.asarray(jax.jit(M.moe_routed)(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(valid),
+                                           bank, jnp.asarray(slot_of)))
+    ref = _seam_reference(bank, np.where(valid, slot_of[ids], -1), w, x)
+    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
+    assert not got[2].any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qlinear_matches_the_emulation_and_skips_padding_rows(fmt):
+    rng = np.random.default_rng(7)
+    out_dim, in_dim, T = 70, 256, 5                          # 70 rows: tiles of 4 plus a tail
+    wf = rng.normal(size=(out_dim, in_dim)).astype(np.float32)
+    qw = quant.to_qweight(wf, fmt, "native", jnp.float32)
+    x = rng.normal(size=(T, in_dim)).astype(np.float32)
+    f = jax.jit(lambda x, w, r: quant.qdot(x, w, r))
+    got = np.asarray(f(jnp.asarray(x), qw, None))
+    scale = None if qw.scale is None else np.asarray(qw.scale)
+    ref = np.stack([_matvec(np.asarray(qw.q), scale, fmt, x[t]) for t in range(T)])
+    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max(), fmt
+    rows = np.array([True, False, True, False, False])
+    part = np.asarray(f(jnp.asarray(x), qw, jnp.asarray(rows)))
+    assert np.array_equal(part[rows], got[rows]) and not part[~rows].any()
