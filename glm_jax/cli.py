@@ -32,11 +32,13 @@ def format_stats(s: dict) -> str:
              f"decode {s['decode_tokens']} tokens in {s['decode_s']:.3f} s ({s['decode_tok_s']:.2f} tok/s)"]
     if s.get("compile_s"):
         parts.append(f"compile {s['compile_s']:.1f} s")
-    if "hit_rate" in s:
+    if "dtype" in s:
+        parts.append(f"{s['fetch']}, {s['kernels']} kernels, compute {s['dtype']} (checkpoint {s['checkpoint_dtype']})")
+    if "hit_rate" in s and s.get("fetch") != "resident":      # resident: every expert in RAM, nothing fetched
         parts.append(f"expert hit rate {100 * s['hit_rate']:.1f}%")
-    if "bytes_read" in s:
+    if "bytes_read" in s and s.get("fetch") != "resident":
         parts.append(f"read {s['bytes_read'] / 1e6:.1f} MB")
-    if "bytes_read_per_token" in s:
+    if "bytes_read_per_token" in s and s.get("fetch") != "resident":
         parts.append(f"{s['bytes_read_per_token'] / 1e6:.2f} MB/token")
     if s.get("prefetch_loads"):
         parts.append(f"prefetch {int(s['prefetch_hits'])}/{int(s['prefetch_loads'])} loads used"

@@ -98,7 +98,7 @@ class Engine:
     """A loaded model: config, params (dense resident; experts resident or behind an expert store), tokenizer."""
 
     def __init__(self, path: str, cfg: ModelConfig, params: dict, opts: dict, tokenizer: Optional[Tokenizer],
-                 store=None):
+                 store=None, kernel: str = "xla"):
         self.path = path
         self.cfg = cfg
         # committed to the device, like the store's banks and the cache: jit keys its compiled programs on whether
@@ -117,6 +117,8 @@ class Engine:
         self._jits = {}
         self._route_acc = {}
         self._view = None
+        self.kernel = kernel                                # who computes the experts / dense products
+        self.checkpoint_dtype = declared_dtype(path) or "unknown"
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -175,7 +177,7 @@ class Engine:
             opts["fetch"] = fetch
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
-        return cls(path, cfg, params, opts, tok, store)
+        return cls(path, cfg, params, opts, tok, store, kernel)
 
     # ------------------------------------------------------------------ jitted pieces
     def _jit(self, name, fn, **kw):
@@ -324,13 +326,31 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------- helpers
+def declared_dtype(path: str) -> str:
+    """The checkpoint's declared dtype (config.json ``dtype`` / ``torch_dtype``), "" if none."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    d = c.get("dtype") or c.get("torch_dtype") or ""
+    return d if isinstance(d, str) else ""
+
+
 def _pick_dtype(name: str, path: str, cfg: ModelConfig):
+    """The compute (activation) dtype.  auto: on CPU float32 whatever the checkpoint declares -- XLA:CPU has no fast
+    bf16 arithmetic (0.44 vs 3.6 GMAC/s for f32, limits-and-peers.md section 6) and the native kernels keep bf16
+    weights in bf16 while computing in f32, so a bf16 checkpoint loses no memory for it; elsewhere the checkpoint's
+    declared dtype (bfloat16 or float32; float16 -> bfloat16)."""
     if name == "float32":
         return jnp.float32
     if name == "bfloat16":
         return jnp.bfloat16
-    # auto: f32 for small models (exact parity with the oracle), bf16 for big ones
-    return jnp.float32 if cfg.hidden_size <= 1024 else jnp.bfloat16
+    if jax.default_backend() == "cpu":
+        return jnp.float32
+    return jnp.bfloat16 if declared_dtype(path) in ("bfloat16", "float16") else jnp.float32
 
 
 def _pick_kernel(mode: str) -> str:

@@ -126,6 +126,7 @@ def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0,
         "new_tokens": len(out), "forwards": forwards,
         "tokens_per_forward": (n_dec / forwards) if forwards else 0.0,
         "fetch": engine.opts["fetch"], "compile_s": engine.compile_s - compile0,
+        "dtype": jnp.dtype(engine.dtype).name, "checkpoint_dtype": engine.checkpoint_dtype, "kernels": engine.kernel,
     }
     stats.update(spec_stats)
     stats.update(route_stats(engine._route_acc))

@@ -28,8 +28,10 @@ class Opt:
 
 
 OPTIONS = [
-    Opt("dtype", "auto", "enum", "Compute dtype of the dense weights/activations (auto: float32 for f32 checkpoints "
-        "and tiny models, bfloat16 otherwise).", ("auto", "float32", "bfloat16")),
+    Opt("dtype", "auto", "enum", "Compute (activation) dtype. auto: float32 on CPU whatever the checkpoint declares "
+        "(XLA:CPU has no fast bf16 arithmetic; the native kernels keep bf16 weights in bf16 and compute in f32), "
+        "the checkpoint's declared dtype elsewhere. The stats line prints what was picked.",
+        ("auto", "float32", "bfloat16")),
     Opt("kernels", "auto", "enum", "Expert (and quantized dense) matrix products: native (C++ kernels through jax.ffi, "
         "built on first use with the machine's C++ compiler into the per-user cache; int8 activations x int4/int8 "
         "weights with AVX-512 VNNI where present), xla (jnp code, no compiler needed), auto (native if it builds, "

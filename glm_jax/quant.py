@@ -294,8 +294,8 @@ def to_qweight(a, fmt: str, kernel: str, dtype) -> "QWeight":
         if fmt in ("native", a.fmt):
             return QWeight(jnp.asarray(a.q), jnp.asarray(a.scale), fmt=a.fmt, kernel=kernel)
         a = a.dequant()
-    if fmt == "native":
-        fmt = "bf16" if dtype == jnp.bfloat16 else "f32"
+    if fmt == "native":      # as stored: a bf16 matrix stays bf16 (the kernels compute in f32 either way)
+        fmt = "bf16" if (np.asarray(a).dtype == _bf16() or dtype == jnp.bfloat16) else "f32"
     kind, _ = parse_format(fmt)
     if kind in FLOAT_FORMATS:
         return QWeight(jnp.asarray(a, jnp.bfloat16 if kind == "bf16" else jnp.float32), fmt=kind, kernel=kernel)
@@ -307,6 +307,8 @@ def _concat(parts: list):
     """Fuse float arrays or same-format QTensors along the output axis."""
     if all(isinstance(p, QTensor) for p in parts) and len({p.fmt for p in parts}) == 1:
         return QTensor(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]), parts[0].fmt)
+    if not any(isinstance(p, QTensor) for p in parts) and len({np.asarray(p).dtype for p in parts}) == 1:
+        return np.concatenate([np.asarray(p) for p in parts])
     return np.concatenate([p.dequant() if isinstance(p, QTensor) else np.asarray(p, np.float32) for p in parts])
 
 
@@ -350,8 +352,8 @@ def pack_dense(params: dict, kernel: str, fmt: str = "native", head_fmt: Optiona
     out = dict(params)
     out["layers"] = [layer(lp) for lp in params["layers"]]
     out["lm_head"] = qw(params["lm_head"], head_fmt)
-    if isinstance(params["embed"], QTensor):
-        out["embed"] = qw(params["embed"], "native")
+    if isinstance(params["embed"], QTensor) or np.asarray(params["embed"]).dtype == _bf16():
+        out["embed"] = qw(params["embed"], "native")      # rows dequantized / widened as they are looked up
     m = params.get("mtp")
     if m is not None:
         m = dict(m)

@@ -254,7 +254,8 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     pack = kernel == "native" or dense_fmt != "native"
 
     def get(key, shape=None, dt=np.float32):
-        return src.get(key, shape, dt, keep_quant=pack)
+        # packed: keep the stored float dtype (a bf16 matrix stays bf16 in its QWeight; _cast_tree casts the rest)
+        return src.get(key, shape, None if pack and dt is np.float32 else dt, keep_quant=pack)
     H, V = cfg.hidden_size, cfg.vocab_size
     params = {"embed": get("model.embed_tokens.weight", (V, H)), "norm": get("model.norm.weight", (H,))}
     if cfg.tie_word_embeddings:
