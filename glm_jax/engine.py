@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import memory as MEM
 from . import model as M
 from . import options as O
 from .config import GlmJaxError, ModelConfig, load_config
@@ -149,14 +150,19 @@ class Engine:
             else:
                 params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=kernel,
                                        dense_fmt=opts["dense_format"])
+            MEM.trim()
             store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None, ram_gb=opts["ram_gb"] or None,
                                        direct_io=opts["direct_io"], io_threads=opts["io_threads"],
                                        read_chunk_mb=opts["read_chunk_mb"],
                                        pin=opts["pin"] or None, pin_gb=opts["pin_gb"], policy=opts["cache_policy"],
-                                       dense_bytes=_tree_bytes(params),
-                                       # a prefill can route to every expert of a layer: the working set may be E
-                                       # (anonymous-mmap slots cost RAM only while they hold a forward's union)
-                                       max_working_set=cfg.n_routed_experts, kernel=kernel)
+                                       # the whole process counts: what it holds now (runtime + dense
+                                       # weights) and a reserve for compilation and the step's buffers
+                                       used_bytes=MEM.rss_bytes() + RUNTIME_RESERVE,
+                                       kv_bytes=M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
+                                       (opts["max_seq_len"] or KV_RESERVE_TOKENS),
+                                       # slots for one decode / verify's union; a larger one (a prefill) is
+                                       # fetched and computed in chunks of this many experts (streaming.py)
+                                       max_working_set=working_set(cfg, opts), kernel=kernel)
             store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
             if fetch in ("auto", "resident") and container:
                 # every expert fits the RAM budget: load them all now, then run one compiled step per token over
@@ -351,6 +357,24 @@ def _pick_dtype(name: str, path: str, cfg: ModelConfig):
     if jax.default_backend() == "cpu":
         return jnp.float32
     return jnp.bfloat16 if declared_dtype(path) in ("bfloat16", "float16") else jnp.float32
+
+
+RUNTIME_RESERVE = 150 << 20   # compile workspace + the step's buffers beyond the resident set at open (measured:
+                              # 15-60 MB on the 1.9 GB synthetic model; tools/bench.py --mode=lowram)
+KV_RESERVE_TOKENS = 4096      # KV positions the RAM budget reserves when --max_seq_len is not given
+
+
+def working_set(cfg: ModelConfig, opts: Optional[dict] = None) -> int:
+    """Expert slots per layer beyond the retained cache: the union of one decode forward, i.e. top-k times its real
+    positions (1, or 1 + the draft tokens of a speculative verify).  Larger unions (a prefill) are fetched in
+    chunks of this size."""
+    width = 1
+    if opts is not None:
+        d = opts["draft"]
+        if d < 0:
+            d = 3 if (opts["mtp"] and cfg.has_mtp and opts["draft_source"] in ("auto", "mtp")) else 0
+        width += max(0, d)
+    return min(cfg.n_routed_experts, width * cfg.num_experts_per_tok)
 
 
 def _pick_kernel(mode: str) -> str:

@@ -59,7 +59,7 @@ def apply_rope_half(x, cos, sin):
 
 
 def mlp(p, x, rows=None):
-    if "gate_up" in p:       # gate and up fused into one matrix (quant.pack_dense)
+    if "gate_up" in p:       # gate and up fused into one matrix (quant.pack_layer)
         h = linear(x, p["gate_up"], rows=rows)
         I = h.shape[-1] // 2
         return linear(jax.nn.silu(h[..., :I]) * h[..., I:], p["down_w"], rows=rows)
@@ -82,12 +82,23 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(n)]
 
 
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, with_mtp: bool = True) -> int:
+    """KV-cache bytes per position over every layer (and the MTP layer)."""
+    n = cfg.num_hidden_layers + (1 if with_mtp and cfg.has_mtp else 0)
+    if cfg.model_type == "glm_moe_dsa":
+        from . import mla
+
+        kb = mla.kv_bytes_per_token(cfg, dtype_bytes)
+        return kb["model_total"] + (kb["mtp_layer"] if with_mtp and cfg.has_mtp else 0)
+    return n * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+
+
 def gqa_attention(cfg: ModelConfig, p, x, cache, start, rows=None):
     """x [B, T, H] (input-normed).  Writes K/V at positions start..start+T-1 and attends causally over the cache.
     ``rows`` [B, T] bool: real (non-padding) positions (the native projections skip the others)."""
     B, T, _ = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    if "qkv" in p:           # q/k/v fused into one matrix (quant.pack_dense)
+    if "qkv" in p:           # q/k/v fused into one matrix (quant.pack_layer)
         qkv = linear(x, p["qkv"], p.get("qkv_b"), rows)
         q = qkv[..., :nh * hd].reshape(B, T, nh, hd)
         k = qkv[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)

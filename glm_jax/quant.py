@@ -312,56 +312,46 @@ def _concat(parts: list):
     return np.concatenate([p.dequant() if isinstance(p, QTensor) else np.asarray(p, np.float32) for p in parts])
 
 
-def pack_dense(params: dict, kernel: str, fmt: str = "native", head_fmt: Optional[str] = None, dtype=None):
-    """Turn a loaded params pytree's dense matrices into QWeights for the native kernels, fusing the GQA q/k/v
-    projections into one ``qkv`` and each MLP's gate/up into one ``gate_up`` (one kernel call each).  ``fmt``: the
-    dense storage format ("native" keeps what was loaded).  ``head_fmt``: the lm_head's (default: ``fmt``, but int8
-    for int4 dense formats, as llama.cpp keeps its output matrix above 4 bits).  The embedding stays a float table
-    unless it was stored quantized.  Leaves MLA attention weights alone (they are reshaped for absorption).
-    Expects numpy leaves (or QTensors) for dense matrices; other leaves pass through."""
-    import jax.numpy as jnp  # noqa: F811
+def head_format(fmt: str) -> str:
+    """The lm_head's storage format for a dense format: int8 for int4 dense formats (as llama.cpp keeps its output
+    matrix above 4 bits), else the same."""
+    return "int8_row" if fmt.startswith("int4") else fmt
 
+
+def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None) -> dict:
+    """One decoder layer's dense matrices as QWeights for the native kernels: the GQA q/k/v projections fused into
+    one ``qkv`` (+ ``qkv_b``), each MLP's gate/up into one ``gate_up`` (one kernel call each).  ``fmt``: the dense
+    storage format ("native" keeps what was loaded: bf16 stays bf16, stored-quantized stays quantized).  MLA
+    attention weights are left alone (reshaped for absorption).  Expects numpy leaves / QTensors."""
     dtype = dtype or jnp.float32
-    if head_fmt is None:
-        head_fmt = "int8_row" if fmt.startswith("int4") else fmt
 
-    def qw(a, f=fmt):
-        return to_qweight(a, f, kernel, dtype)
+    def qw(a):
+        return to_qweight(a, fmt, kernel, dtype)
 
     def mlp(p):
         if p is None or "gate_w" not in p:
             return p
         return {"gate_up": qw(_concat([p["gate_w"], p["up_w"]])), "down_w": qw(p["down_w"])}
 
-    def layer(lp):
-        lp = dict(lp)
-        a = lp.get("attn")
-        if a is not None and "q_w" in a:
-            a = dict(a)
-            a["qkv"] = qw(_concat([a.pop("q_w"), a.pop("k_w"), a.pop("v_w")]))
-            if "q_b" in a:
-                a["qkv_b"] = np.concatenate([np.asarray(a.pop(k), np.float32) for k in ("q_b", "k_b", "v_b")])
-            a["o_w"] = qw(a["o_w"])
-            lp["attn"] = a
-        if "mlp" in lp:
-            lp["mlp"] = mlp(lp["mlp"])
-        if "moe" in lp:
-            lp["moe"] = dict(lp["moe"], shared=mlp(lp["moe"]["shared"]))
-        return lp
+    lp = dict(lp)
+    a = lp.get("attn")
+    if a is not None and "q_w" in a:
+        a = dict(a)
+        a["qkv"] = qw(_concat([a.pop("q_w"), a.pop("k_w"), a.pop("v_w")]))
+        if "q_b" in a:
+            a["qkv_b"] = np.concatenate([np.asarray(a.pop(k), np.float32) for k in ("q_b", "k_b", "v_b")])
+        a["o_w"] = qw(a["o_w"])
+        lp["attn"] = a
+    if "mlp" in lp:
+        lp["mlp"] = mlp(lp["mlp"])
+    if "moe" in lp:
+        lp["moe"] = dict(lp["moe"], shared=mlp(lp["moe"]["shared"]))
+    return lp
 
-    out = dict(params)
-    out["layers"] = [layer(lp) for lp in params["layers"]]
-    out["lm_head"] = qw(params["lm_head"], head_fmt)
-    if isinstance(params["embed"], QTensor) or np.asarray(params["embed"]).dtype == _bf16():
-        out["embed"] = qw(params["embed"], "native")      # rows dequantized / widened as they are looked up
-    m = params.get("mtp")
-    if m is not None:
-        m = dict(m)
-        m["eh_proj"] = qw(m["eh_proj"])
-        if m.get("head") is not None:
-            m["head"] = qw(m["head"], head_fmt)
-        if isinstance(m.get("embed"), QTensor):
-            m["embed"] = qw(m["embed"], "native")
-        m["layer"] = layer(m["layer"])
-        out["mtp"] = m
-    return out
+
+def pack_table(a, kernel: str, fmt: str, dtype):
+    """An embedding table: a QWeight when stored quantized or bf16 (rows widened as they are looked up), else the
+    array as loaded."""
+    if isinstance(a, QTensor) or np.asarray(a).dtype == _bf16():
+        return to_qweight(a, "native", kernel, dtype)
+    return a

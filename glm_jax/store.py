@@ -163,17 +163,6 @@ class CacheIndex:
 
 
 # ----------------------------------------------------------------------------- helpers
-def mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
 def _mmap_array(shape: tuple, dtype) -> tuple[np.ndarray, mmap.mmap]:
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -364,9 +353,13 @@ class ExpertStore:
     def open(cls, model_dir: str, cfg: ModelConfig, cache_cap: Optional[int] = None, ram_gb: Optional[float] = None,
              direct_io: bool = False, io_threads: int = 4, read_chunk_mb: float = 1.0, pin=None, pin_gb: float = 0.0,
              policy: str = "lru",
-             dense_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
+             used_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
              verify: str = "first", source=None, alias: bool = True, kernel: str = "xla") -> "ExpertStore":
-        """``alias=False`` forces the non-CPU path (host staging + donated scatter of missed slots; tests)."""
+        """``used_bytes``: what the rest of the process holds or will hold (the engine passes its resident set at
+        open -- runtime + dense weights -- plus a reserve for compilation); ``kv_bytes``: the KV cache it will
+        allocate.  The expert cache gets the RAM budget minus those, the I/O buffers, one layer's transient working
+        set and the pins.  ``alias=False`` forces the non-CPU path (host staging + donated scatter of missed slots;
+        tests)."""
         if policy not in POLICIES:
             raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
         src = source if source is not None else (
@@ -387,23 +380,28 @@ class ExpertStore:
                 raise StoreError(f"--pin={pin}: file not found")
             pins = choose_pins(load_usage(ppath, cfg), rec, pin_gb * 1e9)
         pin_bytes = sum(rec[L] * len(v) for L, v in pins.items())
-        budget = (ram_gb * 1e9) if ram_gb else 0.8 * mem_available()
+        if ram_gb:
+            budget, why = ram_gb * 1e9, "--ram_gb"
+        else:
+            from glm_jax.memory import default_budget
+            budget, why = default_budget()
         buffers = max(1, io_threads) * max_rec + max(0, W) * max_rec   # scratch + one layer's transient set
-        avail = budget - dense_bytes - kv_bytes - buffers - pin_bytes
+        avail = budget - used_bytes - kv_bytes - buffers - pin_bytes
         fit = int(avail // rec_sum) if rec_sum else E
-        sizing = dict(budget_bytes=int(budget), dense_bytes=int(dense_bytes), kv_bytes=int(kv_bytes),
+        sizing = dict(budget_bytes=int(budget), budget_from=why, used_bytes=int(used_bytes), kv_bytes=int(kv_bytes),
                       buffer_bytes=int(buffers), pin_bytes=int(pin_bytes), per_cap_bytes=int(rec_sum),
                       cap_that_fits=max(0, min(fit, E)))
         if cache_cap is None:
             if fit < 1:
-                need = (dense_bytes + kv_bytes + buffers + pin_bytes + rec_sum) / 1e9
+                need = (used_bytes + kv_bytes + buffers + pin_bytes + rec_sum) / 1e9
                 src.close()
                 raise RamBudgetError(
-                    f"RAM budget {budget / 1e9:.2f} GB ({'--ram_gb' if ram_gb else '0.8 x MemAvailable'}) too small: "
-                    f"dense {dense_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + buffers {buffers / 1e9:.2f} + pinned "
-                    f"{pin_bytes / 1e9:.2f} GB leave {max(avail, 0) / 1e9:.2f} GB, but one expert per layer needs "
-                    f"{rec_sum / 1e9:.2f} GB; --ram_gb >= {need:.2f} would fit (or --dense_format=int8, a shorter "
-                    f"context, a smaller --pin_gb)")
+                    f"RAM budget {budget / 1e9:.2f} GB ({why}) too small: the process (runtime, dense weights, "
+                    f"compile reserve) {used_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + I/O buffers and one layer's "
+                    f"working set {buffers / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
+                    f"{max(avail, 0) / 1e9:.2f} GB, but one expert per layer needs {rec_sum / 1e9:.2f} GB; "
+                    f"--ram_gb >= {need:.2f} would fit (or a container converted with --dense_format=int8, "
+                    f"--dense_format=int8_row at run time, a shorter --max_seq_len, a smaller --pin_gb)")
             cache_cap = min(fit, E)
         cache_cap = int(max(1, min(cache_cap, E)))
         if read_chunk_mb < 0:
@@ -488,6 +486,10 @@ class ExpertStore:
         except KeyError:
             raise StoreError(f"layer {layer} has no streamed routed experts (expert layers: "
                              f"{sorted(self.layers)})") from None
+
+    def call_limit(self, layer: int) -> int:
+        """The most distinct non-pinned experts one ``fetch`` of ``layer`` can serve (its slots beyond the pins)."""
+        return self.index[self._layer(layer).layer].room
 
     def peek(self, layer: int):
         """(bank, slot_of copy) as they are now, without loading anything: lets the engine start computing the

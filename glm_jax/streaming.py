@@ -99,17 +99,49 @@ def _fns(engine):
         return h + routed.reshape(B, T, H) + shared
 
     @jax.jit
+    def terms_merge(y, hn, ids, m, bank, slot_of):
+        """A chunk of a large union (prefill): the per-(t, k) terms of the entries ``m`` routed to it, merged."""
+        B, T, H = hn.shape
+        yc = M.moe_terms(hn.reshape(B * T, H), ids, m, bank, slot_of)
+        return jnp.where(m[..., None], yc, y)
+
+    @jax.jit
+    def combine_finish(mp, h, hn, y, w, valid):
+        """After the last chunk: the terms summed in routing order + the shared expert."""
+        routed = M.moe_combine(y, w, valid).astype(h.dtype).reshape(h.shape)
+        return M.moe_finish(mp, h, hn, routed, valid.any(-1).reshape(h.shape[:2]))
+
+    @jax.jit
     def head(norm, lm_head, x, rows):
         hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
         return M.head_logits(hidden, lm_head, rows), hidden
 
     engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part,
-                                    moe_early=moe_early, moe_late=moe_late, head=head)
+                                    moe_early=moe_early, moe_late=moe_late, head=head, terms_merge=terms_merge,
+                                    combine_finish=combine_finish)
     return fns
 
 
 def _acc(engine, key, v):
     engine._route_acc[key] = engine._route_acc.get(key, 0.0) + float(v)
+
+
+def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
+    """A union larger than one fetch can hold (a prefill within a small RAM budget): fetch it in chunks of
+    ``store.call_limit`` experts; each chunk's per-(t, k) terms are computed and merged before the next fetch (which
+    may reuse its slots, so each chunk is waited for), then summed in routing order with the shared expert.  Peak
+    memory stays at one chunk; every entry's term is the one the unchunked seam computes."""
+    store = engine.store
+    lim = store.call_limit(layer)
+    y = jnp.zeros(ids.shape + (h.shape[-1],), jnp.float32)
+    for c0 in range(0, len(union), lim):
+        part = union[c0:c0 + lim]
+        bank, slot_of = store.fetch(layer, part)
+        m = valid & jnp.asarray(np.isin(ids_np, part))
+        y = f["terms_merge"](y, hn, ids, m, bank, jnp.asarray(slot_of))
+        y.block_until_ready()
+    _acc(engine, "chunked_unions", 1)
+    return f["combine_finish"](mp, h, hn, y, w, valid)
 
 
 def stream_step(engine, tokens, start, lengths, logit_rows=None):
@@ -147,6 +179,14 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None):
             _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pending_pred, union)))
             _acc(engine, "prefetch_recall_total", len(union))
             pending_pred = None
+        if len(union) > store.call_limit(i):
+            if trace is not None:
+                trace.append([i, union.tolist()])
+            _acc(engine, "union_experts", len(union))
+            _acc(engine, "moe_layer_forwards", 1)
+            engine._accumulate(summ)
+            x = _chunked_moe(engine, f, i, lp["moe"], h, hn, ids, ids_np, w, valid, union)
+            continue
         rows = n_real if short and ids_np.size <= store._layer(i).S else None
         early = None
         if engine.opts["overlap"] and ids_np.size <= store._layer(i).S:   # the gather path reads only its slots
@@ -200,10 +240,14 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
     cache = engine._cache
     h, hn, cache[L], _, ids, w, valid, _, summ = f["attn_route"](
         _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(engine.resident_for(L)), None)
-    union = np.unique(np.asarray(ids)[np.asarray(valid)])
-    bank, slot_of = store.fetch(L, union)
+    ids_np = np.asarray(ids)
+    union = np.unique(ids_np[np.asarray(valid)])
     _acc(engine, "mtp_union_experts", len(union))
-    g = f["moe_part"](None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+    if len(union) > store.call_limit(L):
+        g = _chunked_moe(engine, f, L, lp["moe"], h, hn, ids, ids_np, w, valid, union)
+    else:
+        bank, slot_of = store.fetch(L, union)
+        g = f["moe_part"](None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
     return io[1](params, g)
 
 

@@ -244,10 +244,10 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     """Build the params pytree.  ``expert_fmt=None`` leaves routed experts out (they are streamed by a store);
     otherwise they are stored resident as an ExpertBank in that format (f32 / bf16 / int8_row / int4_g64 ...).
     ``kernel="native"`` (or a ``dense_fmt`` other than "native") packs the dense matrices as QWeights
-    (quant.pack_dense: fused q/k/v and gate/up, stored-quantized weights kept quantized)."""
+    (quant.pack_layer: fused q/k/v and gate/up, stored-quantized weights kept quantized)."""
     import jax.numpy as jnp
 
-    from .quant import bank_from_float, pack_dense
+    from .quant import bank_from_float, head_format, pack_layer, pack_table, to_qweight
 
     dtype = dtype or jnp.float32
     src = src or TensorSource(path)
@@ -256,19 +256,30 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     def get(key, shape=None, dt=np.float32):
         # packed: keep the stored float dtype (a bf16 matrix stays bf16 in its QWeight; _cast_tree casts the rest)
         return src.get(key, shape, None if pack and dt is np.float32 else dt, keep_quant=pack)
+
+    # every piece is packed and cast to device arrays as soon as it is read, so the load's peak memory is the
+    # result plus one layer's temporaries (not the whole model in numpy, then packed, then cast)
+    def layer(lp):
+        return _cast_tree(pack_layer(lp, kernel, dense_fmt, dtype) if pack else lp, dtype)
+
+    def table(a):
+        return pack_table(a, kernel, dense_fmt, dtype) if pack else a
+
+    def head_matrix(a):
+        return to_qweight(a, head_format(dense_fmt), kernel, dtype) if pack else a
+
     H, V = cfg.hidden_size, cfg.vocab_size
-    params = {"embed": get("model.embed_tokens.weight", (V, H)), "norm": get("model.norm.weight", (H,))}
-    if cfg.tie_word_embeddings:
-        params["lm_head"] = params["embed"]
-    else:
-        params["lm_head"] = get("lm_head.weight", (V, H))
+    emb = get("model.embed_tokens.weight", (V, H))
+    params = {"embed": table(emb), "norm": get("model.norm.weight", (H,))}
+    params["lm_head"] = head_matrix(emb if cfg.tie_word_embeddings else get("lm_head.weight", (V, H)))
+    del emb
+    params = _cast_tree(params, dtype)
     layers = []
-    banks = {}
     for i in range(cfg.num_hidden_layers):
         moe = cfg.is_moe_layer(i)
-        layers.append(load_layer(get, cfg, i, moe))
+        layers.append(layer(load_layer(get, cfg, i, moe)))
         if moe and expert_fmt is not None:
-            banks[i] = bank_from_float(*load_experts(src, cfg, i), _bank_fmt(expert_fmt, dtype), kernel)
+            layers[-1]["experts"] = bank_from_float(*load_experts(src, cfg, i), _bank_fmt(expert_fmt, dtype), kernel)
     params["layers"] = layers
     params["mtp"] = None
     L = cfg.num_hidden_layers
@@ -276,21 +287,19 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
         pre = f"model.layers.{L}."
         mtp = {"enorm": get(pre + "enorm.weight", (H,)), "hnorm": get(pre + "hnorm.weight", (H,)),
                "eh_proj": get(pre + "eh_proj.weight", (H, 2 * H)),
-               "head_norm": get(pre + "shared_head.norm.weight", (H,)),
-               "head": get(pre + "shared_head.head.weight", (V, H)) if pre + "shared_head.head.weight" in src else None,
-               "embed": get(pre + "embed_tokens.weight", (V, H)) if pre + "embed_tokens.weight" in src else None,
-               "layer": load_layer(get, cfg, L, True)}
-        params["mtp"] = mtp
+               "head_norm": get(pre + "shared_head.norm.weight", (H,))}
+        if pack:
+            mtp["eh_proj"] = to_qweight(mtp["eh_proj"], dense_fmt, kernel, dtype)
+        mtp["head"] = (head_matrix(get(pre + "shared_head.head.weight", (V, H)))
+                       if pre + "shared_head.head.weight" in src else None)
+        mtp["embed"] = (table(get(pre + "embed_tokens.weight", (V, H))) if pre + "embed_tokens.weight" in src
+                        else None)
+        mtp = _cast_tree(mtp, dtype)
+        mtp["layer"] = layer(load_layer(get, cfg, L, True))
         if expert_fmt is not None:
-            banks[L] = bank_from_float(*load_experts(src, cfg, L), _bank_fmt(expert_fmt, dtype), kernel)
-    if pack:
-        params = pack_dense(params, kernel, dense_fmt, dtype=dtype)
-    params = _cast_tree(params, dtype)
-    for i, b in banks.items():
-        if i == L:
-            params["mtp"]["layer"]["experts"] = b
-        else:
-            params["layers"][i]["experts"] = b
+            mtp["layer"]["experts"] = bank_from_float(*load_experts(src, cfg, L), _bank_fmt(expert_fmt, dtype),
+                                                      kernel)
+        params["mtp"] = mtp
     return params
 
 

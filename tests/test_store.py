@@ -192,11 +192,11 @@ def test_ram_sizing(cont, tmp_path):
     buf = probe.sizing["buffer_bytes"]
     probe.close(save_usage=False)
     gb = (1_000_000 + buf + 3 * per_cap + 10) / 1e9
-    st = ExpertStore.open(d, cfg, ram_gb=gb, dense_bytes=1_000_000)
+    st = ExpertStore.open(d, cfg, ram_gb=gb, used_bytes=1_000_000)
     assert st.cache_cap == 3
     st.close(save_usage=False)
     with pytest.raises(RamBudgetError) as ei:
-        ExpertStore.open(d, cfg, ram_gb=0.001, dense_bytes=1_000_000, kv_bytes=500_000)
+        ExpertStore.open(d, cfg, ram_gb=0.001, used_bytes=1_000_000, kv_bytes=500_000)
     msg = str(ei.value)
     assert "\n" not in msg and "one expert per layer needs" in msg and "--ram_gb >=" in msg
 

@@ -231,3 +231,23 @@ def test_second_generation_compiles_nothing(int4_dir, exp):
     _gen(eng, exp, 4)
     assert compiled() == n
     eng.close()
+
+
+def test_prefill_union_beyond_the_working_set_is_fetched_in_chunks(int4_dir, exp, monkeypatch):
+    """A small RAM budget leaves slots for only a few experts per call: a prefill whose union is larger is fetched
+    and computed in chunks, with the same logits as the unchunked forward and never more slots than the limit."""
+    from glm_jax import engine as E
+
+    ids = exp["input_ids"][0].tolist()
+    whole = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=1)
+    monkeypatch.setattr(E, "working_set", lambda cfg, opts=None: 2)
+    small = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=1)
+    layer = small.cfg.moe_layers[0]
+    assert small.store.call_limit(layer) == 2
+    small._route_acc = {}
+    got, want = small.logits(ids), whole.logits(ids)
+    assert small._route_acc.get("chunked_unions", 0) >= 1                 # the 16-token prefill's union was > 2
+    assert np.abs(got - want).max() < 1e-4
+    assert small.store.stats()["fetch_calls"] > len(small.cfg.moe_layers)
+    assert small.generate(exp["greedy_prompt"].tolist(), max_new_tokens=8, stop_on_eos=False).tokens == \
+        whole.generate(exp["greedy_prompt"].tolist(), max_new_tokens=8, stop_on_eos=False).tokens

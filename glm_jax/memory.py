@@ -1,0 +1,105 @@
+"""What this process may use: its resident set now, the machine's available memory and its memory cgroup's limit.
+
+The RAM budget (``--ram_gb``, or by default the smaller of "what is in use now + 0.8 x MemAvailable" and 0.9 x the
+cgroup's limit) is the budget of the whole process: the runtime, the dense weights, the KV cache, compile workspace,
+transient buffers and the expert cache all count against it (the expert cache gets what is left; ExpertStore.open).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def trim():
+    """Return freed heap memory to the OS (glibc ``malloc_trim``): loading leaves megabytes of numpy temporaries in
+    malloc's free lists, which count against a memory cgroup like live data.  A no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The memory limit of this process's cgroup (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``, the smallest
+    along the path to the root), or None when there is none."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    cands = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, ctrls, path = parts
+        if "memory" in ctrls.split(","):             # v1
+            cands.append((os.path.join(root, "memory"), path, "memory.limit_in_bytes"))
+        elif ctrls == "":                             # v2 unified
+            cands.append((root, path, "memory.max"))
+    best = None
+    for base, path, name in cands:
+        p = path.strip("/")
+        while True:
+            f = os.path.join(base, p, name) if p else os.path.join(base, name)
+            try:
+                with open(f) as fh:
+                    v = fh.read().strip()
+                if v != "max":
+                    n = int(v)
+                    if n < (1 << 60):                 # v1 "unlimited" is a huge number
+                        best = n if best is None else min(best, n)
+            except (OSError, ValueError):
+                pass
+            if not p:
+                break
+            p = os.path.dirname(p)
+    return best
+
+
+def default_budget() -> tuple[int, str]:
+    """(bytes, how it was decided) for the whole process when --ram_gb is not given."""
+    now = rss_bytes()
+    b, why = now + int(0.8 * mem_available()), "in use + 0.8 x MemAvailable"
+    lim = cgroup_limit()
+    if lim is not None and int(0.9 * lim) < b:
+        b, why = int(0.9 * lim), f"0.9 x the memory cgroup's limit ({lim / 1e9:.2f} GB)"
+    return b, why
