@@ -54,6 +54,7 @@ struct WMat {
   const float* s = nullptr;     // [out, ng] (quantized formats)
   int64_t out = 0, in = 0, ng = 1, G = 0, row_bytes = 0;
   int fmt = kF32;
+  const int32_t* gt = nullptr;  // int4: group of each 64-block (gemm_rows fills it)
   const uint8_t* row(int64_t r) const { return q + r * row_bytes; }
   const float* srow(int64_t r) const { return s + r * ng; }
 };
@@ -178,24 +179,33 @@ void prep_row(int fmt, const float* x, int64_t in, const PrepLayout& L, uint8_t*
 #if GLMJAX_VNNI
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-template <int R>
-inline void dot_f32(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const float* x = p.xf;
-  int64_t n = W.in, i = 0;
+// R rows x C tokens.  out[c * R + r].  Every (r, c) pair runs the same instruction sequence as in the R=1, C=1 case.
+template <int R, int C>
+inline void dot_f32(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t n = W.in;
+  int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512 xv = _mm512_loadu_ps(x + i);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps((const float*)W.row(r0 + r) + i), xv, acc[r]);
+    __m512 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(P[c]->xf + i);
+    for (int r = 0; r < R; ++r) {
+      __m512 w = _mm512_loadu_ps((const float*)W.row(r0 + r) + i);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
+    }
   }
   if (i < n) {
     __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, (const float*)W.row(r0 + r) + i), xv, acc[r]);
+    __m512 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_maskz_loadu_ps(m, P[c]->xf + i);
+    for (int r = 0; r < R; ++r) {
+      __m512 w = _mm512_maskz_loadu_ps(m, (const float*)W.row(r0 + r) + i);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
+    }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]);
 }
 
 inline __m512 bf16x16(const void* p, __mmask16 m) {
@@ -203,87 +213,128 @@ inline __m512 bf16x16(const void* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <int R>
-inline void dot_bf16(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const float* x = p.xf;
-  int64_t n = W.in, i = 0;
+template <int R, int C>
+inline void dot_bf16(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t n = W.in;
+  int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512 xv = _mm512_loadu_ps(x + i);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(bf16x16((const uint16_t*)W.row(r0 + r) + i, 0xFFFF), xv, acc[r]);
+    __m512 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(P[c]->xf + i);
+    for (int r = 0; r < R; ++r) {
+      __m512 w = bf16x16((const uint16_t*)W.row(r0 + r) + i, 0xFFFF);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
+    }
   }
   if (i < n) {
     __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(bf16x16((const uint16_t*)W.row(r0 + r) + i, m), xv, acc[r]);
+    __m512 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_maskz_loadu_ps(m, P[c]->xf + i);
+    for (int r = 0; r < R; ++r) {
+      __m512 w = bf16x16((const uint16_t*)W.row(r0 + r) + i, m);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
+    }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]);
 }
 
-template <int R>
-inline void dot_i8(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+template <int R, int C>
+inline void dot_i8(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t nb = (W.in + BLK - 1) / BLK;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < nb; ++b) {
-    int64_t n = std::min(BLK, W.in - b * BLK);
-    __mmask64 lm = n == BLK ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
-    __m512i xa = _mm512_load_si512((const void*)(p.xq + b * BLK));
-    __mmask64 neg = (__mmask64)p.neg[b];
-    __m512 sx = _mm512_set1_ps(p.sx[b]);
+    const int64_t n = std::min(BLK, W.in - b * BLK);
+    const __mmask64 lm = n == BLK ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+    __m512i xa[C];
+    __mmask64 neg[C];
+    __m512 sx[C];
+    for (int c = 0; c < C; ++c) {
+      xa[c] = _mm512_load_si512((const void*)(P[c]->xq + b * BLK));
+      neg[c] = (__mmask64)P[c]->neg[b];
+      sx[c] = _mm512_set1_ps(P[c]->sx[b]);
+    }
     for (int r = 0; r < R; ++r) {
-      __m512i w = _mm512_maskz_loadu_epi8(lm, W.row(r0 + r) + b * BLK);
-      w = _mm512_mask_sub_epi8(w, neg, zero, w);                       // w * sign(x)
-      __m512i d = _mm512_dpbusd_epi32(zero, xa, w);                      // |x| * (w sign(x))
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sx, acc[r]);
+      const __m512i w = n == BLK ? _mm512_loadu_si512((const void*)(W.row(r0 + r) + b * BLK))
+                                 : _mm512_maskz_loadu_epi8(lm, W.row(r0 + r) + b * BLK);
+      for (int c = 0; c < C; ++c) {
+        __m512i ws = _mm512_mask_sub_epi8(w, neg[c], zero, w);             // w * sign(x)
+        __m512i d = _mm512_dpbusd_epi32(zero, xa[c], ws);                   // |x| * (w sign(x))
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sx[c], acc[r][c]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) * W.srow(r0 + r)[0];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]) * W.srow(r0 + r)[0];
 }
 
-template <int R>
-inline void dot_i4(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t nb = (W.in + BLK - 1) / BLK, npair = (nb + 1) / 2;
-  const int64_t rb = W.row_bytes;
+// int4: pairs of 64-blocks (64 packed bytes); the weight scales of the pair's two blocks as one 16-lane vector
+inline __m512 i4_scales(const WMat& W, const float* sw, int64_t b0, bool two) {
+  if (W.G == BLK && two) {       // int4_g64: the pair's two groups are adjacent floats
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m128 s2 = _mm_castpd_ps(_mm_load_sd((const double*)(sw + b0)));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s2));
+  }
+  const int64_t g0 = W.gt[b0], g1 = two ? W.gt[b0 + 1] : g0;
+  if (g0 == g1) return _mm512_set1_ps(sw[g0]);
+  return _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(sw[g0]), _mm512_set1_ps(sw[g1]));
+}
+
+template <int R, int C, bool TAIL>
+inline void i4_pair(const WMat& W, int64_t r0, const Prep* const* P, int64_t j, int64_t nb, __m512 (&acc)[R][C]) {
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  const int64_t G = W.G;
-  for (int64_t j = 0; j < npair; ++j) {
-    const int64_t b0 = 2 * j;
-    const int64_t byte0 = b0 * 32;
-    const int64_t nbytes = std::min<int64_t>(64, rb - byte0);
-    const bool two = b0 + 1 < nb;
-    __m512i xe, xo;
-    if (two) {
-      xe = _mm512_load_si512((const void*)(p.xq + j * 128));
-      xo = _mm512_load_si512((const void*)(p.xq + j * 128 + 64));
-    } else {   // lone last block: [even 32 | odd 32] -> even in the low 256 bits of xe, odd in the low 256 of xo
-      xe = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(p.xq + j * 128)));
-      xo = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(p.xq + j * 128 + 32)));
-      xe = _mm512_inserti64x4(xe, _mm256_setzero_si256(), 1);
-      xo = _mm512_inserti64x4(xo, _mm256_setzero_si256(), 1);
+  const int64_t b0 = 2 * j, byte0 = b0 * 32;
+  const bool two = b0 + 1 < nb;
+  __mmask64 lm = ~(__mmask64)0;
+  if (TAIL) {
+    const int64_t nbytes = std::min<int64_t>(64, W.row_bytes - byte0);
+    lm = nbytes == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nbytes) - 1);
+  }
+  __m512i xe[C], xo[C], ini[C];
+  __m512 sx[C];
+  for (int c = 0; c < C; ++c) {
+    const int8_t* q = P[c]->xq + j * 128;
+    if (!TAIL || two) {
+      xe[c] = _mm512_load_si512((const void*)q);
+      xo[c] = _mm512_load_si512((const void*)(q + 64));
+    } else {   // lone last block: [even 32 | odd 32] -> low 256 bits of xe / xo, high halves 0
+      xe[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)q)),
+                                 _mm256_setzero_si256(), 1);
+      xo[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(q + 32))),
+                                 _mm256_setzero_si256(), 1);
     }
-    const __m512i init = _mm512_load_si512((const void*)(p.init + j * 16));
-    const __m512 sx = _mm512_load_ps(p.sx + j * 16);
-    const __mmask64 lm = nbytes == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nbytes) - 1);
-    const int64_t g0 = (b0 * BLK) / G, g1 = two ? ((b0 + 1) * BLK) / G : g0;
-    for (int r = 0; r < R; ++r) {
-      __m512i v = _mm512_maskz_loadu_epi8(lm, W.row(r0 + r) + byte0);
-      __m512i lo = _mm512_and_si512(v, lo4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-      __m512i d = _mm512_dpbusd_epi32(init, lo, xe);
-      d = _mm512_dpbusd_epi32(d, hi, xo);
-      const float* sw = W.srow(r0 + r);
-      __m512 swv = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(sw[g0]), _mm512_set1_ps(sw[g1]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sx, swv), acc[r]);
+    ini[c] = _mm512_load_si512((const void*)(P[c]->init + j * 16));
+    sx[c] = _mm512_load_ps(P[c]->sx + j * 16);
+  }
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* wp = W.row(r0 + r) + byte0;
+    const __m512i v = TAIL ? _mm512_maskz_loadu_epi8(lm, wp) : _mm512_loadu_si512((const void*)wp);
+    const __m512i lo = _mm512_and_si512(v, lo4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+    const __m512 swv = i4_scales(W, W.srow(r0 + r), b0, two);
+    for (int c = 0; c < C; ++c) {
+      __m512i d = _mm512_dpbusd_epi32(ini[c], lo, xe[c]);
+      d = _mm512_dpbusd_epi32(d, hi, xo[c]);
+      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sx[c], swv), acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int R, int C>
+inline void dot_i4(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t nb = (W.in + BLK - 1) / BLK, npair = (nb + 1) / 2, nfull = W.in / (2 * BLK);
+  for (int64_t j = 0; j < nfull; ++j) i4_pair<R, C, false>(W, r0, P, j, nb, acc);
+  for (int64_t j = nfull; j < npair; ++j) i4_pair<R, C, true>(W, r0, P, j, nb, acc);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]);
 }
 
 #else   // ------------------------------------------------------------------ portable (no AVX-512 VNNI)
@@ -295,7 +346,7 @@ inline float hsum16(const float* a) {
 }
 
 template <int R>
-inline void dot_f32(const WMat& W, int64_t r0, const Prep& p, float* out) {
+inline void dot1_f32(const WMat& W, int64_t r0, const Prep& p, float* out) {
   for (int r = 0; r < R; ++r) {
     float acc[16] = {0};
     const float* w = (const float*)W.row(r0 + r);
@@ -312,7 +363,7 @@ inline float bf16f(uint16_t h) {
 }
 
 template <int R>
-inline void dot_bf16(const WMat& W, int64_t r0, const Prep& p, float* out) {
+inline void dot1_bf16(const WMat& W, int64_t r0, const Prep& p, float* out) {
   for (int r = 0; r < R; ++r) {
     float acc[16] = {0};
     const uint16_t* w = (const uint16_t*)W.row(r0 + r);
@@ -322,7 +373,7 @@ inline void dot_bf16(const WMat& W, int64_t r0, const Prep& p, float* out) {
 }
 
 template <int R>
-inline void dot_i8(const WMat& W, int64_t r0, const Prep& p, float* out) {
+inline void dot1_i8(const WMat& W, int64_t r0, const Prep& p, float* out) {
   const int64_t nb = (W.in + BLK - 1) / BLK;
   for (int r = 0; r < R; ++r) {
     float acc[16] = {0};
@@ -346,7 +397,7 @@ inline void dot_i8(const WMat& W, int64_t r0, const Prep& p, float* out) {
 }
 
 template <int R>
-inline void dot_i4(const WMat& W, int64_t r0, const Prep& p, float* out) {
+inline void dot1_i4(const WMat& W, int64_t r0, const Prep& p, float* out) {
   const int64_t nb = (W.in + BLK - 1) / BLK, npair = (nb + 1) / 2;
   for (int r = 0; r < R; ++r) {
     float acc[16] = {0};
@@ -357,7 +408,7 @@ inline void dot_i4(const WMat& W, int64_t r0, const Prep& p, float* out) {
       const bool two = b0 + 1 < nb;
       const int8_t* xe = p.xq + j * 128;
       const int8_t* xo = two ? xe + 64 : xe + 32;
-      const int64_t g0 = (b0 * BLK) / W.G, g1 = two ? ((b0 + 1) * BLK) / W.G : g0;
+      const int64_t g0 = W.gt[b0], g1 = two ? W.gt[b0 + 1] : g0;
       for (int l = 0; l < 16; ++l) {
         if (!two && l >= 8) break;
         int32_t d = p.init[j * 16 + l];
@@ -373,29 +424,57 @@ inline void dot_i4(const WMat& W, int64_t r0, const Prep& p, float* out) {
     out[r] = hsum16(acc);
   }
 }
+#define GLMJAX_RC(name)                                                                \
+  template <int R, int C>                                                               \
+  inline void dot_##name(const WMat& W, int64_t r0, const Prep* const* P, float* out) { \
+    for (int c = 0; c < C; ++c) dot1_##name<R>(W, r0, *P[c], out + c * R);             \
+  }
+GLMJAX_RC(f32)
+GLMJAX_RC(bf16)
+GLMJAX_RC(i8)
+GLMJAX_RC(i4)
+#undef GLMJAX_RC
 #endif
 
-template <int R>
-inline void dot_rows(const WMat& W, int64_t r0, const Prep& p, float* out) {
+template <int R, int C>
+inline void dot_rows(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
   switch (W.fmt) {
-    case kF32: dot_f32<R>(W, r0, p, out); break;
-    case kBF16: dot_bf16<R>(W, r0, p, out); break;
-    case kI8: dot_i8<R>(W, r0, p, out); break;
-    default: dot_i4<R>(W, r0, p, out); break;
+    case kF32: dot_f32<R, C>(W, r0, P, out); break;
+    case kBF16: dot_bf16<R, C>(W, r0, P, out); break;
+    case kI8: dot_i8<R, C>(W, r0, P, out); break;
+    default: dot_i4<R, C>(W, r0, P, out); break;
   }
 }
 
-// rows [r0, r1) of W against tokens preps[0..n), outputs y[i * ldy + row]
-void gemm_rows(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps, int64_t n, float* const* ys) {
-  float tmp[4];
+// rows [r0, r1) of W against tokens preps[0..n) -> ys[i][row].  Tiles of 4 rows x 4 (float) or 2 (quantized)
+// tokens: the tile's weights are loaded (and unpacked) once for its tokens; every (row, token) result is the same
+// instruction sequence whatever the tile, so a token's output never depends on the others.
+void gemm_rows(const WMat& W0, int64_t r0, int64_t r1, const Prep* const* preps, int64_t n, float* const* ys) {
+  WMat W = W0;
+  std::vector<int32_t> gt((W.in + BLK - 1) / BLK + 1);
+  for (size_t b = 0; b < gt.size(); ++b) gt[b] = (int32_t)std::min<int64_t>((b * BLK) / W.G, W.ng - 1);
+  W.gt = gt.data();
+  const int CT = (W.fmt == kF32 || W.fmt == kBF16) ? 4 : 2;
+  float tmp[16];
   int64_t r = r0;
-  for (; r + 4 <= r1; r += 4)
-    for (int64_t i = 0; i < n; ++i) {
-      dot_rows<4>(W, r, *preps[i], tmp);
-      std::memcpy(ys[i] + r, tmp, sizeof(tmp));
+  for (; r + 4 <= r1; r += 4) {
+    int64_t i = 0;
+    if (CT == 4)
+      for (; i + 4 <= n; i += 4) {
+        dot_rows<4, 4>(W, r, preps + i, tmp);
+        for (int c = 0; c < 4; ++c) std::memcpy(ys[i + c] + r, tmp + 4 * c, 4 * sizeof(float));
+      }
+    for (; i + 2 <= n; i += 2) {
+      dot_rows<4, 2>(W, r, preps + i, tmp);
+      for (int c = 0; c < 2; ++c) std::memcpy(ys[i + c] + r, tmp + 4 * c, 4 * sizeof(float));
     }
+    for (; i < n; ++i) {
+      dot_rows<4, 1>(W, r, preps + i, tmp);
+      std::memcpy(ys[i] + r, tmp, 4 * sizeof(float));
+    }
+  }
   for (; r < r1; ++r)
-    for (int64_t i = 0; i < n; ++i) dot_rows<1>(W, r, *preps[i], ys[i] + r);
+    for (int64_t i = 0; i < n; ++i) dot_rows<1, 1>(W, r, preps + i, ys[i] + r);
 }
 
 // ------------------------------------------------------------------------------------------------ threads
