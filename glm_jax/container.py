@@ -14,7 +14,7 @@ read fetches an expert.  Inside a record the sections follow each other, each st
 (so O_DIRECT can scatter a record straight into page-aligned slot arrays)::
 
     gate_up        [2I, H] in the storage format (rows [:I] gate, [I:] up; int4: [2I, H/2] packed uint8)
-    gate_up_scale  f32 [2I, H/g] (int4_g) | [2I, 1] (int4_row, int8_row) | absent (bf16, f32)
+    gate_up_scale  f32 [2I, ceil(H/g)] (int4_g) | [2I, 1] (int4_row, int8_row) | absent (bf16, f32)
     down           [H, I] likewise
     down_scale     likewise
 
@@ -192,11 +192,10 @@ def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64) -> Reco
         if kind == "int8_row":
             return (out, n_in), "int8", (out, 1)
         if n_in % 2:
-            raise ValueError(f"int4 needs an even input dimension, got {n_in}")
-        gg = n_in if (kind == "int4_row" or n_in <= g) else g
-        if n_in % gg:
-            raise ValueError(f"input dimension {n_in} is not a multiple of the int4 group size {gg}")
-        return (out, n_in // 2), "uint8", (out, n_in // gg)
+            raise quant.FormatError(f"{fmt}: int4 needs an even input dimension, got {n_in} "
+                                    f"(quant.fit_format picks int8_row)")
+        gg = quant.int4_group(kind, g, n_in)
+        return (out, n_in // 2), "uint8", (out, -(-n_in // gg))      # a shorter last group when gg doesn't divide
 
     secs = []
     off = 0

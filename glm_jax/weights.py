@@ -225,6 +225,13 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
 
     dtype = dtype or jnp.float32
     src = src or TensorSource(path)
+    if expert_fmt is not None:
+        from .quant import fit_format
+
+        expert_fmt, note = fit_format(_bank_fmt(expert_fmt, dtype), cfg.hidden_size, cfg.moe_intermediate_size)
+        if note:
+            import sys
+            print(f"glm-jax: note: {note}", file=sys.stderr)
     get = src.get
     H, V = cfg.hidden_size, cfg.vocab_size
     params = {"embed": get("model.embed_tokens.weight", (V, H)), "norm": get("model.norm.weight", (H,))}
