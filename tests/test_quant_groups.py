@@ -2,7 +2,8 @@
 
 The reference for a row of n = 96 with G = 64 is two independent int4_row quantizations of its two slices ([:64] and
 [64:96]): a group is a row of its own.  The numpy quantize/dequantize, quantized_nbytes, the record layout, the in-jit
-dequantize and take_dot must all agree with it; a checkpoint with hidden_size 96 converts to int4_g64 and runs."""
+dequantize and take_dot must all agree with it; a checkpoint with hidden_size 96 converts to int4_g64 (and runs: the
+fuzz test's pristine container is exactly that, and its forward is checked there, to compile one engine less)."""
 
 import os
 
@@ -89,8 +90,7 @@ def test_the_moe_seam_on_shorter_groups_matches_numpy():
         assert np.abs(out - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), gather
 
 
-def test_a_hidden_96_checkpoint_converts_to_int4_g64_and_runs(tmp_path):
-    import glm_jax
+def test_a_hidden_96_checkpoint_converts_to_int4_g64(tmp_path):
     from glm_jax.container import open_container
     from glm_jax.config import load_config
     from glm_jax_tools.convert import convert
@@ -108,7 +108,3 @@ def test_a_hidden_96_checkpoint_converts_to_int4_g64_and_runs(tmp_path):
     np.testing.assert_array_equal(quant.dequantize(r["gate_up"], r["gate_up_scale"], "int4_g64"),
                                   quant.dequantize(*quant.quantize(gu, "int4_g64"), "int4_g64"))
     c.close()
-    eng = glm_jax.Engine.load(dst, cache_cap=2)
-    logits = eng.logits([3, 17, 5, 99])
-    assert logits.shape == (4, 128) and np.isfinite(logits).all() and eng.store.stats()["bytes_read"] > 0
-    eng.close()
