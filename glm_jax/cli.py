@@ -1,9 +1,11 @@
-"""`glm-jax`: generate text with a GLM MoE model.  `glm-jax --helpfull` documents every flag."""
+"""`glm-jax`: generate text with a GLM MoE model.  `glm-jax --help` lists the main flags, `--helpfull` every flag."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import textwrap
 
 from absl import app, flags
 
@@ -18,8 +20,8 @@ flags.DEFINE_string("prompt_ids", "", "Comma-separated prompt token ids (instead
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.", lower_bound=0)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
 flags.DEFINE_integer("top_k", 0, "Sample from the top-k tokens only (0 = off).", lower_bound=0)
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: smallest token set with probability >= top_p (1 = off). "
-                   "Unrelated to --expert_topp.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: smallest token set with probability >= top_p, in (0, 1] "
+                   "(1 = off). Unrelated to --expert_topp.")
 flags.DEFINE_integer("seed", 0, "Random seed for sampling.")
 flags.DEFINE_boolean("chat", False, "Wrap the prompt in GLM chat format ([gMASK]<sop><|user|>...<|assistant|>).")
 flags.DEFINE_boolean("ignore_eos", False, "Do not stop at the end-of-sequence token(s).")
@@ -50,18 +52,55 @@ def format_stats(s: dict) -> str:
     return " | ".join(parts)
 
 
+MAIN_FLAGS = ("model", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "chat",
+              "ignore_eos", "output_json")
+
+
+def help_text() -> str:
+    """What `glm-jax --help` prints: usage, this command's flags and the main engine options."""
+    names = list(MAIN_FLAGS) + [o.name for o in O.OPTIONS if o.main]
+    out = ["glm-jax: generate text with a GLM MoE model (default: the embedded Shakespeare model).", "",
+           "usage: glm-jax [--model=DIR] [--prompt=TEXT] [--max_new_tokens=N] [--temperature=T] [flags]", "",
+           "main flags:"]
+    for n in names:
+        fl = FLAGS[n]
+        default = repr(fl.default) if isinstance(fl.default, str) else fl.default
+        out.append(f"  --{n}  (default: {default})")
+        out += textwrap.wrap(fl.help, width=100, initial_indent="      ", subsequent_indent="      ")
+    out += ["", "glm-jax --helpfull documents every flag (expert store, routing plugins, speculative decoding, ...)."]
+    return "\n".join(out)
+
+
+def _one_line(e) -> str:
+    return " ".join(str(e).split())
+
+
+def parse_flags(argv):
+    """absl flag parsing, with `--help` answered here and a bad flag as one `glm-jax: error:` line (exit 2)."""
+    if any(a in ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort") for a in argv[1:]):
+        print(help_text())
+        sys.exit(0)
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"glm-jax: error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv):
     from absl import logging
 
     if not FLAGS["verbosity"].present:       # keep jax's backend-probe INFO lines off the terminal
         logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     from .config import GlmJaxError
-    from .engine import Engine
 
+    engine = None
     try:
-        engine = Engine.load(FLAGS.model or None, **O.from_flags())
+        if len(argv) > 1:
+            raise GlmJaxError(f"unexpected arguments: {' '.join(argv[1:])} (flags are --name=value)")
+        opts = O.from_flags()
+        if FLAGS.output_json:      # before the generation, so that its result is never lost at the end
+            O.check_writable(FLAGS.output_json, "--output_json")
         if FLAGS.prompt_ids:
             try:
                 prompt = [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
@@ -69,25 +108,37 @@ def main(argv):
                 raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got {FLAGS.prompt_ids!r}")
         else:
             prompt = FLAGS.prompt
+        from .engine import Engine
+
+        engine = Engine.from_options(FLAGS.model or None, opts)
         res = engine.generate(prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                               top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, chat=FLAGS.chat,
                               stop_on_eos=not FLAGS.ignore_eos)
+        if isinstance(prompt, str) and not FLAGS.chat:
+            sys.stdout.write(prompt)
+        print(res.text if engine.tokenizer is not None else " ".join(map(str, res.tokens)))
+        print(format_stats(res.stats), file=sys.stderr)
+        if FLAGS.output_json:
+            tmp = FLAGS.output_json + f".{os.getpid()}.tmp"
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(res.to_json(), f, indent=1)
+                os.replace(tmp, FLAGS.output_json)
+            except OSError as e:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise GlmJaxError(f"--output_json={FLAGS.output_json}: cannot write ({e.strerror or e})") from None
     except GlmJaxError as e:
-        print(f"glm-jax: error: {e}", file=sys.stderr)
+        print(f"glm-jax: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    if isinstance(prompt, str) and not FLAGS.chat:
-        sys.stdout.write(prompt)
-    print(res.text if engine.tokenizer is not None else " ".join(map(str, res.tokens)))
-    print(format_stats(res.stats), file=sys.stderr)
-    if FLAGS.output_json:
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(res.to_json(), f, indent=1)
-    engine.close()
+    finally:
+        if engine is not None:
+            engine.close()
     return 0
 
 
 def run():
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Optional
 
@@ -21,6 +22,10 @@ SUPPORTED_MODEL_TYPES = ("glm4_moe", "glm_moe_dsa")
 
 class GlmJaxError(ValueError):
     """Base class of every user-facing error in glm_jax (one line, names the culprit)."""
+
+
+class NonFiniteError(GlmJaxError):
+    """The model produced NaN/Inf logits."""
 
 
 class ConfigError(GlmJaxError):
@@ -108,6 +113,10 @@ def _err(src: str, field: str, msg: str) -> ConfigError:
     return ConfigError(f"{src}: field '{field}': {msg}")
 
 
+MAX_DIM = 1 << 24          # sanity bound of every size field (a corrupt config must not allocate the machine away)
+MAX_LAYERS = 1 << 12
+
+
 def _get(raw: dict, src: str, field: str, default: Any = dataclasses.MISSING, kind=None):
     if field not in raw or raw[field] is None:
         if default is dataclasses.MISSING:
@@ -117,9 +126,11 @@ def _get(raw: dict, src: str, field: str, default: Any = dataclasses.MISSING, ki
     if kind is int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise _err(src, field, f"expected an integer, got {v!r}")
+        if not -MAX_DIM <= v <= MAX_DIM:
+            raise _err(src, field, f"{v} is out of range (|value| <= {MAX_DIM})")
     elif kind is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise _err(src, field, f"expected a number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _err(src, field, f"expected a finite number, got {v!r}")
         v = float(v)
     elif kind is bool:
         if not isinstance(v, bool):
@@ -146,6 +157,8 @@ def _as_id_tuple(v, src, field) -> tuple:
 def _indexer_types(raw: dict, src: str, n_layers: int) -> tuple:
     """Mirror of transformers' GlmMoeDsaConfig derivation of ``indexer_types``."""
     if raw.get("indexer_types") is not None:
+        if not isinstance(raw["indexer_types"], list):
+            raise _err(src, "indexer_types", f"expected a list of 'full'/'shared', got {raw['indexer_types']!r}")
         t = tuple(raw["indexer_types"])
         if len(t) != n_layers or any(x not in ("full", "shared") for x in t):
             raise _err(src, "indexer_types", f"expected {n_layers} entries of 'full'/'shared', got {list(t)!r}")
@@ -183,6 +196,8 @@ def config_from_dict(raw: dict, source: str = "config.json", generation_config: 
                  ("num_attention_heads", n_heads), ("num_key_value_heads", n_kv)):
         if v <= 0:
             raise _err(src, f, f"must be positive, got {v}")
+    if n_layers > MAX_LAYERS:
+        raise _err(src, "num_hidden_layers", f"{n_layers} is out of range (<= {MAX_LAYERS})")
     if n_heads % n_kv:
         raise _err(src, "num_key_value_heads", f"{n_kv} does not divide num_attention_heads={n_heads}")
 
@@ -193,15 +208,18 @@ def config_from_dict(raw: dict, source: str = "config.json", generation_config: 
     rope_theta = rp.get("rope_theta", raw.get("rope_theta", 10000.0))
     prf = rp.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if mt == "glm4_moe" else 1.0))
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
         raise _err(src, "rope_theta", f"expected a positive number, got {rope_theta!r}")
-    if not isinstance(prf, (int, float)) or not (0 < prf <= 1):
+    if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not (0 < prf <= 1):
         raise _err(src, "partial_rotary_factor", f"expected a number in (0, 1], got {prf!r}")
-    if rope_type not in ("default", "yarn") or (rope_type == "yarn" and mt == "glm4_moe"):
+    if not isinstance(rope_type, str) or rope_type not in ("default", "yarn") or (rope_type == "yarn"
+                                                                                   and mt == "glm4_moe"):
         raise _err(src, "rope_parameters.rope_type", f"unsupported rope_type {rope_type!r}")
 
     if mt == "glm4_moe":
-        head_dim = g("head_dim", None)
+        head_dim = g("head_dim", None, int)
+        if head_dim is not None and head_dim <= 0:
+            raise _err(src, "head_dim", f"must be positive, got {head_dim}")
         if head_dim is None:
             if hidden % n_heads:
                 raise _err(src, "head_dim", f"missing and hidden_size={hidden} is not divisible by num_attention_heads={n_heads}")
@@ -219,6 +237,8 @@ def config_from_dict(raw: dict, source: str = "config.json", generation_config: 
         if mlp_types is None:
             fk = g("first_k_dense_replace", 3, int)
             mlp_types = ["dense"] * min(fk, n_layers) + ["sparse"] * max(n_layers - fk, 0)
+        if not isinstance(mlp_types, list):
+            raise _err(src, "mlp_layer_types", f"expected a list of 'dense'/'sparse', got {mlp_types!r}")
         mlp_types = tuple(mlp_types)
         if len(mlp_types) != n_layers or any(t not in ("dense", "sparse") for t in mlp_types):
             raise _err(src, "mlp_layer_types", f"expected {n_layers} entries of 'dense'/'sparse', got {list(mlp_types)!r}")
@@ -247,7 +267,7 @@ def config_from_dict(raw: dict, source: str = "config.json", generation_config: 
         if not 0 <= e < vocab:
             raise _err(src, "eos_token_id", f"id {e} outside the vocabulary [0, {vocab})")
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if not isinstance(act, str) or act != "silu":
         raise _err(src, "hidden_act", f"unsupported activation {act!r} (only 'silu')")
 
     kw = {}
@@ -260,27 +280,60 @@ def config_from_dict(raw: dict, source: str = "config.json", generation_config: 
     nextn = g("num_nextn_predict_layers", 0, int)
     if nextn < 0 or nextn > 1:
         raise _err(src, "num_nextn_predict_layers", f"only 0 or 1 MTP layers are supported, got {nextn}")
+    sizes = {f: g(f, k=int) for f in ("intermediate_size", "moe_intermediate_size")}
+    sizes["n_shared_experts"] = g("n_shared_experts", 1, int)
+    for f, v in sizes.items():
+        if v <= 0 if f != "n_shared_experts" else v < 0:
+            raise _err(src, f, f"must be {'positive' if f != 'n_shared_experts' else '>= 0'}, got {v}")
+    for f in kw:
+        if f != "indexer_types" and kw[f] <= 0:
+            raise _err(src, f, f"must be positive, got {kw[f]}")
+    eps = g("rms_norm_eps", 1e-5, float)
+    if not 0 < eps < 1:
+        raise _err(src, "rms_norm_eps", f"expected a number in (0, 1), got {eps!r}")
+    rsf = g("routed_scaling_factor", 1.0, float)
+    if rsf <= 0:
+        raise _err(src, "routed_scaling_factor", f"must be positive, got {rsf!r}")
+    mpe = g("max_position_embeddings", 131072, int)
+    if mpe <= 0:
+        raise _err(src, "max_position_embeddings", f"must be positive, got {mpe}")
+    ids = {}
+    for f in ("bos_token_id", "pad_token_id"):
+        v = raw.get(f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab):
+            v = None            # informational only (never used by the engine); an unusable value is ignored
+        ids[f] = v
 
     return ModelConfig(
         model_type=mt, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=g("intermediate_size", k=int),
-        moe_intermediate_size=g("moe_intermediate_size", k=int),
+        intermediate_size=sizes["intermediate_size"],
+        moe_intermediate_size=sizes["moe_intermediate_size"],
         num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv,
         head_dim=int(head_dim), n_routed_experts=n_exp, num_experts_per_tok=top_k,
-        n_shared_experts=g("n_shared_experts", 1, int), n_group=n_group, topk_group=topk_group,
+        n_shared_experts=sizes["n_shared_experts"], n_group=n_group, topk_group=topk_group,
         norm_topk_prob=g("norm_topk_prob", True, bool),
-        routed_scaling_factor=g("routed_scaling_factor", 1.0, float),
-        rms_norm_eps=g("rms_norm_eps", 1e-5, float),
+        routed_scaling_factor=rsf,
+        rms_norm_eps=eps,
         rope_theta=float(rope_theta), partial_rotary_factor=float(prf), rope_type=rope_type,
-        max_position_embeddings=g("max_position_embeddings", 131072, int),
+        max_position_embeddings=mpe,
         attention_bias=g("attention_bias", False, bool),
         use_qk_norm=g("use_qk_norm", False, bool) if mt == "glm4_moe" else False,
         tie_word_embeddings=g("tie_word_embeddings", False, bool),
         num_nextn_predict_layers=nextn,
         mlp_layer_types=mlp_types, eos_token_ids=eos,
-        bos_token_id=raw.get("bos_token_id"), pad_token_id=raw.get("pad_token_id"),
+        bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
         hidden_act=act, rope_parameters=dict(rp) if rp else None, source=src, **kw,
     )
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read {what} ({e.strerror or e})") from None
 
 
 def load_config(path: str) -> ModelConfig:
@@ -289,19 +342,19 @@ def load_config(path: str) -> ModelConfig:
     model_dir = os.path.dirname(cfg_path)
     if not os.path.exists(cfg_path):
         raise ConfigError(f"{cfg_path}: not found (expected a Hugging Face config.json)")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}: invalid JSON: {e}") from None
+    raw = _read_json(cfg_path, "the model config")
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object")
     gen = None
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
-        try:
-            with open(gen_path) as f:
-                gen = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{gen_path}: invalid JSON: {e}") from None
-    return config_from_dict(raw, cfg_path, gen)
+        gen = _read_json(gen_path, "the generation config")
+        if not isinstance(gen, dict):
+            raise ConfigError(f"{gen_path}: expected a JSON object")
+    try:
+        return config_from_dict(raw, cfg_path, gen)
+    except GlmJaxError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
+        # a field of an unexpected shape that no explicit check caught: still one line naming the file
+        raise ConfigError(f"{cfg_path}: invalid config ({type(e).__name__}: {e})") from None

@@ -14,7 +14,7 @@ read fetches an expert.  Inside a record the sections follow each other, each st
 (so O_DIRECT can scatter a record straight into page-aligned slot arrays)::
 
     gate_up        [2I, H] in the storage format (rows [:I] gate, [I:] up; int4: [2I, H/2] packed uint8)
-    gate_up_scale  f32 [2I, H/g] (int4_g) | [2I, 1] (int4_row, int8_row) | absent (bf16, f32)
+    gate_up_scale  f32 [2I, ceil(H/g)] (int4_g) | [2I, 1] (int4_row, int8_row) | absent (bf16, f32)
     down           [H, I] likewise
     down_scale     likewise
 
@@ -54,12 +54,13 @@ import numpy as np
 
 from glm_jax import quant
 from glm_jax.config import GlmJaxError, ModelConfig
-from glm_jax.weights import dequant_fp8     # weights imports this module only lazily (no cycle)
+from glm_jax.weights import check_finite, dequant_fp8   # weights imports this module only lazily (no cycle)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DENSE_NAME = "dense.safetensors"
 EXPERT_DIR = "experts"
+CONVERT_MARKER = ".glm-jax-convert.json"   # written first by glm-jax-convert: this directory is its (resumable) work
 ALIGN = 4096
 DENSE_SCALE_SUFFIX = "_scale"     # int8 dense: key holds int8 [out, in], key + "_scale" holds f32 [out, 1]
 
@@ -192,11 +193,10 @@ def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64) -> Reco
         if kind == "int8_row":
             return (out, n_in), "int8", (out, 1)
         if n_in % 2:
-            raise ValueError(f"int4 needs an even input dimension, got {n_in}")
-        gg = n_in if (kind == "int4_row" or n_in <= g) else g
-        if n_in % gg:
-            raise ValueError(f"input dimension {n_in} is not a multiple of the int4 group size {gg}")
-        return (out, n_in // 2), "uint8", (out, n_in // gg)
+            raise quant.FormatError(f"{fmt}: int4 needs an even input dimension, got {n_in} "
+                                    f"(quant.fit_format picks int8_row)")
+        gg = quant.int4_group(kind, g, n_in)
+        return (out, n_in // 2), "uint8", (out, -(-n_in // gg))      # a shorter last group when gg doesn't divide
 
     secs = []
     off = 0
@@ -213,12 +213,23 @@ def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64) -> Reco
 
 
 # ----------------------------------------------------------------------------- config identity
-CONFIG_FIELDS = ("model_type", "hidden_size", "moe_intermediate_size", "n_routed_experts", "num_hidden_layers",
-                 "num_nextn_predict_layers", "mlp_layer_types")
+# Every ModelConfig field that changes the math (a container's numbers are only right for this config); not: the
+# context limit (max_position_embeddings), special token ids and the config's file name.
+CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "n_routed_experts",
+                 "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
+                 "routed_scaling_factor", "rms_norm_eps", "rope_theta", "partial_rotary_factor", "rope_type",
+                 "rope_parameters", "attention_bias", "use_qk_norm", "tie_word_embeddings",
+                 "num_nextn_predict_layers", "mlp_layer_types", "hidden_act", "q_lora_rank", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
+                 "index_n_heads", "indexer_types")
+CONFIG_FIELDS_IGNORED = ("max_position_embeddings", "eos_token_ids", "bos_token_id", "pad_token_id", "source")
 
 
 def config_fields(cfg: ModelConfig) -> dict:
-    return {f: (list(getattr(cfg, f)) if isinstance(getattr(cfg, f), tuple) else getattr(cfg, f)) for f in CONFIG_FIELDS}
+    """The math-relevant config fields as JSON values (what the manifest records and ``open_container`` compares)."""
+    return json.loads(json.dumps({f: (list(getattr(cfg, f)) if isinstance(getattr(cfg, f), tuple)
+                                      else getattr(cfg, f)) for f in CONFIG_FIELDS}))
 
 
 def config_hash(cfg: ModelConfig) -> str:
@@ -493,10 +504,12 @@ def read_manifest(path: str) -> dict:
     if not os.path.exists(mpath):
         raise ContainerError(f"{mpath}: not found (not a glm-jax container; run glm-jax-convert)")
     try:
-        with open(mpath) as f:
-            man = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        with open(mpath, "rb") as f:
+            man = json.loads(f.read().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ContainerError(f"{mpath}: invalid JSON: {e}") from None
+    except OSError as e:
+        raise ContainerError(f"{mpath}: cannot read ({e.strerror or e})") from None
     if not isinstance(man, dict):
         raise ContainerError(f"{mpath}: expected a JSON object")
     ver = man.get("format_version")
@@ -506,6 +519,36 @@ def read_manifest(path: str) -> dict:
     return man
 
 
+def _plain_name(v, what: str, mpath: str, under: str = "") -> str:
+    """A file name inside the container (relative, no '..'; ``under``: its directory)."""
+    ok = isinstance(v, str) and v and not os.path.isabs(v) and ".." not in v.split("/") and "\\" not in v
+    if ok and under:
+        ok = os.path.dirname(v) == under and "/" not in os.path.basename(v)
+    elif ok:
+        ok = "/" not in v
+    if not ok:
+        raise ContainerError(f"{mpath}: {what}: invalid file name {v!r}")
+    return v
+
+
+def _int(v, what: str, mpath: str, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ContainerError(f"{mpath}: {what}: expected an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _crc(v, what: str, mpath: str) -> int:
+    if not isinstance(v, str) or not v.startswith("crc32:"):
+        raise ContainerError(f"{mpath}: {what}: expected a checksum 'crc32:<8 hex digits>', got {v!r}")
+    try:
+        c = int(v[6:], 16)
+    except ValueError:
+        raise ContainerError(f"{mpath}: {what}: expected a checksum 'crc32:<8 hex digits>', got {v!r}") from None
+    if not 0 <= c < (1 << 32):
+        raise ContainerError(f"{mpath}: {what}: checksum out of range: {v!r}")
+    return c
+
+
 def open_container(path: str, cfg: Optional[ModelConfig] = None, verify: str = "first",
                    direct_io: bool = False) -> Container:
     """Open and validate a container.  ``verify``: first | always | all | none (module docstring)."""
@@ -513,29 +556,85 @@ def open_container(path: str, cfg: Optional[ModelConfig] = None, verify: str = "
         raise ValueError(f"verify must be first|always|all|none, got {verify!r}")
     man = read_manifest(path)
     mpath = os.path.join(path, MANIFEST_NAME)
+    try:
+        layers = _check_manifest(path, man, mpath, cfg)
+    except GlmJaxError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+        raise ContainerError(f"{mpath}: malformed manifest ({type(e).__name__}: {e}); re-run glm-jax-convert") from None
+    c = Container(path, man, layers, verify, direct_io)
+    if verify == "all":
+        try:
+            c.verify_all()
+        except BaseException:
+            c.close()
+            raise
+    return c
+
+
+def _check_manifest(path: str, man: dict, mpath: str, cfg: Optional[ModelConfig]) -> dict:
+    """Every field the engine uses, checked (types, names, sizes, layouts vs the config); returns the LayerEntries."""
     if cfg is not None:
         want = config_fields(cfg)
-        have = man.get("config_fields", {})
+        have = man.get("config_fields")
+        if not isinstance(have, dict):
+            raise ContainerError(f"{mpath}: 'config_fields' missing or not an object; re-run glm-jax-convert")
         for k, v in want.items():
-            if have.get(k) != v:
-                raise ConfigMismatchError(f"{mpath}: config mismatch: '{k}' is {have.get(k)!r} in the container but "
+            if k not in have:
+                raise ConfigMismatchError(
+                    f"{mpath}: config field '{k}' is not recorded in this container (written by an older "
+                    f"glm-jax-convert); re-run glm-jax-convert into it (finished layers are kept)")
+            if have[k] != v:
+                raise ConfigMismatchError(f"{mpath}: config mismatch: '{k}' is {have[k]!r} in the container but "
                                           f"{v!r} in {cfg.source or 'the model config'}")
+    linfo = man.get("layers")
+    recs_all = man.get("experts")
+    if not isinstance(linfo, dict) or not isinstance(recs_all, list):
+        raise ContainerError(f"{mpath}: 'layers' (object) or 'experts' (list) missing; re-run glm-jax-convert")
     layers = {}
     by_layer: dict = {}
-    for rec in man.get("experts", []):
-        by_layer.setdefault(int(rec["layer"]), []).append(rec)
-    for key, info in man.get("layers", {}).items():
+    for i, rec in enumerate(recs_all):
+        if not isinstance(rec, dict):
+            raise ContainerError(f"{mpath}: experts[{i}]: expected an object")
+        by_layer.setdefault(_int(rec.get("layer"), f"experts[{i}].layer", mpath), []).append(rec)
+    allowed = set(expert_layers(cfg)) if cfg is not None else None
+    for key, info in linfo.items():
         L = int(key)
+        if str(L) != key or L < 0 or (allowed is not None and L not in allowed):
+            raise ContainerError(f"{mpath}: layers: unexpected layer {key!r}"
+                                 + (f" (expert layers of this config: {sorted(allowed)})" if allowed else ""))
+        if not isinstance(info, dict):
+            raise ContainerError(f"{mpath}: layers[{key}]: expected an object")
         lay = RecordLayout.from_json(info["layout"])
-        recs = sorted(by_layer.get(L, []), key=lambda r: r["expert"])
-        E = int(info["num_experts"])
-        fpath = os.path.join(path, info["file"])
+        E = _int(info.get("num_experts"), f"layers[{key}].num_experts", mpath, 1)
+        if cfg is not None:
+            ref = make_layout(lay.fmt, cfg.hidden_size, cfg.moe_intermediate_size)
+            if lay != ref:
+                raise ContainerError(f"{mpath}: layer {L}: record layout does not match format {lay.fmt!r} for "
+                                     f"hidden_size={cfg.hidden_size}, moe_intermediate_size="
+                                     f"{cfg.moe_intermediate_size}; re-run glm-jax-convert")
+            if E != cfg.n_routed_experts:
+                raise ConfigMismatchError(f"{mpath}: layer {L}: {E} experts, the config has n_routed_experts="
+                                          f"{cfg.n_routed_experts}")
+            lay = ref
+        fname = _plain_name(info.get("file"), f"layers[{key}].file", mpath, EXPERT_DIR)
+        recs = sorted(by_layer.get(L, []), key=lambda r: _int(r.get("expert"), "experts[].expert", mpath))
+        fpath = os.path.join(path, fname)
         if len(recs) != E or [r["expert"] for r in recs] != list(range(E)):
             raise ContainerError(f"{mpath}: layer {L}: expert records incomplete ({len(recs)} of {E})")
+        for r in recs:
+            w = f"layer {L} expert {r['expert']}"
+            if r.get("file") != fname:
+                raise ContainerError(f"{mpath}: {w}: file {r.get('file')!r} is not the layer's file {fname!r}")
+            if (_int(r.get("offset"), w + " offset", mpath) != r["expert"] * lay.record_len
+                    or _int(r.get("length"), w + " length", mpath) != lay.record_len):
+                raise ContainerError(f"{mpath}: {w}: record at offset {r['offset']} length {r['length']}, expected "
+                                     f"{r['expert'] * lay.record_len} / {lay.record_len} (the layout's record size)")
         offsets = np.array([r["offset"] for r in recs], np.int64)
         lengths = np.array([r["length"] for r in recs], np.int64)
-        crcs = np.array([int(r["checksum"].split(":")[-1], 16) for r in recs], np.uint32)
-        if not os.path.exists(fpath):
+        crcs = np.array([_crc(r.get("checksum"), f"layer {L} expert {r['expert']} checksum", mpath) for r in recs],
+                        np.uint32)
+        if not os.path.isfile(fpath):
             raise TruncatedError(f"{fpath}: missing (layer {L}, experts 0..{E - 1})")
         size = os.path.getsize(fpath)
         ends = offsets + lengths
@@ -550,25 +649,52 @@ def open_container(path: str, cfg: Optional[ModelConfig] = None, verify: str = "
         if missing:
             raise ConfigMismatchError(f"{mpath}: config mismatch: no expert records for layer {missing[0]}")
     dense = man.get("dense")
-    if dense:
-        dpath = os.path.join(path, dense["file"])
-        if not os.path.exists(dpath):
-            raise TruncatedError(f"{dpath}: missing (dense weights)")
-        if os.path.getsize(dpath) != dense["size"]:
-            raise TruncatedError(f"{dpath}: size {os.path.getsize(dpath)} != {dense['size']} in the manifest (truncated?)")
-    c = Container(path, man, layers, verify, direct_io)
-    if verify == "all":
-        c.verify_all()
-    return c
+    if not isinstance(dense, dict):
+        raise ContainerError(f"{mpath}: 'dense' missing or not an object; re-run glm-jax-convert")
+    dpath = os.path.join(path, _plain_name(dense.get("file"), "dense.file", mpath))
+    dsize = _int(dense.get("size"), "dense.size", mpath)
+    _crc(dense.get("checksum"), "dense.checksum", mpath)
+    if dense.get("format") not in ("bf16", "int8", "f32"):
+        raise ContainerError(f"{mpath}: dense.format: expected bf16, int8 or f32, got {dense.get('format')!r}")
+    if not os.path.isfile(dpath):
+        raise TruncatedError(f"{dpath}: missing (dense weights); re-run glm-jax-convert")
+    if os.path.getsize(dpath) != dsize:
+        raise TruncatedError(f"{dpath}: size {os.path.getsize(dpath)} != {dsize} in the manifest (truncated?); "
+                             "re-run glm-jax-convert")
+    return layers
+
+
+def check_not_partial(path: str):
+    """A directory the converter started but did not finish (no manifest.json, which it writes last) is reported
+    as such, not as a broken Hugging Face checkpoint."""
+    if is_container(path):
+        return
+    marks = [DENSE_NAME, DENSE_NAME + ".done.json", DENSE_NAME + ".tmp", CONVERT_MARKER]
+    partial = any(os.path.exists(os.path.join(path, m)) for m in marks)
+    ed = os.path.join(path, EXPERT_DIR)
+    if not partial and os.path.isdir(ed):
+        partial = any(n.startswith("layer_") for n in os.listdir(ed))
+    if partial:
+        raise ContainerError(f"{path}: incomplete conversion (no manifest.json: glm-jax-convert writes it last) - "
+                             f"re-run glm-jax-convert --dst={path} (it resumes)")
 
 
 def verify_dense(path: str, man: Optional[dict] = None):
-    """Checksum the dense file (``--verify``)."""
+    """Checksum the dense file against the manifest (at every container load, and ``--verify``)."""
     man = man or read_manifest(path)
-    d = man["dense"]
-    dpath = os.path.join(path, d["file"])
-    if file_crc(dpath) != int(d["checksum"].split(":")[-1], 16):
-        raise ChecksumError(f"{dpath}: checksum mismatch (dense weights); re-run glm-jax-convert")
+    mpath = os.path.join(path, MANIFEST_NAME)
+    d = man.get("dense")
+    if not isinstance(d, dict):
+        raise ContainerError(f"{mpath}: 'dense' missing or not an object; re-run glm-jax-convert")
+    dpath = os.path.join(path, _plain_name(d.get("file"), "dense.file", mpath))
+    want = _crc(d.get("checksum"), "dense.checksum", mpath)
+    try:
+        got = file_crc(dpath)
+    except OSError as e:
+        raise TruncatedError(f"{dpath}: cannot read the dense weights ({e.strerror or e})") from None
+    if got != want:
+        raise ChecksumError(f"{dpath}: checksum mismatch (dense weights: manifest crc32 {want:08x}, file {got:08x}); "
+                            "the file is corrupt - re-run glm-jax-convert")
 
 
 def file_crc(path: str, chunk: int = 16 << 20) -> int:
@@ -621,38 +747,60 @@ class SafeTensorsDir:
         self._lock = threading.Lock()
         self._fds: dict = {}
         self._local = threading.local()
-        idx = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(idx):
-            with open(idx) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+        from glm_jax.weights import INDEX_NAME, read_index
+
+        if os.path.exists(os.path.join(path, INDEX_NAME)):
+            files = sorted(set(read_index(path, SourceError).values()))
         else:
             files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         if not files:
             raise SourceError(f"{path}: no *.safetensors files (expected a Hugging Face checkpoint directory)")
         for name in files:
             fpath = os.path.join(path, name)
-            if not os.path.exists(fpath):
-                raise SourceError(f"{fpath}: listed in model.safetensors.index.json but missing")
-            with open(fpath, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise SourceError(f"{fpath}: truncated safetensors header")
-                hlen = int.from_bytes(head, "little")
-                try:
-                    hdr = json.loads(f.read(hlen))
-                except json.JSONDecodeError as e:
-                    raise SourceError(f"{fpath}: bad safetensors header: {e}") from None
-            base = 8 + hlen
-            size = os.path.getsize(fpath)
-            for k, v in hdr.items():
-                if k == "__metadata__":
-                    continue
-                if v["dtype"] not in _ST_DTYPES:
-                    raise SourceError(f"{fpath}: tensor '{k}': unsupported dtype {v['dtype']}")
-                s, e = v["data_offsets"]
-                if base + e > size:
-                    raise SourceError(f"{fpath}: tensor '{k}' extends past the end of the file (truncated)")
-                self.tensors[k] = TensorInfo(k, fpath, _ST_DTYPES[v["dtype"]], tuple(v["shape"]), base + s, e - s)
+            if not os.path.isfile(fpath):
+                raise SourceError(f"{fpath}: listed in {INDEX_NAME} but missing")
+            self._read_header(fpath)
+
+    def _read_header(self, fpath: str):
+        """Index one safetensors file's header, checked: every tensor's dtype, shape, byte range inside the file and
+        byte count (shape x item size); every problem is one SourceError line naming the file and tensor."""
+        size = os.path.getsize(fpath)
+        with open(fpath, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SourceError(f"{fpath}: truncated safetensors header")
+            hlen = int.from_bytes(head, "little")
+            if hlen > size - 8 or hlen > (100 << 20):
+                raise SourceError(f"{fpath}: bad safetensors header (header length {hlen} exceeds the file)")
+            try:
+                hdr = json.loads(f.read(hlen).decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                raise SourceError(f"{fpath}: bad safetensors header: {e}") from None
+        if not isinstance(hdr, dict):
+            raise SourceError(f"{fpath}: bad safetensors header (expected a JSON object)")
+        base = 8 + hlen
+        for k, v in hdr.items():
+            if k == "__metadata__":
+                continue
+            bad = lambda m: SourceError(f"{fpath}: bad safetensors header: tensor '{k}': {m}")  # noqa: E731
+            if not isinstance(v, dict):
+                raise bad("expected an object")
+            dt = v.get("dtype")
+            if dt not in _ST_DTYPES:
+                raise SourceError(f"{fpath}: tensor '{k}': unsupported dtype {dt!r}")
+            shape, offs = v.get("shape"), v.get("data_offsets")
+            if (not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
+                                                   for d in shape)):
+                raise bad(f"invalid shape {shape!r}")
+            if (not isinstance(offs, list) or len(offs) != 2
+                    or any(isinstance(o, bool) or not isinstance(o, int) for o in offs) or not 0 <= offs[0] <= offs[1]):
+                raise bad(f"invalid data_offsets {offs!r}")
+            s, e = offs
+            if base + e > size:
+                raise SourceError(f"{fpath}: tensor '{k}' extends past the end of the file (truncated)")
+            if int(np.prod(shape, dtype=np.int64)) * _np_dtype(_ST_DTYPES[dt]).itemsize != e - s:
+                raise bad(f"{e - s} bytes for shape {shape} of {dt}")
+            self.tensors[k] = TensorInfo(k, fpath, _ST_DTYPES[dt], tuple(shape), base + s, e - s)
 
     def __contains__(self, key):
         return key in self.tensors
@@ -692,19 +840,24 @@ class SafeTensorsDir:
     def read_row(self, key: str, i: int) -> np.ndarray:
         """Row ``i`` of the leading axis (one expert of a fused [E, ...] tensor)."""
         ti = self.info(key)
+        if not ti.shape or not 0 <= i < ti.shape[0]:
+            raise SourceError(f"{ti.file}: tensor '{key}' of shape {list(ti.shape)} has no row {i}")
         row = ti.nbytes // ti.shape[0]
         return self._read(ti, ti.start + i * row, row).view(_np_dtype(ti.dtype)).reshape(ti.shape[1:])
 
     def read_float(self, key: str) -> np.ndarray:
-        """float32 tensor; FP8 weights with a ``{key}_scale_inv`` (128x128 blocks) are dequantized."""
+        """float32 tensor; FP8 weights with a ``{key}_scale_inv`` (128x128 blocks) are dequantized.  NaN/Inf is
+        refused (WeightError naming the tensor)."""
         w = self.read(key)
         sk = key + "_scale_inv"
         if self.is_fp8(key):
             w = w.astype(np.float32)
             if sk in self.tensors:
                 w = dequant_fp8(w, self.read(sk).astype(np.float32))
-            return w
-        return np.asarray(w, np.float32) if w.dtype != np.float32 else w
+        elif w.dtype != np.float32:
+            w = np.asarray(w, np.float32)
+        check_finite(w, key, self.info(key).file)
+        return w
 
     def is_fp8(self, key: str) -> bool:
         return self.info(key).dtype.startswith("float8")
@@ -747,14 +900,18 @@ class HFExperts:
         in/128] (or per-tensor-row blocks) is dequantized on read, row by row (never the whole tensor)."""
         w = self.st.read_row(key, e)
         if not self.st.is_fp8(key):
-            return w.astype(np.float32)
+            w = w.astype(np.float32)
+            check_finite(w, f"{key}[{e}]", self.st.info(key).file)
+            return w
         sk = key + "_scale_inv"
         if sk not in self.st:
             raise SourceError(f"{self.st.info(key).file}: FP8 tensor '{key}' has no '{sk}' (128x128 block scales)")
         try:
-            return dequant_fp8(w, self.st.read_row(sk, e))
+            w = dequant_fp8(w, self.st.read_row(sk, e))
         except GlmJaxError as err:
             raise SourceError(f"{self.st.info(key).file}: '{sk}': {err}") from None
+        check_finite(w, f"{key}[{e}]", self.st.info(key).file)
+        return w
 
     def get(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, H], up [I, H], down [H, I]) as float32."""

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 from typing import Optional, Sequence, Union
 
@@ -19,8 +21,11 @@ import numpy as np
 from . import memory as MEM
 from . import model as M
 from . import options as O
-from .config import GlmJaxError, ModelConfig, load_config
+from . import paths
+from .config import GlmJaxError, ModelConfig, NonFiniteError, load_config  # noqa: F401  (re-exported)
 from .store import RamBudgetError
+
+
 
 _COMPILE_S = [0.0]
 
@@ -120,18 +125,32 @@ class Engine:
         self._view = None
         self.kernel = kernel                                # who computes the experts / dense products
         self.checkpoint_dtype = declared_dtype(path) or "unknown"
+        self._closed = False
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path: Optional[str] = None, **options) -> "Engine":
-        opts = O.resolve(options)
-        path = path or default_model_path()
+        return cls.from_options(path, O.resolve(options))
+
+    @classmethod
+    def from_options(cls, path: Optional[str], opts: "O.Options") -> "Engine":
+        """``load`` with options already resolved (the CLIs: their flags, with where each value came from)."""
+        if not isinstance(opts, O.Options):
+            opts = O.resolve(opts)
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise GlmJaxError(f"Engine.load: path must be a directory name (str), got {type(path).__name__}")
+        path = os.fspath(path) if path else default_model_path()
         if not os.path.isdir(path):
-            raise GlmJaxError(f"{path}: model directory not found")
-        cfg = load_config(path)
+            raise GlmJaxError(f"{path}: model directory not found" if not os.path.exists(path)
+                              else f"{path}: not a directory (expected a model directory)")
+        set_compile_cache(opts["compile_cache"], opts.label("compile_cache"))
+        from . import container as C
         from . import weights as W
 
-        container = os.path.exists(os.path.join(path, "manifest.json"))
+        container = C.is_container(path)
+        if not container:
+            C.check_not_partial(path)
+        cfg = load_config(path)
         fetch = opts["fetch"]
         if fetch == "auto" and not container:
             fetch = "resident"
@@ -145,24 +164,37 @@ class Engine:
         else:
             from . import store as S
 
-            if container:
-                params = W.load_dense_params(path, cfg, dtype=dtype, kernel=kernel, dense_fmt=opts["dense_format"])
-            else:
-                params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=kernel,
-                                       dense_fmt=opts["dense_format"])
-            MEM.trim()
-            store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None, ram_gb=opts["ram_gb"] or None,
-                                       direct_io=opts["direct_io"], io_threads=opts["io_threads"],
-                                       read_chunk_mb=opts["read_chunk_mb"],
-                                       pin=opts["pin"] or None, pin_gb=opts["pin_gb"], policy=opts["cache_policy"],
-                                       # the whole process counts: what it holds now (runtime + dense
-                                       # weights) and a reserve for compilation and the step's buffers
-                                       used_bytes=MEM.rss_bytes() + RUNTIME_RESERVE,
-                                       kv_bytes=M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
-                                       (opts["max_seq_len"] or KV_RESERVE_TOKENS),
-                                       # slots for one decode / verify's union; a larger one (a prefill) is
-                                       # fetched and computed in chunks of this many experts (streaming.py)
-                                       max_working_set=working_set(cfg, opts), kernel=kernel)
+            src = None
+            try:
+                if container:     # manifest, config and sizes checked at open; the dense file's crc before use
+                    src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
+                    C.verify_dense(path, src.manifest)
+                    params = W.load_dense_params(path, cfg, dtype=dtype, file=src.dense_path, kernel=kernel,
+                                                 dense_fmt=opts["dense_format"])
+                else:
+                    params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=kernel,
+                                           dense_fmt=opts["dense_format"])
+                MEM.trim()
+                store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None,
+                                           ram_gb=opts["ram_gb"] or None,
+                                           direct_io=opts["direct_io"], io_threads=opts["io_threads"],
+                                           read_chunk_mb=opts["read_chunk_mb"],
+                                           pin=opts["pin"] or None, pin_gb=opts["pin_gb"],
+                                           policy=opts["cache_policy"],
+                                           # the whole process counts: what it holds now (runtime + dense
+                                           # weights) and a reserve for compilation and the step's buffers
+                                           used_bytes=MEM.rss_bytes() + RUNTIME_RESERVE,
+                                           kv_bytes=M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
+                                           (opts["max_seq_len"] or KV_RESERVE_TOKENS),
+                                           # slots for one decode / verify's union; a larger one (a prefill) is
+                                           # fetched and computed in chunks of this many experts (streaming.py)
+                                           max_working_set=working_set(cfg, opts), source=src,
+                                           state_dir=opts["state_dir"],
+                                           labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel)
+            except BaseException:
+                if src is not None and store is None:
+                    src.close()
+                raise
             store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
             if fetch in ("auto", "resident") and container:
                 # every expert fits the RAM budget: load them all now, then run one compiled step per token over
@@ -174,8 +206,8 @@ class Engine:
                     cap, E = store.cache_cap, cfg.n_routed_experts
                     store.close(save_usage=False)
                     raise RamBudgetError(f"{path}: --fetch=resident needs every expert in RAM, but the budget "
-                                         f"holds {cap} of {E} per layer (raise --ram_gb or --cache_cap, or use "
-                                         f"--fetch=loop)")
+                                         f"holds {cap} of {E} per layer (raise {opts.label('ram_gb')} or "
+                                         f"--cache_cap, or use --fetch=loop)")
                 else:
                     fetch = "loop"
             elif fetch == "resident":
@@ -259,17 +291,22 @@ class Engine:
         tokens = jnp.asarray(tokens, jnp.int32)
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
+        self._check_open()
         if self.opts["fetch"] == "resident":
             lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
             logits, hidden, self._cache, summ = self._step_resident()(
                 self.step_params(), self._cache, tokens, start, lengths, self._resident_masks(), lr,
                 moe_rows=moe_rows)
             self._accumulate(summ)
-            return logits, hidden
-        from .streaming import stream_step
+        else:
+            from .streaming import stream_step
 
-        lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
-        logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr)
+            lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
+            logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr)
+        if not bool(_all_finite(logits, lengths)):
+            raise NonFiniteError(f"{self.path}: the model produced NaN/Inf logits (positions {int(start[0])}.."
+                                 f"{int(start[0]) + int(lengths[0]) - 1}); the weights or activations overflow "
+                                 f"{jnp.dtype(self.dtype).name} (try --dtype=float32)")
         return logits, hidden
 
     def _accumulate(self, summ):
@@ -281,19 +318,21 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def logits(self, token_ids) -> np.ndarray:
         """Full forward over token_ids (a list / 1-D array -> [T, V]; a list of lists -> list of [T_i, V])."""
+        _check_seq(token_ids, "logits")
         if len(token_ids) and isinstance(token_ids[0], (list, tuple, np.ndarray)):
             return self.batch_logits(token_ids)
         return self.batch_logits([token_ids])[0]
 
     def batch_logits(self, seqs: Sequence[Sequence[int]]) -> list:
         """Teacher-forced logits for a batch of sequences (right-padded, one forward)."""
-        seqs = [list(map(int, s)) for s in seqs]
+        self._check_open()
+        _check_seq(seqs, "batch_logits")
+        if len(seqs) == 0:
+            raise GlmJaxError("batch_logits: empty batch (expected a list of token-id sequences)")
+        seqs = [self._token_ids(s, "batch_logits") for s in seqs]
         for s in seqs:
             if not s:
                 raise GlmJaxError("logits: empty token sequence")
-            bad = [t for t in s if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise GlmJaxError(f"logits: token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
         B = len(seqs)
         T = _bucket(max(len(s) for s in seqs))
         self._route_acc = {}
@@ -305,7 +344,27 @@ class Engine:
         logits = np.asarray(logits)
         return [logits[i, : len(s)] for i, s in enumerate(seqs)]
 
+    def _token_ids(self, seq, where: str) -> list:
+        """A sequence of ints in the vocabulary, as a list (no silent truncation of floats, no strings)."""
+        _check_seq(seq, where)
+        out = []
+        for t in seq:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise GlmJaxError(f"{where}: token ids must be integers, got {t!r} ({type(t).__name__})")
+            t = int(t)
+            if not 0 <= t < self.cfg.vocab_size:
+                raise GlmJaxError(f"{where}: token id {t} outside the vocabulary [0, {self.cfg.vocab_size})")
+            out.append(t)
+        return out
+
+    def _check_open(self):
+        if self._closed:
+            raise GlmJaxError(f"{self.path}: this Engine was closed (Engine.close()); load the model again")
+
     def encode(self, text: str, chat: bool = False) -> list:
+        self._check_open()
+        if not isinstance(text, str):
+            raise GlmJaxError(f"encode: expected text (str), got {type(text).__name__}")
         if self.tokenizer is None:
             raise GlmJaxError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
         return self.tokenizer.chat_ids(text) if chat else self.tokenizer.encode(text)
@@ -318,8 +377,20 @@ class Engine:
                  stop_on_eos: bool = True) -> GenerationResult:
         from .generate import generate
 
+        self._check_open()
+        if not isinstance(prompt_or_ids, str):
+            prompt_or_ids = self._token_ids(prompt_or_ids, "generate")
+        V = self.cfg.vocab_size
+        max_new_tokens = _arg_int("max_new_tokens", max_new_tokens, 0, None)
+        temperature = _arg_float("temperature", temperature, 0.0, None)
+        top_k = _arg_int("top_k", top_k, 0, V, f" (0 = off; the vocabulary has {V} tokens)")
+        top_p = _arg_float("top_p", top_p, 0.0, 1.0, open_lo=True)
+        seed = _arg_int("seed", seed, -(1 << 63), (1 << 63) - 1)
+        for name, v in (("chat", chat), ("stop_on_eos", stop_on_eos)):
+            if not isinstance(v, (bool, np.bool_)):
+                raise GlmJaxError(f"generate: {name} must be True or False, got {v!r}")
         return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos)
+                        top_p=top_p, seed=seed, chat=bool(chat), stop_on_eos=bool(stop_on_eos))
 
     @property
     def compile_s(self) -> float:
@@ -327,6 +398,9 @@ class Engine:
         return _COMPILE_S[0]
 
     def close(self):
+        if self._closed:
+            return
+        self._closed = True
         if self.store is not None:
             self.store.close()
 
@@ -343,6 +417,72 @@ def declared_dtype(path: str) -> str:
         return ""
     d = c.get("dtype") or c.get("torch_dtype") or ""
     return d if isinstance(d, str) else ""
+
+
+@jax.jit
+def _all_finite(logits, lengths):
+    """True when every real position's logits (t < lengths[b]) are finite."""
+    real = jnp.arange(logits.shape[1])[None, :] < lengths[:, None]
+    return jnp.all(jnp.where(real[..., None], jnp.isfinite(logits), True))
+
+
+def _check_seq(x, where: str):
+    if isinstance(x, (str, bytes, bytearray)) or not hasattr(x, "__len__") or not hasattr(x, "__iter__"):
+        raise GlmJaxError(f"{where}: expected a sequence of token ids (ints), got {type(x).__name__}"
+                          + (" (text goes to generate(); logits take token ids: engine.encode(text))"
+                             if isinstance(x, str) else ""))
+
+
+def _arg_int(name, v, lo, hi, note=""):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+        raise GlmJaxError(f"generate: {name} must be an integer, got {v!r}")
+    v = int(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise GlmJaxError(f"generate: {name}={v} out of range (expected {rng}){note}")
+    return v
+
+
+def _arg_float(name, v, lo, hi, open_lo=False):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        raise GlmJaxError(f"generate: {name} must be a finite number, got {v!r}")
+    v = float(v)
+    if v < lo or (open_lo and v == lo) or (hi is not None and v > hi):
+        rng = f"{'(' if open_lo else '['}{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+        raise GlmJaxError(f"generate: {name}={v:g} out of range (expected {rng})"
+                          + (" (0 = greedy)" if name == "temperature" else ""))
+    return v
+
+
+_COMPILE_CACHE = [None]      # the persistent-cache directory this process set (None: none set by glm-jax)
+
+
+def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
+    """Point JAX's persistent compilation cache at the per-user cache dir (``paths.cache_root``), another directory,
+    or nowhere ('off').  Every program is cached (min compile time 0), so a second start compiles nothing.  An
+    unusable default location runs without a cache; an unusable explicit one is an error."""
+    d = paths.cache_root(opt)
+    if d is not None:
+        try:
+            os.makedirs(d, exist_ok=True)
+            if not os.access(d, os.W_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            if opt:
+                raise GlmJaxError(f"{label}={opt}: cannot use it as the compilation cache ({e.strerror or e})") from None
+            d = None
+    cur = jax.config.jax_compilation_cache_dir
+    if d == cur:
+        return
+    if d is None and _COMPILE_CACHE[0] is None and opt != "off":
+        return          # default location unusable: leave whatever the caller configured
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    jax.config.update("jax_compilation_cache_dir", d)
+    if d is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    _COMPILE_CACHE[0] = d
 
 
 def _pick_dtype(name: str, path: str, cfg: ModelConfig):

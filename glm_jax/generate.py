@@ -161,6 +161,12 @@ def _fused_decode(engine, out: list, P: int, key, samp: dict, max_new_tokens: in
         engine._cache, toks, cnt, key, acc = fn(params, engine._cache, jnp.int32(out[-1]), jnp.int32(pos), key,
                                                 jnp.int32(n), eos_arr, resident)
         cnt = int(cnt)
+        if not bool(acc.pop("_finite")):
+            from .config import NonFiniteError
+
+            raise NonFiniteError(f"{engine.path}: the model produced NaN/Inf logits (positions {pos}..{pos + cnt - 1}); "
+                                 f"the weights or activations overflow {jnp.dtype(engine.dtype).name} "
+                                 "(try --dtype=float32)")
         out.extend(int(t) for t in np.asarray(toks)[:cnt])
         engine._accumulate(acc)
         pos += cnt
@@ -186,17 +192,19 @@ def _fused_decode_fn(engine, samp: dict, W: int):
                                            plugin, moe_rows=1)
         key, sk = jax.random.split(key)
         nxt = sample(logits[0, 0], sk, **samp)
-        return cache, nxt, key, _routing_summary(routing, want_stats)
+        summ = dict(_routing_summary(routing, want_stats))
+        summ["_finite"] = jnp.all(jnp.isfinite(logits[0, 0]))
+        return cache, nxt, key, summ
 
     def f(params, cache, tok, pos, key, n, eos, resident):
-        acc0 = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                      jax.eval_shape(one, params, cache, tok, pos, key, resident)[3])
+        acc0 = {k: (jnp.ones(a.shape, a.dtype) if k == "_finite" else jnp.zeros(a.shape, a.dtype))
+                for k, a in jax.eval_shape(one, params, cache, tok, pos, key, resident)[3].items()}
 
         def body(c):
             cache, nxt, key, summ = one(params, c["cache"], c["tok"], c["pos"], c["key"], resident)
             return dict(cache=cache, tok=nxt, pos=c["pos"] + 1, key=key, i=c["i"] + 1,
                         out=c["out"].at[c["i"]].set(nxt), done=jnp.any(nxt == eos),
-                        acc=jax.tree_util.tree_map(jnp.add, c["acc"], summ))
+                        acc={k: (c["acc"][k] & v) if k == "_finite" else c["acc"][k] + v for k, v in summ.items()})
 
         c = jax.lax.while_loop(lambda c: (c["i"] < n) & ~c["done"], body,
                                dict(cache=cache, tok=tok, pos=pos, key=key, i=jnp.int32(0),

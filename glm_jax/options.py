@@ -1,14 +1,18 @@
 """Engine options: one table shared by the absl flags of every command and by ``Engine.load(**options)``.
 
-Each option has a flag of the same name.  The original engine's environment names (colibri: EXPERT_BUDGET, TOPP,
-MTP, ...) are accepted as aliases; an explicitly given flag or keyword always wins over the environment.
+Each option has a flag of the same name and its range (``lo`` / ``hi`` / ``check``): the flag, the environment
+alias and the keyword get the same check and the same error text, prefixed by where the value came from.  The
+original engine's environment names (colibri: EXPERT_BUDGET, TOPP, MTP, ...) are accepted as aliases; an explicitly
+given flag or keyword always wins over the environment (an alias is not even parsed then).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import Any, Optional
+import re
+from typing import Any, Callable, Optional
 
 from .config import GlmJaxError
 
@@ -25,130 +29,259 @@ class Opt:
     help: str
     choices: tuple = ()
     env: tuple = ()      # environment aliases (original engine's names)
+    lo: Optional[float] = None        # inclusive lower bound (int / float)
+    hi: Optional[float] = None        # inclusive upper bound
+    lo_open: bool = False             # lo is exclusive
+    check: Optional[Callable] = None  # value -> None | "what is wrong" (str options)
+    main: bool = False                # listed by `glm-jax --help`
+
+
+def _expert_format(v: str) -> Optional[str]:
+    if v in ("native", "auto", "f32", "bf16", "int8_row", "int4_row"):
+        return None
+    m = re.fullmatch(r"int4_g(\d+)", v)
+    if m and int(m.group(1)) >= 2 and int(m.group(1)) % 2 == 0:
+        return None
+    return ("unknown expert format (expected native, f32, bf16, int8_row, int4_row or int4_g<N> with N an even "
+            "group size >= 2, e.g. int4_g64)")
+
+
+def _pin(v: str) -> Optional[str]:
+    if v in ("", "auto") or os.path.isfile(v):
+        return None
+    return "file not found (expected 'auto' or a usage-history file)"
+
+
+def _writable_file(v: str) -> Optional[str]:
+    return None if v == "" else writable_problem(v)
+
+
+def _dir_or_off(v: str) -> Optional[str]:
+    if v in ("", "off"):
+        return None
+    if os.path.exists(v) and not os.path.isdir(v):
+        return "is a file (expected a directory or 'off')"
+    return None
 
 
 OPTIONS = [
     Opt("dtype", "auto", "enum", "Compute (activation) dtype. auto: float32 on CPU whatever the checkpoint declares "
         "(XLA:CPU has no fast bf16 arithmetic; the native kernels keep bf16 weights in bf16 and compute in f32), "
         "the checkpoint's declared dtype elsewhere. The stats line prints what was picked.",
-        ("auto", "float32", "bfloat16")),
+        ("auto", "float32", "bfloat16"), main=True),
     Opt("kernels", "auto", "enum", "Expert (and quantized dense) matrix products: native (C++ kernels through jax.ffi, "
         "built on first use with the machine's C++ compiler into the per-user cache; int8 activations x int4/int8 "
         "weights with AVX-512 VNNI where present), xla (jnp code, no compiler needed), auto (native if it builds, "
         "else xla with a warning).", ("auto", "native", "xla")),
-    Opt("dense_format", "native", "str", "Storage format of the dense (non-expert) matrices at run time: native (as "
+    Opt("dense_format", "native", "enum", "Storage format of the dense (non-expert) matrices at run time: native (as "
         "stored: the checkpoint's dtype, or the container's --dense_format), f32, bf16, int8_row, int4_g64 "
         "(quantized at load; the lm_head stays int8 for int4 formats). Quantized dense weights need the native "
-        "kernels to be fast."),
-    Opt("max_seq_len", 0, "int", "KV-cache capacity in tokens (0: prompt + max_new_tokens, rounded up)."),
+        "kernels to be fast.", ("native", "f32", "bf16", "int8_row", "int4_g64")),
+    Opt("max_seq_len", 0, "int", "KV-cache capacity in tokens (0: prompt + max_new_tokens, rounded up).", lo=0),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
         "called from inside one compiled step via io_callback). auto: resident for plain HF dirs that fit, loop for "
-        "converted containers.", ("auto", "resident", "loop", "callback")),
+        "converted containers.", ("auto", "resident", "loop", "callback"), main=True),
     Opt("expert_format", "native", "str", "Storage format of resident experts: native (checkpoint dtype), f32, bf16, "
-        "int8_row, int4_row, int4_g64."),
+        "int8_row, int4_row, int4_g<N> (N even, e.g. int4_g64).", check=_expert_format),
     Opt("cache_cap", 0, "int", "Expert-store cache capacity in experts per layer (0: size from --ram_gb).",
-        env=("CAP",)),
+        env=("CAP",), lo=0, main=True),
     Opt("ram_gb", 0.0, "float", "RAM budget in GB for dense + KV + expert cache + buffers (0: 0.8 x MemAvailable).",
-        env=("RAM_GB",)),
+        env=("RAM_GB",), lo=0.0, main=True),
     Opt("direct_io", False, "bool", "Read experts with O_DIRECT (bypass the page cache).", env=("DIRECT",)),
-    Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",)),
+    Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",), lo=1, hi=256),
     Opt("overlap", False, "bool", "fetch=loop: start the layer's resident (hit) experts and the shared expert before "
         "reading its misses, so the reads overlap that compute (decode-sized forwards; exact). Off by default: with "
         "static shapes the routed terms are computed twice, which cost more than it hid on a 2-core CPU "
         "(measured; see README).", env=("PIPE",)),
     Opt("read_chunk_mb", 1.0, "float", "Split each expert read into a multiple of io_threads near-equal byte "
         "ranges of at most this many MB, so a layer's few large misses keep every I/O thread busy to the end "
-        "(0: one read per expert)."),
+        "(0: one read per expert).", lo=0.0),
     Opt("prefetch", False, "bool", "Router-lookahead prefetch: apply layer L+1's router to layer L's state and load "
         "its predicted experts into free cache slots in the background while layer L computes (recall and "
         "prefetch_hits / prefetch_unused are reported).", env=("PILOT",)),
-    Opt("pin", "", "str", "Pinned hot set: 'auto' (usage history in the model dir) or a usage file path.",
-        env=("PIN",)),
-    Opt("pin_gb", 0.0, "float", "RAM for the pinned hot set in GB.", env=("PIN_GB",)),
-    Opt("cache_policy", "lru", "str", "Expert cache eviction policy (see the store docs).", env=("COLI_POLICY_CACHE",)),
+    Opt("pin", "", "str", "Pinned hot set: 'auto' (this model's usage history in --state_dir) or a usage file path.",
+        env=("PIN",), check=_pin),
+    Opt("pin_gb", 0.0, "float", "RAM for the pinned hot set in GB.", env=("PIN_GB",), lo=0.0),
+    Opt("cache_policy", "lru", "enum", "Expert cache eviction policy (see the store docs).", ("lru", "lfu"),
+        env=("COLI_POLICY_CACHE",)),
     Opt("sim_disk_gbps", 0.0, "float", "Benchmark aid: after each expert read, also wait as if every loaded expert "
-        "were --sim_expert_mb MB on a disk of this bandwidth (reported as sim_io_s; bytes_read stays real). 0 = off."),
-    Opt("sim_expert_mb", 19.0, "float", "Simulated expert size for --sim_disk_gbps (GLM-5.2 int4: ~19 MB)."),
+        "were --sim_expert_mb MB on a disk of this bandwidth (reported as sim_io_s; bytes_read stays real). 0 = off.",
+        lo=0.0),
+    Opt("sim_expert_mb", 19.0, "float", "Simulated expert size for --sim_disk_gbps (GLM-5.2 int4: ~19 MB).",
+        lo=0.0, lo_open=True),
     Opt("route_trace", "", "str", "Append the routing of every streamed forward to this jsonl file (one forward per "
-        "line: [[layer, [expert ids]], ...]); tools/cache_sim.py replays it.", env=("ROUTE_TRACE",)),
+        "line: [[layer, [expert ids]], ...]); tools/cache_sim.py replays it.", env=("ROUTE_TRACE",),
+        check=_writable_file),
     Opt("expert_topp", 1.0, "float", "TOPP: per position keep the shortest prefix of experts (by gate weight) whose "
-        "cumulative weight >= p x total; 1.0 = off. Lossy.", env=("TOPP",)),
+        "cumulative weight >= p x total; 1.0 = off. Lossy.", env=("TOPP",), lo=0.0, hi=1.0, lo_open=True, main=True),
     Opt("expert_budget", 0, "int", "EXPERT_BUDGET=N: cap distinct experts per layer (miss-aware); 0 = off. Lossy.",
-        env=("EXPERT_BUDGET",)),
+        env=("EXPERT_BUDGET",), lo=0, main=True),
     Opt("budget_scope", "union", "enum", "union: cap the batch union (the seed); position: cap each position on its "
         "own (batch-invariant).", ("union", "position")),
     Opt("budget_residency", "cache", "enum", "What counts as a hit for the budget: cache (live cache + pinned), "
         "pinned (static pinned set), none (pure function of routing).", ("cache", "pinned", "none")),
     Opt("budget_max_positions", 4, "int", "Apply the budget only to forwards with at most this many real positions "
-        "(decode and MTP verify; never prefill). 0 = always."),
+        "(decode and MTP verify; never prefill). 0 = always.", lo=0),
     Opt("cache_route", "off", "enum", "CACHE_ROUTE: prefer resident experts. max_rank (keep the true top-J, fill the "
         "rest with resident experts within the top-M) or prior (add lambda to resident scores). Lossy.",
         ("off", "max_rank", "prior"), env=("CACHE_ROUTE",)),
-    Opt("route_j", 2, "int", "CACHE_ROUTE max_rank: true top-J always kept.", env=("ROUTE_J",)),
-    Opt("route_m", 12, "int", "CACHE_ROUTE max_rank: substitution window top-M.", env=("ROUTE_M",)),
-    Opt("route_alpha", 1.0, "float", "CACHE_ROUTE max_rank: weight multiplier of substitutes.", env=("ROUTE_ALPHA",)),
-    Opt("route_lambda", 0.1, "float", "CACHE_ROUTE prior: score bonus of resident experts.", env=("ROUTE_LAMBDA",)),
+    Opt("route_j", 2, "int", "CACHE_ROUTE max_rank: true top-J always kept.", env=("ROUTE_J",), lo=1),
+    Opt("route_m", 12, "int", "CACHE_ROUTE max_rank: substitution window top-M.", env=("ROUTE_M",), lo=1),
+    Opt("route_alpha", 1.0, "float", "CACHE_ROUTE max_rank: weight multiplier of substitutes.", env=("ROUTE_ALPHA",),
+        lo=0.0, lo_open=True),
+    Opt("route_lambda", 0.1, "float", "CACHE_ROUTE prior: score bonus of resident experts.", env=("ROUTE_LAMBDA",),
+        lo=0.0),
     Opt("mtp", False, "bool", "Speculative decoding with the model's MTP layer when it has one (--mtp; off by "
         "default: on the shipped model it decoded 3.3x slower than plain decode on CPU, 529 vs 1756 tok/s with "
-        "44% acceptance, README). Greedy output is identical either way.", env=("MTP",)),
+        "44% acceptance, README). Greedy output is identical either way.", env=("MTP",), main=True),
     Opt("draft", -1, "int", "Draft tokens per step (-1: 3 with --mtp and an MTP layer, else 0).",
-        env=("DRAFT",)),
+        env=("DRAFT",), lo=-1, hi=63, main=True),
     Opt("draft_source", "auto", "enum", "Where drafts come from: auto (mtp if present), mtp, ngram (prompt lookup).",
         ("auto", "mtp", "ngram")),
     Opt("mtp_guard_pct", 70.0, "float", "Pause drafting when acceptance over the window drops below this %.",
-        env=("COLI_MTP_GUARD_PCT",)),
-    Opt("mtp_guard_window", 24, "int", "Proposals in the acceptance guard's window.", env=("COLI_MTP_GUARD_WINDOW",)),
+        env=("COLI_MTP_GUARD_PCT",), lo=0.0, hi=100.0),
+    Opt("mtp_guard_window", 24, "int", "Proposals in the acceptance guard's window.", env=("COLI_MTP_GUARD_WINDOW",),
+        lo=1, hi=1 << 20),
+    Opt("state_dir", "", "str", "Per-user runtime state (the experts' usage history behind --pin=auto), one file per "
+        "model. Default: $XDG_STATE_HOME/glm-jax (~/.local/state/glm-jax); 'off': keep no history. Never the model "
+        "directory or the installed package.", check=_dir_or_off, main=True),
+    Opt("compile_cache", "", "str", "Persistent XLA compilation cache, so a second start compiles nothing. Default: "
+        "$XDG_CACHE_HOME/glm-jax/xla (~/.cache/glm-jax/xla); a directory; 'off'.", check=_dir_or_off, main=True),
 ]
 
 BY_NAME = {o.name: o for o in OPTIONS}
 
 
-def _parse(o: Opt, v: Any, where: str):
-    try:
-        if o.kind == "int":
-            return int(v)
-        if o.kind == "float":
-            return float(v)
-        if o.kind == "bool":
-            if isinstance(v, str):
-                if v.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if v.lower() in ("0", "false", "no", "off", ""):
-                    return False
-                raise ValueError(v)
+def _range_text(o: Opt) -> str:
+    what = "an integer" if o.kind == "int" else "a number"
+    if o.lo is not None and o.hi is not None:
+        return f"{what} in {'(' if o.lo_open else '['}{o.lo:g}, {o.hi:g}]"
+    if o.lo is not None:
+        return f"{what} {'>' if o.lo_open else '>='} {o.lo:g}"
+    if o.hi is not None:
+        return f"{what} <= {o.hi:g}"
+    return what
+
+
+def check_value(o: Opt, v: Any, where: str):
+    """Parse and range-check one value of option ``o``; ``where`` names its source (flag / env / keyword)."""
+    def bad(msg=None, parsed=None):
+        shown = repr(v) if not isinstance(v, str) or v.strip() != v or not v or " " in v else v
+        if parsed is not None:        # a number out of range: shown as parsed (flag, alias and keyword alike)
+            shown = f"{parsed:g}" if isinstance(parsed, float) else str(parsed)
+        if msg:
+            return OptionError(f"{where}: invalid value {shown}: {msg}")
+        exp = (f"one of {', '.join(o.choices)}" if o.kind == "enum"
+               else _range_text(o) if o.kind in ("int", "float")
+               else "true/false (1/0, yes/no, on/off)" if o.kind == "bool" else "a string")
+        return OptionError(f"{where}: invalid value {shown} (expected {exp})")
+
+    if o.kind == "int":
+        if isinstance(v, bool):
+            raise bad()
+        if isinstance(v, str):
+            try:
+                x = int(v.strip())
+            except ValueError:
+                raise bad() from None
+        elif isinstance(v, int) or (hasattr(v, "dtype") and getattr(v.dtype, "kind", "") in "iu"):
+            x = int(v)
+        else:                                   # 1.7 is not silently 1
+            raise bad()
+    elif o.kind == "float":
+        if isinstance(v, bool):
+            raise bad()
+        try:
+            x = float(v.strip() if isinstance(v, str) else v)
+        except (TypeError, ValueError):
+            raise bad() from None
+        if not math.isfinite(x):
+            raise bad()
+    elif o.kind == "bool":
+        if isinstance(v, str):
+            s = v.strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off", ""):
+                return False
+            raise bad()
+        if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
             return bool(v)
-        if o.kind == "enum":
-            v = str(v)
-            if v not in o.choices:
-                raise ValueError(v)
-            return v
-        return str(v)
-    except (TypeError, ValueError):
-        exp = f"one of {', '.join(o.choices)}" if o.kind == "enum" else f"a {o.kind}"
-        raise OptionError(f"{where}: invalid value {v!r} (expected {exp})") from None
+        raise bad()
+    elif o.kind == "enum":
+        if not isinstance(v, str) or v not in o.choices:
+            raise bad()
+        return v
+    else:
+        if not isinstance(v, str):
+            raise bad()
+        if o.check is not None:
+            msg = o.check(v)
+            if msg:
+                raise bad(msg)
+        return v
+    if not math.isfinite(x):
+        raise bad()
+    if o.lo is not None and (x < o.lo or (o.lo_open and x == o.lo)):
+        raise bad(parsed=x)
+    if o.hi is not None and x > o.hi:
+        raise bad(parsed=x)
+    return x
 
 
-def resolve(explicit: Optional[dict] = None, environ=None) -> dict:
-    """Defaults <- environment aliases <- explicit values (flags or keywords).  Unknown names are errors."""
+class Options(dict):
+    """Resolved option values (a plain dict to every consumer) plus where each came from, for messages."""
+
+    def __init__(self, values: dict, sources: dict, labels: Optional[dict] = None):
+        super().__init__(values)
+        self.sources = dict(sources)
+        self.labels = dict(labels or {})
+
+    def where(self, name: str, default: str = "") -> str:
+        """'flag --x' | 'environment variable X (alias of --x)' | "option 'x'" | ``default`` (not set)."""
+        return self.sources.get(name, default)
+
+    def label(self, name: str) -> str:
+        """How the user spelled the setting, for 'LABEL=value' in messages: '--x' (flag, or not set), 'X' (the
+        environment alias), 'x' (a keyword of Engine.load)."""
+        return self.labels.get(name, f"--{name}")
+
+
+def _label(kind: str, name: str) -> str:
+    return f"flag --{name}" if kind == "flag" else f"option '{name}'"
+
+
+def resolve(explicit: Optional[dict] = None, environ=None, kind: str = "keyword") -> Options:
+    """Defaults <- environment aliases <- explicit values (flags or keywords).  Unknown names are errors; an explicit
+    value wins over the environment without the alias being parsed (a garbage alias cannot abort it)."""
     environ = os.environ if environ is None else environ
     explicit = dict(explicit or {})
-    out = {}
+    for k in explicit:
+        if k not in BY_NAME:
+            raise OptionError(f"option '{k}': unknown (known: {', '.join(sorted(BY_NAME))})")
+    out, src, lab = {}, {}, {}
     for o in OPTIONS:
+        if o.name in explicit:
+            where = _label(kind, o.name)
+            out[o.name] = check_value(o, explicit[o.name], where)
+            src[o.name] = where
+            lab[o.name] = f"--{o.name}" if kind == "flag" else o.name
+            continue
         out[o.name] = o.default
         for e in o.env:
             if e in environ and environ[e] != "":
-                out[o.name] = _parse(o, environ[e], f"environment variable {e} (alias of option '{o.name}')")
+                where = f"environment variable {e} (alias of --{o.name})"
+                out[o.name] = check_value(o, environ[e], where)
+                src[o.name] = where
+                lab[o.name] = e
                 break
-    for k, v in explicit.items():
-        if k not in BY_NAME:
-            raise OptionError(f"option '{k}': unknown (known: {', '.join(sorted(BY_NAME))})")
-        out[k] = _parse(BY_NAME[k], v, f"option '{k}'")
-    return out
+    return Options(out, src, lab)
 
 
 def define_flags(flags_module=None):
-    """Define one absl flag per option (idempotent)."""
+    """Define one absl flag per option (idempotent).  Ranges are checked by ``resolve`` (one error text for flags,
+    aliases and keywords), not by absl."""
     from absl import flags
 
     F = flags_module or flags
@@ -156,6 +289,8 @@ def define_flags(flags_module=None):
         if o.name in F.FLAGS:
             continue
         h = o.help + (f" [env alias: {', '.join(o.env)}]" if o.env else "")
+        if o.kind in ("int", "float") and (o.lo is not None or o.hi is not None):
+            h += f" [{_range_text(o)}]"
         if o.kind == "int":
             F.DEFINE_integer(o.name, o.default, h)
         elif o.kind == "float":
@@ -168,11 +303,39 @@ def define_flags(flags_module=None):
             F.DEFINE_string(o.name, o.default, h)
 
 
-def from_flags() -> dict:
+def from_flags() -> Options:
     """Options from parsed absl flags: only flags given on the command line count as explicit (so env aliases apply
     to the others)."""
     from absl import flags
 
     F = flags.FLAGS
     explicit = {o.name: F[o.name].value for o in OPTIONS if F[o.name].present}
-    return resolve(explicit)
+    return resolve(explicit, kind="flag")
+
+
+# ----------------------------------------------------------------------------- helpers shared by the CLIs
+def writable_problem(path: str) -> Optional[str]:
+    """None if ``path`` can be written (created or appended to), else what is wrong.  Leaves no new file behind."""
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"not writable ({e.strerror or e})"
+    if not existed:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return None
+
+
+def check_writable(path: str, where: str):
+    msg = writable_problem(path)
+    if msg:
+        raise OptionError(f"{where}={path}: {msg}")

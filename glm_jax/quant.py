@@ -6,10 +6,13 @@ uses them to write containers and tests use them to check the in-jit path.
 gathers slots and dequantizes them inside jit (packed uint8 in, nibbles unpacked
 in XLA, scales applied).
 
-int4: symmetric absmax per group (``int4_g{G}``) or per row (``int4_row``),
+int4: symmetric absmax per group (``int4_g{G}``, G even) or per row (``int4_row``),
 ``s = amax / 7``, ``q = clip(rint(w / s), -8, 7)``, stored offset-binary (+8), two
-nibbles per byte with the even element in the low nibble.  int8_row: per row,
-``s = amax / 127``, ``q = clip(rint(w / s), -127, 127)``.
+nibbles per byte with the even element in the low nibble.  A row of ``n`` elements has
+``ceil(n / G)`` groups: when G does not divide n the last group is shorter (``n % G``
+elements; a row no longer than G is one group).  int8_row: per row, ``s = amax / 127``,
+``q = clip(rint(w / s), -127, 127)``.  int4 needs an even row length (two nibbles per
+byte); ``fit_format`` picks int8_row for a layer where it is odd, and says so.
 """
 
 from __future__ import annotations
@@ -22,19 +25,50 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .config import GlmJaxError
+
 FLOAT_FORMATS = ("f32", "bf16")
+
+
+class FormatError(GlmJaxError):
+    """An unknown or impossible expert storage format."""
 
 
 def parse_format(fmt: str, group_size: int = 64) -> tuple[str, int]:
     """Normalise a format name: returns (kind, group) with kind in f32|bf16|int8_row|int4_row|int4_g."""
     if fmt in ("f32", "bf16", "int8_row", "int4_row"):
         return fmt, 0
-    m = re.fullmatch(r"int4_g(\d+)", fmt)
-    if m:
-        return "int4_g", int(m.group(1))
-    if fmt == "int4_g":
-        return "int4_g", int(group_size)
-    raise ValueError(f"unknown expert format {fmt!r} (expected int4_g64, int4_g<N>, int4_row, int8_row, bf16, f32)")
+    m = re.fullmatch(r"int4_g(\d+)", fmt) if isinstance(fmt, str) else None
+    g = int(m.group(1)) if m else (group_size if fmt == "int4_g" else None)
+    if g is None:
+        raise FormatError(f"unknown expert format {fmt!r} (expected int4_g64, int4_g<N>, int4_row, int8_row, bf16, "
+                          f"f32)")
+    if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2:
+        raise FormatError(f"expert format {fmt!r}: the int4 group size must be an even integer >= 2, got {g!r}")
+    return "int4_g", g
+
+
+def int4_group(kind: str, g: int, n_in: int) -> int:
+    """Elements per int4 group in a row of ``n_in``: the whole row (int4_row, or a row no longer than the group),
+    else ``g``; the row then has ceil(n_in / g) groups, the last one shorter when g does not divide n_in."""
+    return n_in if (kind == "int4_row" or n_in <= g) else g
+
+
+def _groups(kind: str, g: int, n_in: int, ng: int) -> int:
+    """Group length of stored int4 data with ``ng`` scales per row (the format's rule; data written by an older
+    rule that divides evenly is read as before)."""
+    G = int4_group(kind, g, n_in)
+    return G if -(-n_in // G) == ng else n_in // ng
+
+
+def fit_format(fmt: str, hidden: int, inter: int) -> tuple[str, str]:
+    """(format to store a layer's experts in, note): int4 needs even row lengths (hidden_size for gate/up,
+    moe_intermediate_size for down); where one is odd the layer is stored int8_row instead, with a one-line note."""
+    kind, _ = parse_format(fmt)
+    if kind.startswith("int4") and (hidden % 2 or inter % 2):
+        return "int8_row", (f"{fmt} needs even row lengths (hidden_size={hidden}, moe_intermediate_size={inter}); "
+                            f"those experts are stored as int8_row instead")
+    return fmt, ""
 
 
 # ----------------------------------------------------------------------------- numpy reference
@@ -57,15 +91,16 @@ def quantize(w: np.ndarray, fmt: str) -> tuple[np.ndarray, Optional[np.ndarray]]
         return q, s
     n_in = w.shape[-1]
     if n_in % 2:
-        raise ValueError(f"int4 needs an even input dimension, got {n_in}")
-    if kind == "int4_row" or n_in <= g:
-        g = n_in   # a row shorter than the group is one group
-    if n_in % g:
-        raise ValueError(f"input dimension {n_in} is not a multiple of the int4 group size {g}")
-    wg = w.reshape(*w.shape[:-1], n_in // g, g)
+        raise FormatError(f"{fmt}: int4 needs an even input dimension, got {n_in} (fit_format picks int8_row)")
+    G = int4_group(kind, g, n_in)
+    ng = -(-n_in // G)
+    pad = ng * G - n_in                 # the last group is shorter: zero padding changes no absmax
+    wp = np.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)]) if pad else w
+    wg = wp.reshape(*w.shape[:-1], ng, G)
     amax = np.abs(wg).max(axis=-1, keepdims=True)
     s = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
-    q = (np.clip(np.rint(wg / s), -8, 7).astype(np.int16) + 8).astype(np.uint8).reshape(w.shape)
+    q = (np.clip(np.rint(wg / s), -8, 7).astype(np.int16) + 8).astype(np.uint8).reshape(*w.shape[:-1], ng * G)
+    q = q[..., :n_in]
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
     return packed, s[..., 0]
 
@@ -81,7 +116,12 @@ def dequantize(q: np.ndarray, s: Optional[np.ndarray], fmt: str) -> np.ndarray:
     vals = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2).astype(np.float32)
     n_in = vals.shape[-1]
     ng = s.shape[-1]
-    return (vals.reshape(*vals.shape[:-1], ng, n_in // ng) * s[..., None]).reshape(vals.shape)
+    G = _groups(kind, g, n_in, ng)
+    pad = ng * G - n_in
+    if pad:
+        vals = np.pad(vals, [(0, 0)] * (vals.ndim - 1) + [(0, pad)])
+    out = (vals.reshape(*vals.shape[:-1], ng, G) * s[..., None]).reshape(vals.shape)
+    return out[..., :n_in] if pad else out
 
 
 def quantized_nbytes(out_dim: int, in_dim: int, fmt: str) -> int:
@@ -95,7 +135,7 @@ def quantized_nbytes(out_dim: int, in_dim: int, fmt: str) -> int:
         return n + 4 * out_dim
     if kind == "int4_row":
         return n // 2 + 4 * out_dim
-    return n // 2 + 4 * out_dim * (in_dim // min(g, in_dim))
+    return n // 2 + 4 * out_dim * -(-in_dim // int4_group(kind, g, in_dim))
 
 
 # ----------------------------------------------------------------------------- ExpertBank
@@ -106,7 +146,7 @@ class ExpertBank:
 
     gate_up: jax.Array                 # [S, 2I, H] float | [S, 2I, H/2] uint8 | [S, 2I, H] int8
     down: jax.Array                    # [S, H, I]  likewise
-    gate_up_scale: Optional[jax.Array] = None   # [S, 2I, H/g] | [S, 2I, 1] f32
+    gate_up_scale: Optional[jax.Array] = None   # [S, 2I, ceil(H/g)] | [S, 2I, 1] f32
     down_scale: Optional[jax.Array] = None
     fmt: str = dataclasses.field(default="f32", metadata=dict(static=True))
     # "native": the MoE seam runs glm_jax/kernels (C++ through jax.ffi); "xla": the jnp paths below
@@ -142,7 +182,7 @@ def with_kernel(bank: "ExpertBank", kernel: str) -> "ExpertBank":
 
 
 def _dequant_jax(q, s, fmt: str, dtype):
-    kind, _ = parse_format(fmt)
+    kind, g = parse_format(fmt)
     if kind in FLOAT_FORMATS:
         return q.astype(dtype)
     if kind == "int8_row":
@@ -152,8 +192,13 @@ def _dequant_jax(q, s, fmt: str, dtype):
     vals = jnp.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2).astype(jnp.float32)
     ng = s.shape[-1]
     n_in = vals.shape[-1]
-    out = vals.reshape(*vals.shape[:-1], ng, n_in // ng) * s[..., None]
-    return out.reshape(vals.shape).astype(dtype)
+    G = _groups(kind, g, n_in, ng)
+    pad = ng * G - n_in                  # a shorter last group: pad, scale, cut (static shapes)
+    if pad:
+        vals = jnp.pad(vals, [(0, 0)] * (vals.ndim - 1) + [(0, pad)])
+    out = vals.reshape(*vals.shape[:-1], ng, G) * s[..., None]
+    out = out.reshape(vals.shape)
+    return (out[..., :n_in] if pad else out).astype(dtype)
 
 
 def bank_take(bank: ExpertBank, slots: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -176,7 +221,7 @@ def take_dot(bank: ExpertBank, part: str, slots: jax.Array, x: jax.Array) -> jax
     q = jnp.take(getattr(bank, part), slots, axis=0)                          # [T, K, O, in'] packed/int8
     sc = getattr(bank, part + "_scale")
     sc = None if sc is None else jnp.take(sc, slots, axis=0)                  # [T, K, O, G]
-    kind, _ = parse_format(bank.fmt)
+    kind, g = parse_format(bank.fmt)
     if kind in FLOAT_FORMATS:
         raise ValueError(f"take_dot is for quantized banks (got {bank.fmt}); float banks use bank_take")
     x = x.astype(jnp.float32)
@@ -186,8 +231,12 @@ def take_dot(bank: ExpertBank, part: str, slots: jax.Array, x: jax.Array) -> jax
         return jnp.einsum("tkoh,tkh->tko", q.astype(jnp.float32), xb) * sc[..., 0]
     # int4: sum_j (q_j - 8) x_j s_g = s_g (sum_j q_j x_j - 8 sum_j x_j), per group g
     G = sc.shape[-1]
-    gs2 = q.shape[-1] // G
+    gs2 = _groups(kind, g, 2 * q.shape[-1], G) // 2
     xe, xo = x[..., None, 0::2], x[..., None, 1::2]                             # [T, 1|K, 1, in/2]
+    pad = G * gs2 - q.shape[-1]         # a shorter last group: zero bytes against zero activations add nothing
+    if pad:
+        q = jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, pad)])
+        xe, xo = (jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]) for a in (xe, xo))
     p = ((q & 0x0F).astype(jnp.float32) * xe + (q >> 4).astype(jnp.float32) * xo)
     p = p.reshape(*p.shape[:-1], G, gs2).sum(-1)                                # [T, K, O, G]
     corr = 8.0 * (xe + xo).reshape(*xe.shape[:-1], G, gs2).sum(-1)              # [T, 1|K, 1, G]

@@ -54,6 +54,7 @@ Counters are taken where the bytes move: ``bytes_read`` is the sum of what the r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import fcntl
 import json
 import mmap
 import os
@@ -63,11 +64,11 @@ from typing import Optional
 
 import numpy as np
 
+from glm_jax import paths
 from glm_jax.config import GlmJaxError, ModelConfig
 from glm_jax.container import balanced_chunk, config_hash, open_expert_source
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)    # Linux >= 5.14; older kernels: EINVAL -> skip
-USAGE_FILE = ".glm_jax_usage.json"
 USAGE_VERSION = 1
 
 
@@ -170,18 +171,39 @@ def _mmap_array(shape: tuple, dtype) -> tuple[np.ndarray, mmap.mmap]:
     return np.frombuffer(mm, dtype=np.uint8, count=n).view(dtype).reshape(shape), mm
 
 
-def load_usage(path: str, cfg: Optional[ModelConfig] = None) -> dict:
-    """{layer: float counts [E]} from a usage-history file (``{}`` if absent/unreadable/other model)."""
+def _parse_usage(d, cfg: Optional[ModelConfig]) -> Optional[dict]:
+    """{layer: counts} of a usage-history object, or None when it is not one (or belongs to another model)."""
+    if not isinstance(d, dict) or d.get("version") != USAGE_VERSION or not isinstance(d.get("layers", {}), dict):
+        return None
+    if cfg is not None and d.get("config_hash") not in (None, config_hash(cfg)):
+        return None
+    try:
+        out = {int(k): np.asarray(v, np.float64) for k, v in d.get("layers", {}).items()}
+    except (TypeError, ValueError):
+        return None
+    if any(c.ndim != 1 or not np.isfinite(c).all() or (c < 0).any() for c in out.values()):
+        return None
+    return out
+
+
+def load_usage(path: str, cfg: Optional[ModelConfig] = None, strict: bool = False, label: str = "") -> dict:
+    """{layer: float counts [E]} from a usage-history file.  Lenient (``{}`` if absent / unreadable / another
+    model's) unless ``strict``: then a file that is not this model's usage history is a StoreError naming
+    ``label`` (the flag or alias the user set)."""
     try:
         with open(path) as f:
             d = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if strict:
+            raise StoreError(f"{label or path}: {path} is not a glm-jax usage-history file ({e})") from None
         return {}
-    if not isinstance(d, dict) or d.get("version") != USAGE_VERSION:
+    u = _parse_usage(d, cfg)
+    if u is None:
+        if strict:
+            raise StoreError(f"{label or path}: {path} is not a usage history of this model (expected the JSON "
+                             f"glm-jax writes to --state_dir, version {USAGE_VERSION}, same config)")
         return {}
-    if cfg is not None and d.get("config_hash") not in (None, config_hash(cfg)):
-        return {}
-    return {int(k): np.asarray(v, np.float64) for k, v in d.get("layers", {}).items()}
+    return u
 
 
 def choose_pins(usage: dict, rec_bytes: dict, pin_bytes: float) -> dict:
@@ -354,12 +376,15 @@ class ExpertStore:
              direct_io: bool = False, io_threads: int = 4, read_chunk_mb: float = 1.0, pin=None, pin_gb: float = 0.0,
              policy: str = "lru",
              used_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
-             verify: str = "first", source=None, alias: bool = True, kernel: str = "xla") -> "ExpertStore":
+             verify: str = "first", source=None, alias: bool = True, state_dir: str = "",
+             labels: Optional[dict] = None, kernel: str = "xla") -> "ExpertStore":
         """``used_bytes``: what the rest of the process holds or will hold (the engine passes its resident set at
         open -- runtime + dense weights -- plus a reserve for compilation); ``kv_bytes``: the KV cache it will
         allocate.  The expert cache gets the RAM budget minus those, the I/O buffers, one layer's transient working
         set and the pins.  ``alias=False`` forces the non-CPU path (host staging + donated scatter of missed slots;
-        tests)."""
+        tests).  ``state_dir``: where the usage history lives (``paths.state_root``: '' = the per-user default,
+        'off' = none).  ``labels``: option name -> where the user set it (flag / alias), for messages."""
+        labels = labels or {}
         if policy not in POLICIES:
             raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
         src = source if source is not None else (
@@ -372,13 +397,25 @@ class ExpertStore:
         rec = {L: src.layout(L).record_len for L in layers}
         rec_sum = sum(rec.values())
         max_rec = max(rec.values())
-        usage_path = os.path.join(model_dir, USAGE_FILE)
+        usage_path = paths.usage_file(paths.state_root(state_dir), model_dir)
         pins = {}
         if pin:
-            ppath = usage_path if pin == "auto" else pin
-            if pin != "auto" and not os.path.exists(ppath):
-                raise StoreError(f"--pin={pin}: file not found")
-            pins = choose_pins(load_usage(ppath, cfg), rec, pin_gb * 1e9)
+            plabel = labels.get("pin") or "--pin"
+            if pin == "auto":
+                if usage_path is None:
+                    src.close()
+                    raise StoreError(f"{plabel}=auto: no usage history is kept with --state_dir=off")
+                usage = load_usage(usage_path, cfg)          # none yet (a first run): no pins
+            else:
+                if not os.path.isfile(pin):
+                    src.close()
+                    raise StoreError(f"{plabel}={pin}: file not found")
+                try:
+                    usage = load_usage(pin, cfg, strict=True, label=f"{plabel}={pin}")
+                except StoreError:
+                    src.close()
+                    raise
+            pins = choose_pins(usage, rec, pin_gb * 1e9)
         pin_bytes = sum(rec[L] * len(v) for L, v in pins.items())
         if ram_gb:
             budget, why = ram_gb * 1e9, "--ram_gb"
@@ -395,13 +432,16 @@ class ExpertStore:
             if fit < 1:
                 need = (used_bytes + kv_bytes + buffers + pin_bytes + rec_sum) / 1e9
                 src.close()
+                rlabel = (labels.get("ram_gb") or "--ram_gb") if ram_gb else why
                 raise RamBudgetError(
-                    f"RAM budget {budget / 1e9:.2f} GB ({why}) too small: the process (runtime, dense weights, "
+                    f"RAM budget {budget / 1e9:.2f} GB ({rlabel}) too small: the process (runtime, dense weights, "
                     f"compile reserve) {used_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + I/O buffers and one layer's "
                     f"working set {buffers / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
                     f"{max(avail, 0) / 1e9:.2f} GB, but one expert per layer needs {rec_sum / 1e9:.2f} GB; "
-                    f"--ram_gb >= {need:.2f} would fit (or a container converted with --dense_format=int8, "
-                    f"--dense_format=int8_row at run time, a shorter --max_seq_len, a smaller --pin_gb)")
+                    f"--ram_gb >= {need:.2f} would fit"
+                    + (f" (or a smaller --pin_gb than {pin_gb:g})" if pin_bytes else "")
+                    + "; smaller dense weights: --dense_format=int8_row (or a container converted with "
+                      "glm-jax-convert --dense_format=int8); a shorter --max_seq_len")
             cache_cap = min(fit, E)
         cache_cap = int(max(1, min(cache_cap, E)))
         if read_chunk_mb < 0:
@@ -677,22 +717,32 @@ class ExpertStore:
                            sim_io_s=0.0, sim_bytes=0)
 
     def save_usage(self, decay: float = 1.0):
-        """Merge this session's routing counts into the usage-history file (best effort)."""
+        """Merge this session's routing counts into the usage-history file (best effort, never raises).  The
+        read-modify-write holds an exclusive lock (``flock`` on ``<file>.lock``) and the file is replaced atomically,
+        so concurrent sessions add up instead of overwriting each other's counts."""
         if not self.usage_path:
             return
-        old = load_usage(self.usage_path, self.cfg)
-        layers = {}
-        for L, c in self._usage.items():
-            prev = old.get(L)
-            tot = c + (decay * prev if prev is not None and len(prev) == len(c) else 0.0)
-            layers[str(L)] = [round(float(x), 3) for x in tot]
-        for L, c in old.items():
-            layers.setdefault(str(L), c.tolist())
-        tmp = self.usage_path + f".{os.getpid()}.tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump({"version": USAGE_VERSION, "config_hash": config_hash(self.cfg), "layers": layers}, f)
-            os.replace(tmp, self.usage_path)
+            os.makedirs(os.path.dirname(self.usage_path), exist_ok=True)
+            with open(self.usage_path + ".lock", "a") as lock:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                old = load_usage(self.usage_path, self.cfg)
+                layers = {}
+                for L, c in self._usage.items():
+                    prev = old.get(L)
+                    tot = c + (decay * prev if prev is not None and len(prev) == len(c) else 0.0)
+                    layers[str(L)] = [round(float(x), 3) for x in tot]
+                for L, c in old.items():
+                    layers.setdefault(str(L), c.tolist())
+                tmp = self.usage_path + f".{os.getpid()}.{threading.get_ident()}.tmp"
+                try:
+                    with open(tmp, "w") as f:
+                        json.dump({"version": USAGE_VERSION, "config_hash": config_hash(self.cfg),
+                                   "model": getattr(self, "model_dir", ""), "layers": layers}, f)
+                    os.replace(tmp, self.usage_path)
+                finally:
+                    if os.path.exists(tmp):
+                        os.remove(tmp)
         except OSError:
             pass
 

@@ -286,14 +286,14 @@ def _build_callback_step(engine, n_pos, rows=None):
     def host_fetch(layer, ids, valid):
         ids, valid = np.asarray(ids), np.asarray(valid)
         union = np.unique(ids[valid])
-        _, slot_of = store.fetch(layer, union)
         arrs = store._layer(layer).arrays
-        slots = slot_of[union]
-        out = {}
-        for n, a in arrs.items():
-            buf = np.zeros((W,) + a.shape[1:], a.dtype)
-            buf[: len(union)] = a[slots]
-            out[n] = buf
+        out = {n: np.zeros((W,) + a.shape[1:], a.dtype) for n, a in arrs.items()}
+        lim = store.call_limit(layer)      # a union beyond the store's slots (a prefill): fetched chunk by chunk,
+        for c0 in range(0, len(union), lim):   # each copied into the compact buffer before the next fetch
+            part = union[c0:c0 + lim]
+            _, slot_of = store.fetch(layer, part)
+            for n, a in arrs.items():
+                out[n][c0:c0 + len(part)] = a[slot_of[part]]
         compact = np.full(E, -1, np.int32)
         compact[union] = np.arange(len(union), dtype=np.int32)
         return out, compact, np.int32(len(union))

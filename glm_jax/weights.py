@@ -24,6 +24,39 @@ class WeightError(GlmJaxError):
 
 
 INT8_SCALE_SUFFIX = "_scale"   # int8 per-output-channel dense weights written by glm-jax-convert
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_index(path: str, error=None) -> dict:
+    """``weight_map`` of ``path/model.safetensors.index.json``: {tensor key: shard file name}, checked (a JSON object
+    of string keys to shard names inside ``path``); every problem is one ``error`` (default WeightError) line."""
+    error = error or WeightError
+    idx = os.path.join(path, INDEX_NAME)
+    try:
+        with open(idx, "rb") as f:
+            raw = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{idx}: invalid index file ({e})") from None
+    wm = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise error(f"{idx}: invalid index file (expected an object with a non-empty 'weight_map')")
+    for k, fn in wm.items():
+        if (not isinstance(fn, str) or not fn or os.path.isabs(fn) or ".." in fn.split("/")
+                or not fn.endswith(".safetensors")):
+            raise error(f"{idx}: weight_map['{k}']: invalid shard name {fn!r} (expected a *.safetensors file in "
+                        f"the same directory)")
+    return wm
+
+
+def check_finite(a: np.ndarray, key: str, where: str):
+    """Refuse NaN/Inf in a loaded float weight, naming the tensor (a corrupt or overflowed checkpoint)."""
+    if a.dtype.kind != "f" and a.dtype.name not in ("bfloat16",) and not a.dtype.name.startswith("float8"):
+        return
+    ok = np.isfinite(a) if a.dtype.kind == "f" else np.isfinite(a.astype(np.float32))
+    if not ok.all():
+        n = int(a.size - np.count_nonzero(ok))
+        raise WeightError(f"{where}: tensor '{key}' contains {n} NaN/Inf value{'s' if n > 1 else ''} (of {a.size}); "
+                          f"the checkpoint is corrupt")
 
 
 class TensorSource:
@@ -34,16 +67,11 @@ class TensorSource:
         dense.safetensors)."""
         self.path = path
         self._handles: dict = {}
-        index = os.path.join(path, "model.safetensors.index.json")
-        files: dict[str, str] = {}
-        if os.path.exists(index):
-            try:
-                with open(index) as f:
-                    wm = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise WeightError(f"{index}: invalid index file ({e})") from None
-            for k, fn in wm.items():
-                files[k] = os.path.join(path, fn)
+        index = os.path.join(path, INDEX_NAME)
+        by_key: dict[str, str] = {}
+        if files is None and os.path.exists(index):
+            for k, fn in read_index(path).items():
+                by_key[k] = os.path.join(path, fn)
         else:
             cands = files or (sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
                               if os.path.isdir(path) else [])
@@ -51,9 +79,11 @@ class TensorSource:
                 raise WeightError(f"{path}: no model.safetensors or model.safetensors.index.json found")
             for fn in cands:
                 full = os.path.join(path, fn)
+                if not os.path.exists(full):
+                    raise WeightError(f"{full}: not found")
                 for k in self._open(full).keys():
-                    files[k] = full
-        self._files = files
+                    by_key[k] = full
+        self._files = by_key
 
     def _open(self, fn):
         from safetensors import safe_open
@@ -76,7 +106,12 @@ class TensorSource:
         return key in self._files
 
     def shape(self, key) -> tuple:
-        return tuple(self._open(self._files[key]).get_slice(key).get_shape())
+        try:
+            return tuple(self._open(self._files[key]).get_slice(key).get_shape())
+        except WeightError:
+            raise
+        except Exception as e:
+            raise WeightError(f"{self._files[key]}: cannot read tensor '{key}' ({e})") from None
 
     def raw(self, key) -> np.ndarray:
         if key not in self._files:
@@ -128,6 +163,7 @@ class TensorSource:
             raise WeightError(f"{self._files[key]}: tensor '{key}' has shape {list(a.shape)}, expected {list(shape)}")
         if dtype is not None and a.dtype != dtype:
             a = a.astype(dtype)
+        check_finite(a, key, self._files[key])
         return a
 
 
@@ -174,6 +210,12 @@ def load_experts(src: TensorSource, cfg: ModelConfig, layer: int, dtype=np.float
         gu = src.get(pre + "gate_up_proj", (E, 2 * I, H), dtype)
         dn = src.get(pre + "down_proj", (E, H, I), dtype)
         return gu, dn
+    for proj, shp in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):    # before allocating E of them
+        k = f"{pre}0.{proj}_proj.weight"
+        if k not in src:
+            raise WeightError(f"{src.path}: missing tensor '{k}' (expected shape {list(shp)})")
+        if src.shape(k) != shp:
+            raise WeightError(f"{src._files[k]}: tensor '{k}' has shape {list(src.shape(k))}, expected {list(shp)}")
     gu = np.empty((E, 2 * I, H), dtype)
     dn = np.empty((E, H, I), dtype)
     for e in range(E):
@@ -251,6 +293,13 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
 
     dtype = dtype or jnp.float32
     src = src or TensorSource(path)
+    if expert_fmt is not None:
+        from .quant import fit_format
+
+        expert_fmt, note = fit_format(_bank_fmt(expert_fmt, dtype), cfg.hidden_size, cfg.moe_intermediate_size)
+        if note:
+            import sys
+            print(f"glm-jax: note: {note}", file=sys.stderr)
     pack = kernel == "native" or dense_fmt != "native"
 
     def get(key, shape=None, dt=np.float32):
@@ -303,11 +352,13 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     return params
 
 
-def load_dense_params(path: str, cfg: ModelConfig, dtype=None, kernel: str = "xla", dense_fmt: str = "native") -> dict:
-    """Dense (non-expert) params of a glm-jax-convert container (its dense.safetensors)."""
+def load_dense_params(path: str, cfg: ModelConfig, dtype=None, file: Optional[str] = None, kernel: str = "xla",
+                      dense_fmt: str = "native") -> dict:
+    """Dense (non-expert) params of a glm-jax-convert container (its dense.safetensors, or ``file``)."""
     from .container import DENSE_NAME
 
-    return load_params(path, cfg, dtype=dtype, expert_fmt=None, src=TensorSource(path, files=[DENSE_NAME]),
+    return load_params(path, cfg, dtype=dtype, expert_fmt=None,
+                       src=TensorSource(path, files=[os.path.basename(file) if file else DENSE_NAME]),
                        kernel=kernel, dense_fmt=dense_fmt)
 
 

@@ -220,3 +220,188 @@ def test_cli(hf, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "24 records" in r.stdout
     assert json.load(open(os.path.join(dst, "manifest.json")))["expert_format"] == "int4_row"
+
+
+# ----------------------------------------------------------------------------- issue 15: the destination
+def _tree(d):
+    """{relative path: bytes} of every file under d."""
+    out = {}
+    for root, _, files in os.walk(d):
+        for n in files:
+            p = os.path.join(root, n)
+            out[os.path.relpath(p, d)] = open(p, "rb").read()
+    return out
+
+
+def test_foreign_nonempty_dst_is_refused_and_untouched(hf, tmp_path):
+    other = tmp_path / "other_hf"
+    write_hf_checkpoint(str(other), tiny_config(vocab_size=96), seed=7)    # another model's HF dir
+    before = _tree(other)
+    with pytest.raises(GlmJaxError) as ei:
+        convert(hf[0], str(other), progress=False)
+    msg = str(ei.value)
+    assert "not empty" in msg and "--overwrite" in msg and "\n" not in msg
+    assert _tree(other) == before                                  # config.json and the rest: not overwritten
+    load_config(str(other))
+
+
+def test_overwrite_replaces_only_when_complete(hf, tmp_path):
+    """An older container of another model (with a tokenizer.json the new source lacks): refused; --overwrite
+    keeps it valid through an interrupted run, then swaps the finished container in, with no stale files."""
+    old_src = tmp_path / "old_src"
+    write_hf_checkpoint(str(old_src), tiny_config(vocab_size=96), seed=5)
+    (old_src / "tokenizer.json").write_text("{}")
+    dst = str(tmp_path / "c")
+    convert(str(old_src), dst, progress=False)
+    assert os.path.exists(os.path.join(dst, "tokenizer.json"))
+    old = _tree(dst)
+    with pytest.raises(GlmJaxError, match="not a conversion of"):
+        convert(hf[0], dst, progress=False)
+    with pytest.raises(RuntimeError, match="simulated interrupt"):
+        convert(hf[0], dst, progress=False, overwrite=True, fail_after_layers=1)
+    assert _tree(dst) == old                                       # the old container stays valid meanwhile
+    open_container(dst, load_config(dst), verify="all").close()
+    man = convert(hf[0], dst, progress=False, overwrite=True)
+    assert man["resumed_layers"] == [1]                            # the interrupted work was resumed
+    assert not os.path.exists(os.path.join(dst, "tokenizer.json"))
+    assert load_config(dst).vocab_size == 128
+    open_container(dst, load_config(dst), verify="all").close()
+    assert [n for n in os.listdir(tmp_path) if "glm-jax" in n] == []   # no work dir left behind
+
+
+def test_dst_file_readonly_and_same_as_src(hf, tmp_path, monkeypatch):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(GlmJaxError, match="is a file"):
+        convert(hf[0], str(f), progress=False)
+    with pytest.raises(GlmJaxError, match="is the source directory"):
+        convert(hf[0], hf[0], progress=False)
+    ro = str(tmp_path / "ro")
+    real = os.makedirs
+
+    def erofs(p, *a, **k):      # a read-only file system (root ignores permission bits, so it is simulated)
+        if str(p).startswith(ro):
+            raise OSError(30, "Read-only file system", str(p))
+        return real(p, *a, **k)
+    monkeypatch.setattr(os, "makedirs", erofs)
+    with pytest.raises(GlmJaxError) as ei:
+        convert(hf[0], ro, progress=False)
+    assert "not writable (Read-only file system)" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_enospc_leaves_no_partial_file_and_resumes(hf, tmp_path, monkeypatch):
+    from glm_jax_tools import convert as C
+    dst = str(tmp_path / "c")
+    real_open = open
+
+    class Full:
+        """A file on a full disk: the second layer's record file fails mid-write with ENOSPC."""
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += 1
+            if self.n > 3:
+                raise OSError(28, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return self.f.__exit__(*a)
+
+    def fake_open(p, mode="r", *a, **k):
+        f = real_open(p, mode, *a, **k)
+        return Full(f) if str(p).endswith("layer_002.bin.tmp") else f
+    monkeypatch.setattr(C, "open", fake_open, raising=False)
+    with pytest.raises(GlmJaxError) as ei:
+        convert(hf[0], dst, progress=False)
+    msg = str(ei.value)
+    assert "No space left on device" in msg and "\n" not in msg
+    left = [n for n in os.listdir(os.path.join(dst, "experts")) + os.listdir(dst) if n.endswith(".tmp")]
+    assert left == [] and not os.path.exists(os.path.join(dst, "manifest.json"))
+    monkeypatch.undo()
+    man = convert(hf[0], dst, progress=False)
+    assert man["resumed_layers"] == [1]
+    open_container(dst, load_config(dst), verify="all").close()
+
+
+def test_free_space_is_checked_up_front(hf, tmp_path, monkeypatch):
+    from glm_jax_tools import convert as C
+    monkeypatch.setattr(C.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 20, 10 << 20, 100_000))
+    dst = str(tmp_path / "c")
+    with pytest.raises(GlmJaxError, match="not enough free space"):
+        convert(hf[0], dst, progress=False)
+    assert not os.path.exists(os.path.join(dst, layer_file_name(1)))   # refused before writing anything
+
+
+def test_cli_errors_are_one_line(hf, tmp_path, capsys):
+    from glm_jax_tools.convert import cli_main
+    dst = str(tmp_path / "c")
+    bad = [[f"--expert_format={f}"] for f in ("int3", "int4_g0", "int4_g7")] + [
+        ["--mtp_format=bogus"], ["--dense_format=int2"], ["--expert_format=int4_g64", "--group_size=32"],
+        ["--group_size=7", "--expert_format=int4_g"], ["--max_new_tokens=3"]]
+    for extra in bad:
+        assert cli_main(["glm-jax-convert", f"--src={hf[0]}", f"--dst={dst}", "--noprogress"] + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("glm-jax-convert: error: ") and err.count("\n") == 1, (extra, err)
+    assert not os.path.exists(dst)                                 # refused before anything was written
+    # --verify of a non-container, of a corrupt container, of nothing
+    for target in (hf[0], str(tmp_path / "nothing")):
+        assert cli_main(["glm-jax-convert", f"--dst={target}", "--verify"]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    assert cli_main(["glm-jax-convert", f"--src={hf[0]}", f"--dst={dst}", "--noprogress",
+                     "--expert_format=int4_g", "--group_size=32"]) == 0
+    man = json.load(open(os.path.join(dst, "manifest.json")))
+    assert man["group_size"] == 32 and man["expert_format"] == "int4_g32"
+    with open(os.path.join(dst, layer_file_name(2)), "r+b") as f:
+        f.seek(64)
+        f.write(b"\x00\x01\x02\x03")
+    assert cli_main(["glm-jax-convert", f"--dst={dst}", "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "checksum" in err and err.count("\n") == 1
+    os.remove(os.path.join(dst, "manifest.json"))
+    assert cli_main(["glm-jax-convert", f"--dst={dst}", "--verify"]) == 2
+    assert "incomplete conversion" in capsys.readouterr().err
+
+
+def test_group_size_is_recorded_as_used(hf, tmp_path):
+    man = convert(hf[0], str(tmp_path / "r"), expert_format="int4_row", progress=False)
+    assert man["group_size"] is None
+    man = convert(hf[0], str(tmp_path / "g"), expert_format="int4_g64", progress=False)
+    assert man["group_size"] == 64
+
+
+def test_malformed_index_is_one_line(tmp_path):
+    from glm_jax.weights import WeightError
+    src = str(tmp_path / "hf")
+    write_hf_checkpoint(src, tiny_config(), seed=2, shards=2)
+    idx = os.path.join(src, "model.safetensors.index.json")
+    good = json.load(open(idx))
+    for bad in ({"weight_map": list(good["weight_map"])}, {"nope": 1}, [1, 2],
+                {"weight_map": {"a": "../../etc/passwd.safetensors"}}, {"weight_map": {"a": 5}}):
+        json.dump(bad, open(idx, "w"))
+        with pytest.raises(GlmJaxError) as ei:
+            convert(src, str(tmp_path / "c"), progress=False)
+        assert "model.safetensors.index.json" in str(ei.value) and "\n" not in str(ei.value)
+        import glm_jax
+        with pytest.raises(WeightError, match="index"):
+            glm_jax.Engine.load(src)
+    open(idx, "w").write("{not json")
+    with pytest.raises(GlmJaxError, match="invalid index file"):
+        convert(src, str(tmp_path / "c"), progress=False)
+
+
+def test_odd_rows_are_stored_int8_row_with_a_note(tmp_path, capsys):
+    src = str(tmp_path / "hf")
+    write_hf_checkpoint(src, tiny_config(moe_intermediate_size=33, num_hidden_layers=2, num_nextn_predict_layers=0),
+                        seed=3)
+    man = convert(src, str(tmp_path / "c"), expert_format="int4_g32", progress=False)
+    assert {v["format"] for v in man["layers"].values()} == {"int8_row"}
+    err = capsys.readouterr().err
+    assert err.count("glm-jax-convert: note:") == 1 and "int8_row" in err and "33" in err
+    open_container(str(tmp_path / "c"), load_config(str(tmp_path / "c")), verify="all").close()

@@ -11,7 +11,7 @@ import pytest
 from glm_jax import quant
 from glm_jax.config import load_config
 from glm_jax.container import open_container
-from glm_jax.store import USAGE_FILE, CacheIndex, ExpertStore, RamBudgetError, StoreError
+from glm_jax.store import CacheIndex, ExpertStore, RamBudgetError, StoreError
 from glm_jax_tools.convert import convert
 from glm_jax_tools.synth_model import tiny_config, write_hf_checkpoint
 
@@ -33,7 +33,7 @@ def cont(model):
 
 
 def _fresh(cont, tmp_path):
-    """A private copy of the container dir (usage files are written into the model dir)."""
+    """A private copy of the container dir (usage histories are keyed by the model dir's path)."""
     import shutil
     d = str(tmp_path / "m")
     shutil.copytree(cont, d)
@@ -164,7 +164,9 @@ def test_pinning_from_usage(cont, tmp_path):
         st.fetch(2, np.array([1]))
     st.fetch(1, np.array([0]))
     st.close()
-    u = json.load(open(os.path.join(d, USAGE_FILE)))
+    # the history lives in the per-user state dir (conftest: a temp XDG_STATE_HOME), never in the model dir
+    assert st.usage_path.startswith(os.environ["XDG_STATE_HOME"]) and not st.usage_path.startswith(d)
+    u = json.load(open(st.usage_path))
     assert u["layers"]["1"][6] == 5 and u["layers"]["2"][1] == 5
     # pin the hottest within pin_gb = 2.5 records: (1,5), (1,6) or (2,1) -> 2 of the 3 count-5 experts
     st = ExpertStore.open(d, cfg, cache_cap=1, max_working_set=2, pin="auto", pin_gb=2.5 * rl / 1e9)

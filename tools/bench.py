@@ -12,6 +12,8 @@
         perplexity (default: the shipped model's HF original on its held-out text; a golden fixture is compared
         with transformers' logits in expected.npz).
     python tools/bench.py --mode=stream ...      -> tools/bench_stream.py (cold-cache streaming vs disk bandwidth)
+    python tools/bench.py --mode=cold --model=CONTAINER [--cache_cap=2] [--prefetch=0,1]
+        cold streaming end to end vs read alone and compute alone (tools/bench_cold.py): max(read, compute) or sum?
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats"], "Which benchmark.")
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold"], "Which benchmark.")
+flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
+flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
 flags.DEFINE_integer("cache_cap", 8, "--mode=plugins: expert cache cap per layer.")
 flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe_full for hf, the default model "
                     "otherwise).")
@@ -205,6 +209,13 @@ def main(argv):
         out = bench_formats(FLAGS.model or hf_model)
     elif FLAGS.mode == "plugins":
         out = bench_plugins(FLAGS.model or glm_jax.default_model_path(), FLAGS.new_tokens, FLAGS.cache_cap)
+    elif FLAGS.mode == "cold":
+        from glm_jax_tools import bench_cold
+
+        if not FLAGS.model:
+            raise app.UsageError("--mode=cold needs --model=CONTAINER (a converted model larger than its cache)")
+        out = bench_cold.bench(FLAGS.model, cache_cap=FLAGS.cache_cap, new_tokens=FLAGS.new_tokens, reps=FLAGS.reps,
+                               prefetch=tuple(int(x) for x in FLAGS.prefetch.split(",")), direct_io=FLAGS.direct_io)
     elif FLAGS.mode == "hf":
         out = bench_hf(FLAGS.model or os.path.join(ROOT, "tests", "golden", "glm4moe_full"), FLAGS.new_tokens,
                        FLAGS.reps)

@@ -224,7 +224,9 @@ def main(argv):
 
     try:
         opts = O.from_flags()
-        engine = Engine.load(FLAGS.model or None, **opts)
+        if FLAGS.output_json:           # before the evaluation, so that its result is never lost at the end
+            O.check_writable(FLAGS.output_json, "--output_json")
+        engine = Engine.from_options(FLAGS.model or None, opts)
         ref_opts = dict(opts, expert_topp=1.0, expert_budget=0, cache_route="off")
         ref = Engine.load(FLAGS.model or None, **ref_opts)
         text = FLAGS.text or os.path.join(engine.path, "heldout.txt")
