@@ -14,6 +14,9 @@
     python tools/bench.py --mode=stream ...      -> tools/bench_stream.py (cold-cache streaming vs disk bandwidth)
     python tools/bench.py --mode=cold --model=CONTAINER [--cache_cap=2] [--prefetch=0,1]
         cold streaming end to end vs read alone and compute alone (tools/bench_cold.py): max(read, compute) or sum?
+    python tools/bench.py --mode=defaults [--model=CONTAINER]
+        the tables behind the defaults: MTP / draft K, fetch mode, kernels (shipped model), I/O threads (a container
+        streamed cold, when --model is given)
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold"], "Which benchmark.")
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults"],
+                  "Which benchmark.")
 flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
 flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
 flags.DEFINE_integer("cache_cap", 8, "--mode=plugins: expert cache cap per layer.")
@@ -197,6 +201,72 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
                                    f"{len(wins[0])} tokens, teacher forced; dense weights f32 in every conversion")
 
 
+def _interleaved(engines: dict, prompt, n_new: int, reps: int, warm: int = 8) -> dict:
+    """{name: (median decode tok/s, median prefill tok/s, last stats)} over interleaved reps."""
+    for e in engines.values():
+        e.generate(prompt, max_new_tokens=warm, stop_on_eos=False)
+    res = {k: ([], []) for k in engines}
+    last = {}
+    for _ in range(reps):
+        for k, e in engines.items():
+            r = e.generate(prompt, max_new_tokens=n_new, stop_on_eos=False)
+            res[k][0].append(r.stats["decode_tok_s"])
+            res[k][1].append(r.stats["prefill_tokens"] / max(r.stats["prefill_s"], 1e-9))
+            last[k] = r
+    return {k: (statistics.median(d), statistics.median(p), last[k]) for k, (d, p) in res.items()}
+
+
+def bench_defaults(container, n_new, reps):
+    """The measured tables behind the defaults: MTP and draft K, fetch mode, kernels, I/O threads."""
+    import glm_jax
+
+    out = []
+    shipped = glm_jax.default_model_path()
+    prompt = list(range(40, 56))
+    # 1. speculative decoding (the shipped model has the only trained MTP head)
+    engs = {"--nomtp (default)": glm_jax.Engine.load(None, mtp=False)}
+    for k in (1, 2, 3, 4):
+        engs[f"--mtp --draft={k}"] = glm_jax.Engine.load(None, mtp=True, draft=k)
+    r = _interleaved(engs, prompt, n_new, reps)
+    ref = r["--nomtp (default)"][2].tokens
+    rows = [{"config": k, "decode tok/s": d, "x default": d / r["--nomtp (default)"][0],
+             "MTP acceptance": v.stats.get("mtp_acceptance", float("nan")),
+             "tokens / forward": v.stats.get("tokens_per_forward", 1.0), "same tokens": v.tokens == ref}
+            for k, (d, p, v) in r.items()]
+    out.append("### MTP and draft K (shipped model, experts resident)\n\n" + markdown(rows, list(rows[0])))
+    for e in engs.values():
+        e.close()
+    # 2. fetch mode and kernels on the shipped container (every expert fits: auto = resident)
+    engs = {"auto -> resident, native kernels (default)": glm_jax.Engine.load(None),
+            "loop, native": glm_jax.Engine.load(None, fetch="loop"),
+            "callback, native": glm_jax.Engine.load(None, fetch="callback"),
+            "auto -> resident, xla kernels": glm_jax.Engine.load(None, kernels="xla")}
+    r = _interleaved(engs, prompt, n_new, reps)
+    d0 = r["auto -> resident, native kernels (default)"][0]
+    rows = [{"config": k, "decode tok/s": d, "prefill tok/s": p, "x default": d / d0} for k, (d, p, v) in r.items()]
+    out.append("### fetch mode and kernels (shipped int4 container, every expert in RAM)\n\n"
+               + markdown(rows, list(rows[0])))
+    for e in engs.values():
+        e.close()
+    # 3. I/O threads, cold streaming (a container larger than its cache)
+    if container:
+        engs = {t: glm_jax.Engine.load(container, fetch="loop", cache_cap=FLAGS.cache_cap, io_threads=t)
+                for t in (1, 2, 4, 8)}
+        res = {t: [] for t in engs}
+        for _ in range(reps):
+            for t, e in engs.items():
+                e.store.drop_cache(page_cache=True)
+                x = e.generate(prompt, max_new_tokens=min(n_new, 32), stop_on_eos=False)
+                res[t].append(x.stats["decode_tok_s"])
+        rows = [{"io_threads": t, "decode tok/s (cold, cap %d)" % FLAGS.cache_cap: statistics.median(v)}
+                for t, v in res.items()]
+        out.append(f"### I/O threads, cold streaming ({container})\n\n" + markdown(rows, list(rows[0])))
+        for e in engs.values():
+            e.close()
+    return "\n\n".join(out) + (f"\n\n{n_new} greedy tokens after a {len(prompt)}-token prompt, medians of {reps} "
+                                f"interleaved reps, {os.cpu_count()} CPU threads")
+
+
 def main(argv):
     if FLAGS.mode == "stream":
         from glm_jax_tools import bench_stream
@@ -209,6 +279,8 @@ def main(argv):
         out = bench_formats(FLAGS.model or hf_model)
     elif FLAGS.mode == "plugins":
         out = bench_plugins(FLAGS.model or glm_jax.default_model_path(), FLAGS.new_tokens, FLAGS.cache_cap)
+    elif FLAGS.mode == "defaults":
+        out = bench_defaults(FLAGS.model, FLAGS.new_tokens, FLAGS.reps)
     elif FLAGS.mode == "cold":
         from glm_jax_tools import bench_cold
 
