@@ -1154,6 +1154,10 @@ def run():
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
+        # run as a script: tools/ is sys.path[0], and its module names (tables, evaluate, ...) must not shadow
+        # third-party packages in the worker
+        if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(THIS_FILE):
+            sys.path.pop(0)
         worker_main()
     else:
         run()
