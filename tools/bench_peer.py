@@ -805,17 +805,32 @@ def files_under(path: str) -> list:
     return out
 
 
+def swap_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class MemCgroup:
     """One memory cgroup for one run: made, limited, joined by the child before exec, read, removed."""
 
     def __init__(self, cg: Cgroup, limit_bytes: int, tag: str):
         self.cg = cg
         self.dir = os.path.join(cg.parent, f"glm-jax-bench-{os.getpid()}-{tag}")
+        self.memsw = False
         os.mkdir(self.dir)
         if cg.kind == "v1":
             self._w("memory.limit_in_bytes", limit_bytes)
-            if os.path.exists(os.path.join(self.dir, "memory.memsw.limit_in_bytes")):
+            # memory + swap too, only where there is swap: on this kernel a memsw limit also stops memory.failcnt
+            # from counting (measured), and without swap it limits nothing more
+            if swap_total() > 0 and os.path.exists(os.path.join(self.dir, "memory.memsw.limit_in_bytes")):
                 self._w("memory.memsw.limit_in_bytes", limit_bytes)
+                self.memsw = True
         else:
             self._w("memory.max", limit_bytes)
             if os.path.exists(os.path.join(self.dir, "memory.swap.max")):
@@ -840,7 +855,8 @@ class MemCgroup:
         if self.cg.kind == "v1":
             oc = dict(ln.split() for ln in self._r("memory.oom_control").splitlines() if len(ln.split()) == 2)
             return dict(peak=int(self._r("memory.max_usage_in_bytes") or 0),
-                        failcnt=int(self._r("memory.failcnt") or 0), oom_kills=int(oc.get("oom_kill", 0)))
+                        failcnt=max(int(self._r("memory.failcnt") or 0), int(self._r("memory.memsw.failcnt") or 0)),
+                        oom_kills=int(oc.get("oom_kill", 0)))
         ev = dict(ln.split() for ln in self._r("memory.events").splitlines() if len(ln.split()) == 2)
         return dict(peak=int(self._r("memory.peak") or 0), failcnt=int(ev.get("max", 0)),
                     oom_kills=int(ev.get("oom_kill", 0)))
@@ -1033,7 +1049,8 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
     head = (f"decode tok/s, {new_tokens} tokens after a {prompt_tokens}-token prompt (llama-bench -p 0 -n {new_tokens} "
             f"-d {prompt_tokens} -r 1 with its warmup; glm-jax: a 2-token warmup generation, then {new_tokens + 1} "
             f"new tokens), {threads} threads, batch 1, greedy; median of {reps}; each run a fresh process in a fresh "
-            f"memory cgroup ({cg.kind}, limit = memory.limit_in_bytes{' + memsw' if cg.kind == 'v1' else ''}, MB = "
+            f"memory cgroup ({cg.kind}, limit = {'memory.limit_in_bytes' if cg.kind == 'v1' else 'memory.max'}"
+            f"{' (+ memsw / swap.max: there is swap)' if swap_total() else ' (no swap on this machine)'}, MB = "
             "1e6 bytes; page cache is charged too), file cache dropped before every run (sync + drop_caches + "
             f"posix_fadvise DONTNEED). Model {hf}: glm-jax container {cont_mb:.0f} MB (int4_g64 experts, dense "
             f"{dense_format}), GGUF Q4_0 {gguf_mb:.0f} MB. glm-jax --ram_gb = (limit - runtime - {margin_mb:g} MB "
