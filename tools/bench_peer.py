@@ -946,6 +946,7 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
     cg, why = detect_cgroup(proc_cgroup)
     if cg is None:
         return f"--mode=lowram skipped: {why}"
+    load0 = os.getloadavg()[0]
     if llamacpp:
         llamacpp_paths(llamacpp)
     pinned_cpus(threads)
@@ -1043,6 +1044,8 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
                     c["verdict"] = verdict
                 c["note"] = ", ".join(facts)
                 log(f"{L:g} MB {label}: {tok_s if tok_s is not None else verdict} ({c['note']})")
+    notes.append(f"load average (1 min) at the start / end: {load0:.2f} / {os.getloadavg()[0]:.2f} on "
+                 f"{os.cpu_count()} CPUs (other work on the machine shares the cores)")
     from glm_jax_tools.tables import markdown
     rows = lowram_rows(cells, limits, engines)
     cols = ["memory limit"] + [lbl for _, lbl in engines] + ["glm-jax flags", "notes"]
