@@ -17,6 +17,13 @@
     python tools/bench.py --mode=defaults [--model=CONTAINER]
         the tables behind the defaults: MTP / draft K, fetch mode, kernels (shipped model), I/O threads (a container
         streamed cold, when --model is given)
+    python tools/bench.py --mode=peer --model=HF_DIR[,b,...] --llamacpp=PREFIX [--formats=f32,int8_row,int4_g64]
+                          [--dense_formats=f32,int8,int8] [--new_tokens=64] [--prompt_tokens=16] [--reps=3] [--threads=2]
+        model x format x engine: decode and prefill tok/s of glm-jax, llama.cpp and (f32) transformers, ratios to
+        llama.cpp, same greedy tokens; interleaved rounds, medians, same pinned threads (tools/bench_peer.py).
+    python tools/bench.py --mode=lowram --model=HF_DIR|stream --llamacpp=PREFIX --limits=4000,1400,1000,700
+        decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64, --ram_gb from the limit,
+        --direct_io) in memory cgroups of each limit, cold file cache before every run (tools/bench_peer.py).
 """
 
 from __future__ import annotations
@@ -33,15 +40,41 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults"],
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults", "peer", "lowram"],
                   "Which benchmark.")
 flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
 flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
 flags.DEFINE_integer("cache_cap", 8, "--mode=plugins: expert cache cap per layer.")
 flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe_full for hf, the default model "
-                    "otherwise).")
-flags.DEFINE_integer("new_tokens", 64, "Tokens to decode per run.")
-flags.DEFINE_integer("reps", 3, "Repetitions per configuration (interleaved; the median is reported).")
+                    "otherwise). --mode=peer: a comma-separated list of HF dirs, 'shipped' (models/tiny_shakespeare_hf, "
+                    "the default) or 'b' (the b-shaped 335 M model, made in --workdir); --mode=lowram: an HF dir or "
+                    "'stream' (the default: the synthetic streaming model, made in --workdir).")
+flags.DEFINE_integer("new_tokens", 64, "Tokens to decode per run (--mode=lowram: 32 unless given).")
+flags.DEFINE_integer("reps", 3, "Repetitions per configuration (interleaved; the median is reported; --mode=lowram: "
+                     "1 unless given).")
+flags.DEFINE_string("llamacpp", "", "--mode=peer|lowram: llama.cpp prefix (bin/llama-bench, llama-quantize, "
+                    "llama-server, venv/ with the converter; ../shared/tools/build-llamacpp.sh PREFIX builds one). "
+                    "Empty: glm-jax (and transformers) only.")
+flags.DEFINE_string("formats", "f32,int8_row,int4_g64", "--mode=peer: glm-jax formats; each is compared with a GGUF "
+                    "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0.")
+flags.DEFINE_string("dense_formats", "f32,int8,int8", "--mode=peer: glm-jax-convert --dense_format per entry of "
+                    "--formats (one value: the same for all; the f32 row always runs the HF dir, f32; not given: "
+                    "int8 for every quantized format).")
+flags.DEFINE_integer("prompt_tokens", 16, "--mode=peer|lowram: prompt length in tokens.")
+flags.DEFINE_integer("threads", 2, "--mode=peer|lowram: threads (CPUs) for every engine.")
+flags.DEFINE_string("workdir", os.path.join(os.path.expanduser("~"), ".cache", "glm-jax-bench"),
+                    "--mode=peer|lowram: converted models, GGUFs, generated checkpoints and logs (never the repo).")
+flags.DEFINE_string("glmjax_options", "mtp=false", "--mode=peer|lowram: extra glm-jax engine options, name=value,... "
+                    "(Engine.load keywords = glm-jax flags). Default: no MTP drafts (llama-bench decodes one token "
+                    "per forward).")
+flags.DEFINE_string("hf_python", "", "--mode=peer: Python with torch + transformers for the transformers rows "
+                    "(default: PREFIX/venv/bin/python, then this Python; skipped with a note where neither has them).")
+flags.DEFINE_string("limits", "4000,1400,1000,700", "--mode=lowram: memory limits in MB (1e6 bytes).")
+flags.DEFINE_string("lowram_dense_format", "bf16", "--mode=lowram: glm-jax-convert --dense_format of the container.")
+flags.DEFINE_float("runtime_mb", 0.0, "--mode=lowram: glm-jax RSS outside its --ram_gb budget (runtime, compiled "
+                   "code); 0: measured in the run (unconstrained, --cache_cap=1).")
+flags.DEFINE_float("margin_mb", 100.0, "--mode=lowram: --ram_gb = (limit - runtime - margin) / 1000.")
+flags.DEFINE_float("run_timeout", 1800.0, "--mode=lowram: seconds before one run is killed (reported as timeout).")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")
 flags.DEFINE_string("kernels", "native,xla", "--mode=formats: expert kernels to score (comma-separated).")
 
@@ -267,7 +300,43 @@ def bench_defaults(container, n_new, reps):
                                 f"interleaved reps, {os.cpu_count()} CPU threads")
 
 
+def peer_main(argv):
+    import sys
+
+    from glm_jax_tools import bench_peer as P
+
+    try:
+        if len(argv) > 1:
+            raise P.BenchError(f"unexpected arguments: {' '.join(argv[1:])}")
+        opts = P.parse_options(FLAGS.glmjax_options)
+        if FLAGS.mode == "peer":
+            out = P.run_peer(P.parse_list(FLAGS.model or "shipped", "model"), P.parse_list(FLAGS.formats, "formats"),
+                             P.parse_list(FLAGS.dense_formats, "dense_formats") if FLAGS["dense_formats"].present
+                             else None, FLAGS.llamacpp, FLAGS.workdir,
+                             FLAGS.new_tokens, FLAGS.prompt_tokens, FLAGS.reps, FLAGS.threads, opts,
+                             FLAGS.hf_python, log=lambda m: print(m, file=sys.stderr, flush=True))
+        else:
+            limits = P.parse_list(FLAGS.limits, "limits", float)
+            if any(L <= 0 for L in limits):
+                raise P.BenchError(f"--limits: every limit must be > 0 MB, got {FLAGS.limits!r}")
+            out = P.run_lowram(FLAGS.model or "stream", limits, FLAGS.llamacpp, FLAGS.workdir, FLAGS.threads,
+                               FLAGS.new_tokens if FLAGS["new_tokens"].present else 32, FLAGS.prompt_tokens,
+                               FLAGS.reps if FLAGS["reps"].present else 1, opts, FLAGS.lowram_dense_format,
+                               FLAGS.runtime_mb, FLAGS.margin_mb, FLAGS.run_timeout,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+    except P.BenchError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            f.write(out + "\n")
+    return 0
+
+
 def main(argv):
+    if FLAGS.mode in ("peer", "lowram"):
+        return peer_main(argv)
     if FLAGS.mode == "stream":
         from glm_jax_tools import bench_stream
 
