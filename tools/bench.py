@@ -71,8 +71,10 @@ flags.DEFINE_string("hf_python", "", "--mode=peer: Python with torch + transform
                     "(default: PREFIX/venv/bin/python, then this Python; skipped with a note where neither has them).")
 flags.DEFINE_string("limits", "4000,1400,1000,700", "--mode=lowram: memory limits in MB (1e6 bytes).")
 flags.DEFINE_string("lowram_dense_format", "bf16", "--mode=lowram: glm-jax-convert --dense_format of the container.")
-flags.DEFINE_float("runtime_mb", 0.0, "--mode=lowram: glm-jax RSS outside its --ram_gb budget (runtime, compiled "
-                   "code); 0: measured in the run (unconstrained, --cache_cap=1).")
+flags.DEFINE_float("runtime_mb", -1.0, "--mode=lowram: -1 (default): no --ram_gb, the engine sizes itself from the "
+                   "memory cgroup's limit (its RAM budget is the whole process's); 0: --ram_gb = (limit - runtime - "
+                   "margin) / 1000 with the runtime RSS measured in the run (unconstrained, --cache_cap=1); > 0: that "
+                   "runtime in MB.")
 flags.DEFINE_float("margin_mb", 100.0, "--mode=lowram: --ram_gb = (limit - runtime - margin) / 1000.")
 flags.DEFINE_float("run_timeout", 1800.0, "--mode=lowram: seconds before one run is killed (reported as timeout).")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")

@@ -961,7 +961,10 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
     gguf_mb = os.path.getsize(gguf) / 1e6 if gguf else 0.0
     prompt = prompt_ids(hf, prompt_tokens)
     notes = []
-    if runtime_mb <= 0:
+    if runtime_mb < 0:
+        rt_note = ("glm-jax is given no --ram_gb: its default budget is 0.9 x the memory cgroup's limit, and that "
+                   "budget covers the whole process (runtime, dense weights, KV, compile workspace, expert cache)")
+    elif runtime_mb == 0:
         log("measuring glm-jax's runtime RSS (unconstrained, --cache_cap=1)")
         runtime_mb, peak, acc = measure_runtime_mb(container, prompt, threads, os.path.join(logs, "lowram-glm-jax.log"),
                                                    glmjax_options)
@@ -985,8 +988,9 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
                     notes.append(dn)
                 c = cells.setdefault((L, key), {"tok_s": [], "verdict": "ok", "note": ""})
                 if key == "glmjax":
-                    ram_gb = ram_gb_for_limit(L, runtime_mb, margin_mb)
-                    opts = {"ram_gb": ram_gb, "direct_io": True}
+                    opts = {"direct_io": True}
+                    if runtime_mb >= 0:
+                        opts["ram_gb"] = ram_gb_for_limit(L, runtime_mb, margin_mb)
                     opts.update(glmjax_options)
                     c["flags"] = " ".join(f"--{k}={v}" if v is not True else f"--{k}" for k, v in opts.items())
                     started = False
@@ -1056,8 +1060,9 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
             f"{' (+ memsw / swap.max: there is swap)' if swap_total() else ' (no swap on this machine)'}, MB = "
             "1e6 bytes; page cache is charged too), file cache dropped before every run (sync + drop_caches + "
             f"posix_fadvise DONTNEED). Model {hf}: glm-jax container {cont_mb:.0f} MB (int4_g64 experts, dense "
-            f"{dense_format}), GGUF Q4_0 {gguf_mb:.0f} MB. glm-jax --ram_gb = (limit - runtime - {margin_mb:g} MB "
-            f"margin) / 1000, {rt_note}. Notes: peak = the cgroup's max usage; read = bytes the process read from "
+            f"{dense_format}), GGUF Q4_0 {gguf_mb:.0f} MB. "
+            + (f"glm-jax --ram_gb = (limit - runtime - {margin_mb:g} MB margin) / 1000, " if runtime_mb >= 0 else "")
+            + f"{rt_note}. Notes: peak = the cgroup's max usage; read = bytes the process read from "
             "storage (getrusage ru_inblock: model, libraries and code pages, re-reads included); 'thrashing' = it "
             "read more than 1.5x its model file; failcnt = times the cgroup hit its limit.")
     return "\n\n".join([markdown(rows, cols), head] + notes)
