@@ -401,7 +401,14 @@ def run_logged(cmd: list, log_path: str, what: str, timeout: Optional[float] = N
 def ensure_container(hf_dir: str, mdir: str, fmt: str, dense: str, log=print) -> str:
     dst = os.path.join(mdir, f"glm-jax-{fmt}-dense_{dense}")
     if os.path.exists(os.path.join(dst, "manifest.json")):
-        return dst
+        from glm_jax.config import GlmJaxError, load_config
+        from glm_jax.container import open_container
+
+        try:                      # a container from an older converter is converted again (finished layers kept)
+            open_container(dst, load_config(dst), verify="none").close()
+            return dst
+        except GlmJaxError as e:
+            log(f"{dst}: {e}")
     log(f"converting {hf_dir} -> {dst} (glm-jax-convert --expert_format={fmt} --dense_format={dense})")
     run_logged([sys.executable, "-m", "glm_jax_tools.convert", f"--src={hf_dir}", f"--dst={dst}",
                 f"--expert_format={fmt}", f"--dense_format={dense}", "--noprogress"],
