@@ -654,8 +654,9 @@ def _check_manifest(path: str, man: dict, mpath: str, cfg: Optional[ModelConfig]
     dpath = os.path.join(path, _plain_name(dense.get("file"), "dense.file", mpath))
     dsize = _int(dense.get("size"), "dense.size", mpath)
     _crc(dense.get("checksum"), "dense.checksum", mpath)
-    if dense.get("format") not in ("bf16", "int8", "f32"):
-        raise ContainerError(f"{mpath}: dense.format: expected bf16, int8 or f32, got {dense.get('format')!r}")
+    if dense.get("format") not in ("bf16", "int8", "int4_g64", "f32"):
+        raise ContainerError(f"{mpath}: dense.format: expected bf16, int8, int4_g64 or f32, got "
+                             f"{dense.get('format')!r}")
     if not os.path.isfile(dpath):
         raise TruncatedError(f"{dpath}: missing (dense weights); re-run glm-jax-convert")
     if os.path.getsize(dpath) != dsize:

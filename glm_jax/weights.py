@@ -147,9 +147,11 @@ class TensorSource:
             if a.dtype == np.int8:
                 qt = QTensor(a, sc, "int8_row")
             else:
-                n_in = a.shape[-1] * 2
-                g = -(-n_in // sc.shape[-1])
-                qt = QTensor(a, sc, "int4_row" if sc.shape[-1] == 1 else f"int4_g{g}")
+                n_in, ng = a.shape[-1] * 2, sc.shape[-1]
+                # glm-jax-convert --dense_format=int4_g64 writes groups of 64 (a shorter last one where 64 does
+                # not divide the row); otherwise the group that gives this many scales
+                g = 64 if -(-n_in // 64) == ng else -(-n_in // ng)
+                qt = QTensor(a, sc, "int4_row" if ng == 1 else f"int4_g{g}")
             if shape is not None and tuple(qt.shape) != tuple(shape):
                 raise WeightError(f"{self._files[key]}: tensor '{key}' has shape {list(qt.shape)}, expected "
                                   f"{list(shape)}")

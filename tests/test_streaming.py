@@ -275,3 +275,22 @@ def test_int4_prefill_then_decode_equals_full_forward(int4_dir, exp, fetch):
     inc = np.concatenate(rows)
     assert np.abs(inc - full).max() < 1e-4
     assert (inc.argmax(-1) == full.argmax(-1)).all()
+
+
+def test_int4_dense_container_keeps_quantized_dense_weights(tmp_path, exp):
+    """--dense_format=int4_g64: dense matrices stay int4 in memory (the output head int8), the model still tracks
+    the f32 oracle (this fixture's rows are 64 wide: one group per row)."""
+    from glm_jax_tools.convert import convert
+
+    d = str(tmp_path / "d4")
+    man = convert(SRC, d, expert_format="int4_g64", dense_format="int4_g64", progress=False)
+    assert man["dense"]["format"] == "int4_g64"
+    eng = glm_jax.Engine.load(d)
+    lp = eng.params["layers"][eng.cfg.moe_layers[0]]
+    assert lp["attn"]["qkv"].fmt.startswith("int4") and lp["attn"]["qkv"].q.dtype == np.uint8
+    assert eng.params["lm_head"].fmt == "int8_row"
+    ids = exp["input_ids"][0].tolist()
+    lg, ref = eng.logits(ids), exp["logits"][0]
+    # every matrix int4 with int8 activations on a random-init model (nearly flat logits): correlation 0.86 with the
+    # oracle here (garbage would be ~0); on the trained shipped model all-int4 costs +0.07% perplexity (README)
+    assert np.corrcoef(lg.ravel(), ref.ravel())[0, 1] > 0.8

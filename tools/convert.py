@@ -1,7 +1,7 @@
 """glm-jax-convert: Hugging Face GLM MoE checkpoint -> glm-jax expert container.
 
     glm-jax-convert --src=HF_DIR --dst=OUT_DIR [--expert_format=int4_g64] [--group_size=64]
-                    [--mtp_format=int8_row] [--dense_format=bf16|int8] [--verify] [--overwrite]
+                    [--mtp_format=int8_row] [--dense_format=bf16|int8|int4_g64|f32] [--verify] [--overwrite]
 
 Reads the source tensor by tensor (raw safetensors headers + pread; one expert or one dense tensor in memory at
 a time), writes one experts/layer_LLL.bin per MoE layer (fixed-size, 4096-aligned records, one per expert, see
@@ -168,17 +168,23 @@ def _convert_layer(hf: HFExperts, dst: str, L: int, lay: RecordLayout, E: int, w
 
 
 # ----------------------------------------------------------------------------- dense
+DENSE_FORMATS = ("bf16", "int8", "int4_g64", "f32")
+
+
 def _dense_kind(key: str, shape: tuple, dtype: str, dense_format: str) -> str:
-    """'f32' | 'bf16' | 'int8' | 'keep' for one dense tensor."""
+    """'f32' | 'bf16' | 'int8' | 'int4' | 'keep' for one dense tensor.  int4_g64: 2-D weights int4 (groups of 64),
+    except the output heads (lm_head, the MTP layer's shared head), kept int8 as llama.cpp keeps its output matrix
+    above 4 bits, and rows of odd length (int8)."""
     if not (dtype.startswith("float") or dtype == "bfloat16"):
         return "keep"
     last = key.split(".")[-2] if key.count(".") else key
     router = key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias")
     if router or "norm" in last or key.endswith(".bias") or len(shape) < 2:
         return "f32"
-    if dense_format == "int8" and len(shape) == 2 and key.endswith(".weight"):
-        return "int8"
-    return "bf16" if dense_format in ("bf16", "int8") else "f32"
+    if dense_format in ("int8", "int4_g64") and len(shape) == 2 and key.endswith(".weight"):
+        head = key == "lm_head.weight" or key.endswith("shared_head.head.weight")
+        return "int4" if dense_format == "int4_g64" and not head and shape[1] % 2 == 0 else "int8"
+    return "bf16" if dense_format in ("bf16", "int8", "int4_g64") else "f32"
 
 
 def _dense_plan(st: SafeTensorsDir, dense_format: str) -> list:
@@ -206,6 +212,18 @@ def _dense_plan(st: SafeTensorsDir, dense_format: str) -> list:
                 return cache.pop("qs")[1]
             plan.append((k, "I8", ti.shape, q))
             plan.append((k + DENSE_SCALE_SUFFIX, "F32", (out, 1), s))
+        elif kind == "int4":
+            out, n_in = ti.shape
+            cache = {}
+
+            def q4(k=k, cache=cache):
+                cache["qs"] = quant.quantize(st.read_float(k), "int4_g64")
+                return cache["qs"][0]
+
+            def s4(cache=cache):
+                return cache.pop("qs")[1]
+            plan.append((k, "U8", (out, n_in // 2), q4))
+            plan.append((k + DENSE_SCALE_SUFFIX, "F32", (out, -(-n_in // 64) if n_in > 64 else 1), s4))
         elif kind == "bf16":
             plan.append((k, "BF16", ti.shape, lambda k=k: st.read_float(k).astype(quant._bf16())))
         else:
@@ -337,8 +355,8 @@ def _writable_dir(dst: str, flag: str = "--dst"):
 def check_formats(expert_format: str, group_size: Optional[int], mtp_format: str, dense_format: str) -> tuple:
     """(expert fmt, mtp fmt, group): normalised formats, or one ConvertError line naming the flag.  A group size in
     the format name (int4_g64) and a different explicit ``group_size`` conflict."""
-    if dense_format not in ("bf16", "int8", "f32"):
-        raise ConvertError(f"--dense_format={dense_format}: expected bf16, int8 or f32")
+    if dense_format not in DENSE_FORMATS:
+        raise ConvertError(f"--dense_format={dense_format}: expected one of {', '.join(DENSE_FORMATS)}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
                                    or group_size < 2 or group_size % 2):
         raise ConvertError(f"--group_size={group_size}: expected an even integer >= 2")
@@ -563,7 +581,8 @@ def define_flags(fv):
     flags.DEFINE_integer("group_size", 64, "int4 group size for --expert_format=int4_g (must agree with a group "
                          "named in the format)", flag_values=fv)
     flags.DEFINE_string("mtp_format", "int8_row", "MTP layer experts (int4 MTP heads lose acceptance)", flag_values=fv)
-    flags.DEFINE_string("dense_format", "bf16", "dense weights: bf16 | int8 (per-output-channel) | f32", flag_values=fv)
+    flags.DEFINE_string("dense_format", "bf16", "dense weights: bf16 | int8 (per-output-channel) | int4_g64 (groups of "
+                        "64; output heads int8) | f32", flag_values=fv)
     flags.DEFINE_bool("verify", False, "verify every checksum after converting (or, without --src, of --dst)",
                       flag_values=fv)
     flags.DEFINE_bool("overwrite", False, "replace a non-empty --dst that is not this conversion's (the old "
