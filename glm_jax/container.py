@@ -56,7 +56,7 @@ from glm_jax import quant
 from glm_jax.config import GlmJaxError, ModelConfig
 from glm_jax.weights import check_finite, dequant_fp8   # weights imports this module only lazily (no cycle)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2         # 2: quantized experts in the native kernels' tiles layout (quant.to_tiles)
 MANIFEST_NAME = "manifest.json"
 DENSE_NAME = "dense.safetensors"
 EXPERT_DIR = "experts"
@@ -148,6 +148,8 @@ class RecordLayout:
         gu = np.concatenate([np.asarray(gate, np.float32), np.asarray(up, np.float32)], axis=0)
         gq, gs = quant.quantize(gu, self.fmt)
         dq, ds = quant.quantize(np.asarray(down, np.float32), self.fmt)
+        if self.fmt not in quant.FLOAT_FORMATS:          # records hold the native kernels' tiles layout
+            gq, gs, dq, ds = quant.bank_tiles(gq, gs, dq, ds, self.fmt, self.hidden, self.inter)
         vals = {"gate_up": gq, "gate_up_scale": gs, "down": dq, "down_scale": ds}
         buf = bytearray(self.record_len)
         crc = 0
@@ -168,9 +170,18 @@ class RecordLayout:
             out[s.name] = mv[s.offset:s.offset + s.nbytes].view(s.np_dtype).reshape(s.shape)
         return out
 
+    def rows(self, d: dict) -> dict:
+        """Decoded sections (tiles layout for quantized formats) -> row-major, as ``quant.quantize`` writes them."""
+        if self.fmt in quant.FLOAT_FORMATS:
+            return dict(d)
+        H, I = self.hidden, self.inter
+        gq, gs = quant.from_tiles(d["gate_up"], d["gate_up_scale"], self.fmt, 2 * I, H)
+        dq, ds = quant.from_tiles(d["down"], d["down_scale"], self.fmt, H, I)
+        return {"gate_up": gq, "gate_up_scale": gs, "down": dq, "down_scale": ds}
+
     def dequantize(self, buf) -> tuple[np.ndarray, np.ndarray]:
         """Float32 (gate_up [2I, H], down [H, I]) of one record (numpy reference)."""
-        d = self.decode(buf)
+        d = self.rows(self.decode(buf))
         return (quant.dequantize(d["gate_up"], d.get("gate_up_scale"), self.fmt),
                 quant.dequantize(d["down"], d.get("down_scale"), self.fmt))
 
@@ -190,13 +201,15 @@ def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64) -> Reco
             return (out, n_in), "float32", None
         if kind == "bf16":
             return (out, n_in), "bfloat16", None
+        R = -(-out // quant.TILE) * quant.TILE          # quantized: the tiles layout (quant.to_tiles)
         if kind == "int8_row":
-            return (out, n_in), "int8", (out, 1)
+            return (R, -(-n_in // 4) * 4), "int8", (R // quant.TILE, 1, quant.TILE)
         if n_in % 2:
             raise quant.FormatError(f"{fmt}: int4 needs an even input dimension, got {n_in} "
                                     f"(quant.fit_format picks int8_row)")
         gg = quant.int4_group(kind, g, n_in)
-        return (out, n_in // 2), "uint8", (out, -(-n_in // gg))      # a shorter last group when gg doesn't divide
+        # a shorter last group when gg doesn't divide
+        return (R, -(-n_in // 8) * 4), "uint8", (R // quant.TILE, -(-n_in // gg), quant.TILE)
 
     secs = []
     off = 0
@@ -473,11 +486,12 @@ class Container:
         return [guard(r) for r in record_reads(ent.fd, ent.direct_fd, ent.layout, off, dests, chunk)], finish
 
     def load_expert(self, layer: int, e: int) -> dict:
-        """Fresh arrays of one expert's sections (tests, tools)."""
+        """Fresh arrays of one expert's sections, row-major as ``quant.quantize`` writes them (tests, tools; the
+        record itself holds the tiles layout for quantized formats)."""
         lay = self.layout(layer)
         dests = {s.name: np.empty(s.shape, s.np_dtype) for s in lay.sections}
         self.read_expert(layer, e, dests)
-        return dests
+        return lay.rows(dests)
 
     def verify_all(self):
         for L in self.expert_layers:

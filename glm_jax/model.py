@@ -20,7 +20,7 @@ import numpy as np
 from glm_jax_plugins.routing import RoutingState
 
 from .config import ModelConfig
-from .quant import FLOAT_FORMATS, ExpertBank, QWeight, bank_all, bank_take, qdot, qtake, take_dot
+from .quant import FLOAT_FORMATS, ExpertBank, QWeight, as_rows, bank_all, bank_take, qdot, qtake, take_dot
 
 F32 = jnp.float32
 
@@ -182,6 +182,7 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
     dt = x.dtype
     if bank.kernel == "native":     # glm_jax/kernels: each used expert once over its tokens, summed in routing order
         return _native(x, slots, weights, valid, bank, terms=False).astype(dt)
+    bank = as_rows(bank)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     if (T * K <= S) if gather is None else gather:
         out = moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
@@ -206,7 +207,7 @@ def _native(x, slots, weights, valid, bank: ExpertBank, terms: bool):
     slots = jnp.where(valid & (slots >= 0), jnp.clip(slots, 0, S - 1), -1).astype(jnp.int32)
     w = jnp.where(valid, weights, 0.0).astype(F32)
     return kernels.moe(x.astype(F32), slots, w, bank.gate_up, bank.gate_up_scale, bank.down, bank.down_scale,
-                       bank.fmt, bank.group("gate_up"), bank.group("down"), terms=terms)
+                       bank.fmt, bank.group("gate_up"), bank.group("down"), bank.dims[1], terms=terms)
 
 
 def _slot_terms(x, slots, valid, bank: ExpertBank):
@@ -240,6 +241,7 @@ def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None):
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     if bank.kernel == "native":
         return _native(x, slots, jnp.ones(ids.shape, F32), valid, bank, terms=True)
+    bank = as_rows(bank)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     if bank.fmt not in FLOAT_FORMATS:      # quantized: no dequantized weight copy (quant.take_dot)
         def one(xs):                        # one row at a time: XLA:CPU's reduce codegen depends on the row

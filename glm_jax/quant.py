@@ -138,6 +138,85 @@ def quantized_nbytes(out_dim: int, in_dim: int, fmt: str) -> int:
     return n // 2 + 4 * out_dim * -(-in_dim // int4_group(kind, g, in_dim))
 
 
+# ----------------------------------------------------------------------------- the "tiles" layout
+# What the native kernels read (glm_jax/kernels/qkernels.cc): rows in tiles of 16; per tile the input is cut into
+# units of 4 (int8) or 8 (int4) elements, one 64-byte vector per unit holding the unit for all 16 rows: byte 4i+j is
+# row 16t+i's element 4u+j (int8), or for int4 its element 8u+j in the low and 8u+4+j in the high nibble (offset
+# binary, q+8).  Rows padded to a multiple of 16, the input to a multiple of the unit, with zero weights (int4 value
+# 8).  Scales [tiles, groups, 16].  Stored as q [..., R, K/2] (int4) / [..., R, K] (int8): the same bytes as a
+# row-major matrix of that shape, in tile order.
+TILE = 16
+
+
+def _unit(kind: str) -> int:
+    return 4 if kind == "int8_row" else 8
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    return np.stack([q & 0x0F, q >> 4], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+
+
+def to_tiles(q: np.ndarray, s: np.ndarray, fmt: str, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row-major quantized (``quantize``'s output: q [..., out, in'] and s [..., out, groups]) -> the tiles layout."""
+    kind, _ = parse_format(fmt)
+    u = _unit(kind)
+    vals = np.asarray(q) if kind == "int8_row" else _nibbles(np.asarray(q))[..., :n_in]
+    lead, out = vals.shape[:-2], vals.shape[-2]
+    R, K = -(-out // TILE) * TILE, -(-n_in // u) * u
+    vp = np.full(lead + (R, K), 0 if kind == "int8_row" else 8, vals.dtype)
+    vp[..., :out, :n_in] = vals
+    nl = len(lead)
+    perm = tuple(range(nl)) + (nl, nl + 2, nl + 1, nl + 3)
+    if kind == "int8_row":
+        t = vp.reshape(lead + (R // TILE, TILE, K // 4, 4)).transpose(perm)
+        qt = np.ascontiguousarray(t).reshape(lead + (R, K))
+    else:
+        t = vp.reshape(lead + (R // TILE, TILE, K // 8, 2, 4)).transpose(perm + (nl + 4,))   # [.., T, U, 16, 2, 4]
+        t = np.ascontiguousarray(t.transpose(tuple(range(nl + 3)) + (nl + 4, nl + 3)))        # [.., T, U, 16, 4, 2]
+        qt = (t[..., 0] | (t[..., 1] << 4)).astype(np.uint8).reshape(lead + (R, K // 2))
+    sp = np.zeros(lead + (R, s.shape[-1]), np.float32)
+    sp[..., :out, :] = s
+    st = np.ascontiguousarray(np.swapaxes(sp.reshape(lead + (R // TILE, TILE, s.shape[-1])), -1, -2))
+    return qt, st
+
+
+def from_tiles(qt: np.ndarray, st: np.ndarray, fmt: str, out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tiles layout -> row-major (q, s) as ``quantize`` writes them (numpy; the inverse of ``to_tiles``)."""
+    kind, _ = parse_format(fmt)
+    lead = qt.shape[:-2]
+    R = qt.shape[-2]
+    nl = len(lead)
+    s = np.swapaxes(np.asarray(st), -1, -2).reshape(lead + (R, st.shape[-2]))[..., :out, :]
+    if kind == "int8_row":
+        K = qt.shape[-1]
+        v = qt.reshape(lead + (R // TILE, K // 4, TILE, 4)).transpose(tuple(range(nl)) + (nl, nl + 2, nl + 1, nl + 3))
+        return np.ascontiguousarray(v).reshape(lead + (R, K))[..., :out, :n_in], s
+    K = qt.shape[-1] * 2
+    b = qt.reshape(lead + (R // TILE, K // 8, TILE, 4))
+    v = np.stack([b & 0x0F, b >> 4], axis=-2)                                  # [.., T, U, 16, 2, 4]
+    v = v.transpose(tuple(range(nl)) + (nl, nl + 2, nl + 1, nl + 3, nl + 4))    # [.., T, 16, U, 2, 4]
+    v = np.ascontiguousarray(v).reshape(lead + (R, K))[..., :out, :n_in]
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8), s
+
+
+def _rows_jax(qt, st, fmt: str, out: int, n_in: int):
+    """``from_tiles`` in jnp (the XLA fallback path reads a tiles-layout bank through it)."""
+    kind, _ = parse_format(fmt)
+    lead = qt.shape[:-2]
+    R = qt.shape[-2]
+    nl = len(lead)
+    s = jnp.swapaxes(st, -1, -2).reshape(lead + (R, st.shape[-2]))[..., :out, :]
+    if kind == "int8_row":
+        K = qt.shape[-1]
+        v = qt.reshape(lead + (R // TILE, K // 4, TILE, 4)).transpose(tuple(range(nl)) + (nl, nl + 2, nl + 1, nl + 3))
+        return v.reshape(lead + (R, K))[..., :out, :n_in], s
+    K = qt.shape[-1] * 2
+    b = qt.reshape(lead + (R // TILE, K // 8, TILE, 4))
+    v = jnp.stack([b & 0x0F, b >> 4], axis=-2)
+    v = v.transpose(tuple(range(nl)) + (nl, nl + 2, nl + 1, nl + 3, nl + 4)).reshape(lead + (R, K))[..., :out, :n_in]
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(jnp.uint8), s
+
+
 # ----------------------------------------------------------------------------- ExpertBank
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -151,17 +230,29 @@ class ExpertBank:
     fmt: str = dataclasses.field(default="f32", metadata=dict(static=True))
     # "native": the MoE seam runs glm_jax/kernels (C++ through jax.ffi); "xla": the jnp paths below
     kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    # quantized formats: "rows" (quantize's row-major) or "tiles" (the native kernels' layout, hidden/inter given)
+    layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
+    hidden: int = dataclasses.field(default=0, metadata=dict(static=True))
+    inter: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def num_slots(self) -> int:
         return self.gate_up.shape[0]
+
+    @property
+    def dims(self) -> tuple:
+        """(hidden, inter) of the experts."""
+        if self.layout == "tiles":
+            return self.hidden, self.inter
+        return self.down.shape[1], self.down.shape[2] * (2 if self.fmt.startswith("int4") else 1)
 
     def group(self, part: str) -> int:
         """int4 group size of ``part`` ("gate_up" | "down") in elements (0 = one group per row / not int4)."""
         kind, g = parse_format(self.fmt)
         if kind != "int4_g":
             return 0
-        n_in = self.gate_up.shape[-1] * 2 if part == "gate_up" else self.down.shape[-1] * 2
+        H, I = self.dims
+        n_in = H if part == "gate_up" else I
         return 0 if g >= n_in else g
 
 
@@ -174,11 +265,29 @@ def native_ok(fmt: str, hidden: int, inter: int) -> bool:
 
 
 def with_kernel(bank: "ExpertBank", kernel: str) -> "ExpertBank":
-    """``bank`` computed by ``kernel`` ("native" where the kernels support its format and shape, else "xla")."""
-    if kernel == "native" and not native_ok(bank.fmt, bank.down.shape[1], bank.down.shape[2] *
-                                            (2 if bank.fmt.startswith("int4") else 1)):
+    """``bank`` computed by ``kernel`` ("native" where the kernels support its format, shape and layout, else
+    "xla", which reads a tiles-layout bank through ``as_rows``)."""
+    quantized = bank.fmt not in FLOAT_FORMATS
+    if kernel == "native" and (not native_ok(bank.fmt, *bank.dims) or (quantized and bank.layout != "tiles")):
         kernel = "xla"
     return dataclasses.replace(bank, kernel=kernel)
+
+
+def as_rows(bank: ExpertBank) -> ExpertBank:
+    """A tiles-layout bank as the row-major one the XLA paths read (jnp; traced into the caller's program)."""
+    if bank.layout != "tiles" or bank.fmt in FLOAT_FORMATS:
+        return bank
+    H, I = bank.dims
+    gq, gs = _rows_jax(bank.gate_up, bank.gate_up_scale, bank.fmt, 2 * I, H)
+    dq, ds = _rows_jax(bank.down, bank.down_scale, bank.fmt, H, I)
+    return ExpertBank(gq, dq, gs, ds, fmt=bank.fmt, kernel=bank.kernel)
+
+
+def bank_tiles(gate_up_q, gate_up_s, down_q, down_s, fmt: str, hidden: int, inter: int) -> tuple:
+    """Row-major quantized experts [E, ...] -> the tiles layout's four arrays (numpy)."""
+    gq, gs = to_tiles(gate_up_q, gate_up_s, fmt, hidden)
+    dq, ds = to_tiles(down_q, down_s, fmt, inter)
+    return gq, gs, dq, ds
 
 
 def _dequant_jax(q, s, fmt: str, dtype):
@@ -203,6 +312,7 @@ def _dequant_jax(q, s, fmt: str, dtype):
 
 def bank_take(bank: ExpertBank, slots: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Gather ``slots`` (any int shape) and dequantize: returns gate_up [..., 2I, H], down [..., H, I]."""
+    bank = as_rows(bank)
     take = lambda a: None if a is None else jnp.take(a, slots, axis=0)  # noqa: E731
     gu = _dequant_jax(take(bank.gate_up), take(bank.gate_up_scale), bank.fmt, dtype)
     dn = _dequant_jax(take(bank.down), take(bank.down_scale), bank.fmt, dtype)
@@ -218,6 +328,7 @@ def take_dot(bank: ExpertBank, part: str, slots: jax.Array, x: jax.Array) -> jax
     group, offset-corrected and scaled: a fused multiply-reduce over the packed bytes (XLA:CPU makes the
     dequantize-then-dot form several passes over an interleaved float copy: 3-8x slower at decode, measured).
     int8: converted, then one dot (faster than a multiply-reduce there, measured).  Float banks use bank_take."""
+    bank = as_rows(bank)
     q = jnp.take(getattr(bank, part), slots, axis=0)                          # [T, K, O, in'] packed/int8
     sc = getattr(bank, part + "_scale")
     sc = None if sc is None else jnp.take(sc, slots, axis=0)                  # [T, K, O, G]
@@ -245,6 +356,7 @@ def take_dot(bank: ExpertBank, part: str, slots: jax.Array, x: jax.Array) -> jax
 
 def bank_all(bank: ExpertBank, dtype) -> tuple[jax.Array, jax.Array]:
     """Dequantize every slot (used when every slot is computed for every token)."""
+    bank = as_rows(bank)
     gu = _dequant_jax(bank.gate_up, bank.gate_up_scale, bank.fmt, dtype)
     dn = _dequant_jax(bank.down, bank.down_scale, bank.fmt, dtype)
     return gu, dn
@@ -260,7 +372,13 @@ def bank_from_float(gate_up: np.ndarray, down: np.ndarray, fmt: str = "f32", ker
     else:
         gq, gs = quantize(gate_up, fmt)
         dq, ds = quantize(down, fmt)
-        bank = ExpertBank(jnp.asarray(gq), jnp.asarray(dq), jnp.asarray(gs), jnp.asarray(ds), fmt=fmt)
+        H, I = down.shape[-2], down.shape[-1]
+        if kernel == "native" and native_ok(fmt, H, I):
+            gq, gs, dq, ds = bank_tiles(gq, gs, dq, ds, fmt, H, I)
+            bank = ExpertBank(jnp.asarray(gq), jnp.asarray(dq), jnp.asarray(gs), jnp.asarray(ds), fmt=fmt,
+                              layout="tiles", hidden=H, inter=I)
+        else:
+            bank = ExpertBank(jnp.asarray(gq), jnp.asarray(dq), jnp.asarray(gs), jnp.asarray(ds), fmt=fmt)
     return with_kernel(bank, kernel)
 
 
@@ -296,17 +414,28 @@ class QWeight:
     scale: Optional[jax.Array] = None
     fmt: str = dataclasses.field(default="f32", metadata=dict(static=True))
     kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    # quantized: "rows" or "tiles" (the native kernels' layout; ``dims`` = the logical [out, in])
+    layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
+    dims: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple:
+        if self.layout == "tiles":
+            return self.dims
         return (self.q.shape[0], self.q.shape[1] * (2 if self.fmt.startswith("int4") else 1))
 
     def group(self) -> int:
         kind, g = parse_format(self.fmt)
         return g if kind == "int4_g" and g < self.shape[1] else 0
 
+    def rows(self):
+        """(q, scale) row-major."""
+        if self.layout == "tiles":
+            return _rows_jax(self.q, self.scale, self.fmt, *self.dims)
+        return self.q, self.scale
+
     def dequant(self, dtype):
-        return _dequant_jax(self.q, self.scale, self.fmt, dtype)
+        return _dequant_jax(*self.rows(), self.fmt, dtype)
 
 
 NATIVE_MAX_ROWS = 32     # float weights: the native kernel up to this many rows (decode / verify), XLA's GEMM above
@@ -321,7 +450,7 @@ def qdot(x, w: QWeight, rows=None):
     if w.kernel == "native" and (w.fmt not in FLOAT_FORMATS or n <= NATIVE_MAX_ROWS):
         from . import kernels
 
-        y = kernels.qlinear(x.reshape(n, in_dim).astype(jnp.float32), w.q, w.scale, w.fmt, w.group(),
+        y = kernels.qlinear(x.reshape(n, in_dim).astype(jnp.float32), w.q, w.scale, w.fmt, w.group(), out_dim,
                             None if rows is None else rows.reshape(n))
         return y.reshape(*lead, out_dim)
     dt = x.dtype if w.fmt not in FLOAT_FORMATS else w.q.dtype
@@ -332,16 +461,18 @@ def qtake(w, ids):
     """Rows ``ids`` of an embedding table (a float array or a QWeight) as float."""
     if not isinstance(w, QWeight):
         return jnp.take(w, ids, axis=0)
-    sc = None if w.scale is None else jnp.take(w.scale, ids, axis=0)
-    return _dequant_jax(jnp.take(w.q, ids, axis=0), sc, w.fmt, jnp.float32)
+    q, s = w.rows()
+    sc = None if s is None else jnp.take(s, ids, axis=0)
+    return _dequant_jax(jnp.take(q, ids, axis=0), sc, w.fmt, jnp.float32)
 
 
-def to_qweight(a, fmt: str, kernel: str, dtype) -> "QWeight":
+def to_qweight(a, fmt: str, kernel: str, dtype, tiles: bool = True) -> "QWeight":
     """A loaded dense weight (float array or QTensor) as a QWeight in ``fmt`` ("native": as stored / the compute
-    dtype)."""
+    dtype).  Quantized formats go to the tiles layout for the native kernels (``tiles=False``: keep rows, for
+    tables that are only gathered from)."""
     if isinstance(a, QTensor):
         if fmt in ("native", a.fmt):
-            return QWeight(jnp.asarray(a.q), jnp.asarray(a.scale), fmt=a.fmt, kernel=kernel)
+            return _quant_qweight(a.q, a.scale, a.fmt, a.shape, kernel, tiles)
         a = a.dequant()
     if fmt == "native":      # as stored: a bf16 matrix stays bf16 (the kernels compute in f32 either way)
         fmt = "bf16" if (np.asarray(a).dtype == _bf16() or dtype == jnp.bfloat16) else "f32"
@@ -349,7 +480,16 @@ def to_qweight(a, fmt: str, kernel: str, dtype) -> "QWeight":
     if kind in FLOAT_FORMATS:
         return QWeight(jnp.asarray(a, jnp.bfloat16 if kind == "bf16" else jnp.float32), fmt=kind, kernel=kernel)
     q, s = quantize(np.asarray(a, np.float32), fmt)
-    return QWeight(jnp.asarray(q), jnp.asarray(s), fmt=fmt, kernel=kernel)
+    return _quant_qweight(q, s, fmt, np.shape(a), kernel, tiles)
+
+
+def _quant_qweight(q, s, fmt: str, dims: tuple, kernel: str, tiles: bool) -> QWeight:
+    out, n_in = dims
+    if tiles and kernel == "native" and native_ok(fmt, n_in, n_in):
+        qt, st = to_tiles(q, s, fmt, n_in)
+        return QWeight(jnp.asarray(qt), jnp.asarray(st), fmt=fmt, kernel=kernel, layout="tiles",
+                       dims=(int(out), int(n_in)))
+    return QWeight(jnp.asarray(q), jnp.asarray(s), fmt=fmt, kernel=kernel if tiles else "xla")
 
 
 def _concat(parts: list):
@@ -402,5 +542,5 @@ def pack_table(a, kernel: str, fmt: str, dtype):
     """An embedding table: a QWeight when stored quantized or bf16 (rows widened as they are looked up), else the
     array as loaded."""
     if isinstance(a, QTensor) or np.asarray(a).dtype == _bf16():
-        return to_qweight(a, "native", kernel, dtype)
+        return to_qweight(a, "native", kernel, dtype, tiles=False)
     return a

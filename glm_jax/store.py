@@ -54,6 +54,7 @@ Counters are taken where the bytes move: ``bytes_read`` is the sum of what the r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import fcntl
 import json
 import mmap
@@ -256,8 +257,12 @@ class _Layer:
         if not self.aliased:   # host staging + device copy updated per miss
             dev = {n: jax.device_put(np.array(a), device) for n, a in self.arrays.items()}
         from glm_jax.quant import with_kernel
+        from glm_jax.quant import FLOAT_FORMATS
+        tiles = self.layout.fmt not in FLOAT_FORMATS            # container records: quantized in the tiles layout
         self.bank = with_kernel(ExpertBank(dev["gate_up"], dev["down"], dev.get("gate_up_scale"),
-                                           dev.get("down_scale"), fmt=self.layout.fmt), kernel)
+                                           dev.get("down_scale"), fmt=self.layout.fmt,
+                                           layout="tiles" if tiles else "rows", hidden=self.layout.hidden,
+                                           inter=self.layout.inter), kernel)
         self.slot_of = np.full(E, -1, np.int32)
         self.free = list(range(slots - 1, -1, -1))
         self.touched: set = set()
@@ -512,8 +517,8 @@ class ExpertStore:
         if self._scatter is None:
             def scatter(bank, idx, rows):
                 upd = {n: getattr(bank, n).at[idx].set(r) for n, r in rows.items()}
-                return type(bank)(upd["gate_up"], upd["down"], upd.get("gate_up_scale"), upd.get("down_scale"),
-                                  fmt=bank.fmt, kernel=bank.kernel)
+                return dataclasses.replace(bank, gate_up=upd["gate_up"], down=upd["down"],
+                                           gate_up_scale=upd.get("gate_up_scale"), down_scale=upd.get("down_scale"))
             self._scatter = jax.jit(scatter, donate_argnums=(0,))
         idx = np.asarray(slots, np.int32)
         rows = {n: a[idx] for n, a in lc.arrays.items()}

@@ -323,8 +323,9 @@ def _build_callback_step(engine, n_pos, rows=None):
             arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, i), shapes, after.ids[:r],
                                                  after.valid[:r], ordered=True)
             fmt = store._layer(i).layout.fmt
+            b0 = store._layer(i).bank
             bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
-                              fmt=fmt, kernel=store._layer(i).bank.kernel)
+                              fmt=fmt, kernel=b0.kernel, layout=b0.layout, hidden=b0.hidden, inter=b0.inter)
             if rows is None:
                 routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
             else:   # same gather-path products as fetch=loop's real-row path

@@ -39,8 +39,9 @@ def _int_weights(q, scale, fmt):
         return q.astype(np.int64), np.broadcast_to(scale, q.shape).astype(np.float64)
     lo, hi = (q & 15).astype(np.int64) - 8, (q >> 4).astype(np.int64) - 8
     w = np.stack([lo, hi], -1).reshape(q.shape[0], -1)
-    g = -(-w.shape[1] // scale.shape[1])
-    return w, np.repeat(scale, g, axis=1)[:, :w.shape[1]].astype(np.float64)
+    kind, g = quant.parse_format(fmt)
+    G = quant.int4_group(kind, g, w.shape[1])             # groups of G elements, the last one possibly shorter
+    return w, scale[:, np.arange(w.shape[1]) // G].astype(np.float64)
 
 
 def _matvec(q, scale, fmt, x):
@@ -59,28 +60,30 @@ def _silu(v):
 
 
 def _bank(fmt, E, H, I, seed):
+    """(native bank, row-major quantized reference (gq, gs, dq, ds)) of random experts."""
     rng = np.random.default_rng(seed)
     gu = rng.normal(size=(E, 2 * I, H)).astype(np.float32) * 0.1
     dn = rng.normal(size=(E, H, I)).astype(np.float32) * 0.1
-    return quant.bank_from_float(gu, dn, fmt, kernel="native")
+    bank = quant.bank_from_float(gu, dn, fmt, kernel="native")
+    assert bank.kernel == "native" and bank.layout == ("rows" if fmt in quant.FLOAT_FORMATS else "tiles")
+    return bank, quant.quantize(gu, fmt) + quant.quantize(dn, fmt)
 
 
-def _seam_reference(bank, slots, w, x, terms=False):
-    E = bank.num_slots
+def _seam_reference(fmt, ref, slots, w, x, terms=False):
+    gq, gs, dq, ds = ref
+    E = gq.shape[0]
     T, K = slots.shape
-    H = bank.down.shape[1]
-    g = lambda a: None if a is None else np.asarray(a)  # noqa: E731
+    H = x.shape[1]
     out = np.zeros((T, K, H) if terms else (T, H))
     for t in range(T):
         for k in range(K):
             s = slots[t, k]
             if s < 0 or s >= E:
                 continue
-            h = _matvec(g(bank.gate_up)[s], None if bank.gate_up_scale is None else g(bank.gate_up_scale)[s],
-                        bank.fmt, x[t]).astype(np.float32)
+            h = _matvec(gq[s], None if gs is None else gs[s], fmt, x[t]).astype(np.float32)
             I = h.shape[0] // 2
             a = (_silu(h[:I]) * h[I:]).astype(np.float32)
-            y = _matvec(g(bank.down)[s], None if bank.down_scale is None else g(bank.down_scale)[s], bank.fmt, a)
+            y = _matvec(dq[s], None if ds is None else ds[s], fmt, a)
             if terms:
                 out[t, k] = y
             else:
@@ -89,19 +92,17 @@ def _seam_reference(bank, slots, w, x, terms=False):
 
 
 _moe = jax.jit(lambda x, s, w, b, terms: kernels.moe(x, s, w, b.gate_up, b.gate_up_scale, b.down, b.down_scale,
-                                                     b.fmt, b.group("gate_up"), b.group("down"), terms),
+                                                     b.fmt, b.group("gate_up"), b.group("down"), b.dims[1], terms),
                static_argnums=(4,))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("H,I,T,K", [(256, 128, 1, 4), (192, 96, 5, 3)])
 def test_seam_matches_the_emulation(fmt, H, I, T, K):
-    """Whole and partial 64-blocks, a lone last block pair (H=192: 3 blocks), invalid entries, odd T and K."""
-    kind, g = quant.parse_format(fmt)
-    if kind == "int4_g" and any(n % g and n > g for n in (H, I)):
-        pytest.skip(f"{fmt}: the numpy quantizer needs widths that are multiples of the group")
+    """Whole and partial 64-blocks and int4 groups (H=192, I=96: a shorter last group), rows not a multiple of the
+    16-row tile (2I=192 and H=192 are, the qlinear test's 70 rows are not), invalid entries, odd T and K."""
     E = 6
-    bank = _bank(fmt, E, H, I, seed=H + T)
+    bank, ref_q = _bank(fmt, E, H, I, seed=H + T)
     rng = np.random.default_rng(T)
     slots = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     slots[rng.random((T, K)) < 0.25] = -1
@@ -109,15 +110,19 @@ def test_seam_matches_the_emulation(fmt, H, I, T, K):
     x = rng.normal(size=(T, H)).astype(np.float32)
     for terms in (False, True):
         got = np.asarray(_moe(jnp.asarray(x), jnp.asarray(slots), jnp.asarray(w), bank, terms))
-        ref = _seam_reference(bank, slots, w, x, terms)
-        assert np.abs(got - ref).max() <= 2e-5 * max(1.0, np.abs(ref).max()), (fmt, terms, np.abs(got - ref).max())
+        ref = _seam_reference(fmt, ref_q, slots, w, x, terms)
+        err, scale = np.abs(got - ref), max(1.0, np.abs(ref).max())
+        # the down projection's activations are re-quantized: where the float-order difference in the gate/up
+        # result moves one value across a rounding boundary, that (t, k) term's whole row moves by one int8 step of
+        # one activation (~1e-3 of the scale here); a layout or scale bug moves everything by percents
+        assert err.max() <= 5e-3 * scale and err.mean() <= 2e-4 * scale, (fmt, terms, err.max(), err.mean())
 
 
 @pytest.mark.parametrize("fmt", ["f32", "int8_row", "int4_g64"])
 def test_seam_rows_are_batch_and_slot_invariant(fmt):
     """A token's output is bitwise the same alone, among 7 others, and with its experts in other slots."""
     E, H, I, T, K = 8, 128, 64, 7, 3
-    bank = _bank(fmt, E, H, I, seed=3)
+    bank, _ = _bank(fmt, E, H, I, seed=3)
     rng = np.random.default_rng(4)
     slots = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     w = rng.random((T, K)).astype(np.float32)
@@ -136,7 +141,7 @@ def test_seam_rows_are_batch_and_slot_invariant(fmt):
 def test_seam_through_moe_routed_and_slot_map():
     """model.moe_routed on a native bank with a slot map = the emulation on the mapped slots; invalid -> 0."""
     E, H, I, T, K = 8, 128, 64, 4, 2
-    bank = _bank("int4_g64", E, H, I, seed=5)
+    bank, ref_q = _bank("int4_g64", E, H, I, seed=5)
     rng = np.random.default_rng(6)
     ids = rng.integers(0, E, (T, K)).astype(np.int32)
     valid = np.array([[1, 1], [1, 0], [0, 0], [1, 1]], bool)
@@ -145,7 +150,7 @@ def test_seam_through_moe_routed_and_slot_map():
     x = rng.normal(size=(T, H)).astype(np.float32)
     got = np.asarray(jax.jit(M.moe_routed)(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(valid),
                                            bank, jnp.asarray(slot_of)))
-    ref = _seam_reference(bank, np.where(valid, slot_of[ids], -1), w, x)
+    ref = _seam_reference("int4_g64", ref_q, np.where(valid, slot_of[ids], -1), w, x)
     assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
     assert not got[2].any()
 
@@ -156,11 +161,12 @@ def test_qlinear_matches_the_emulation_and_skips_padding_rows(fmt):
     out_dim, in_dim, T = 70, 256, 5                          # 70 rows: tiles of 4 plus a tail
     wf = rng.normal(size=(out_dim, in_dim)).astype(np.float32)
     qw = quant.to_qweight(wf, fmt, "native", jnp.float32)
+    assert qw.kernel == "native" and qw.shape == (out_dim, in_dim)
     x = rng.normal(size=(T, in_dim)).astype(np.float32)
     f = jax.jit(lambda x, w, r: quant.qdot(x, w, r))
     got = np.asarray(f(jnp.asarray(x), qw, None))
-    scale = None if qw.scale is None else np.asarray(qw.scale)
-    ref = np.stack([_matvec(np.asarray(qw.q), scale, fmt, x[t]) for t in range(T)])
+    q, scale = quant.quantize(wf, fmt)
+    ref = np.stack([_matvec(q, scale, fmt, x[t]) for t in range(T)])
     assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max(), fmt
     rows = np.array([True, False, True, False, False])
     part = np.asarray(f(jnp.asarray(x), qw, jnp.asarray(rows)))

@@ -31,7 +31,8 @@ def test_shorter_last_group_equals_two_row_quantizations():
     np.testing.assert_array_equal(quant.dequantize(q, s, "int4_g64"), ref)
     assert quant.quantized_nbytes(O, N, "int4_g64") == q.nbytes + s.nbytes
     lay = make_layout("int4_g64", N, 80)       # gate_up rows of 96 (2 groups), down rows of 80 (2 groups: 64 + 16)
-    assert lay.section("gate_up_scale").shape == (160, 2) and lay.section("down_scale").shape == (N, 2)
+    # records hold the tiles layout: scales [row tiles of 16, groups, 16]
+    assert lay.section("gate_up_scale").shape == (10, 2, 16) and lay.section("down_scale").shape == (N // 16, 2, 16)
 
 
 def test_dividing_groups_are_unchanged():

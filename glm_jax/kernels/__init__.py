@@ -8,8 +8,9 @@ anew, and nothing is written into the installed package.  Building is atomic (te
 between processes by a lock file.  Where no compiler is found or the build fails, ``available()`` is False and the
 engine runs its XLA path (``--kernels=auto``; ``--kernels=native`` makes that an error).
 
-Formats (glm_jax/quant.py is the numpy reference): f32, bf16 (f32 activations, exact dot products); int8_row and
-int4_g<G>/int4_row (activations quantized to int8 per 64-block, integer dot products with AVX-512 VNNI where present).
+Formats (glm_jax/quant.py is the numpy reference): f32, bf16 row-major (f32 activations, exact dot products); int8_row
+and int4_g<G>/int4_row in the tiles layout (quant.to_tiles; activations quantized to int8 per 64-block, integer dot
+products with AVX-512 VNNI where present, the same integer sums in portable C++ elsewhere).
 """
 
 from __future__ import annotations
@@ -170,35 +171,36 @@ def supported(fmt: str, in_dim: int, group: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- jax-facing calls
-def qlinear(x, q, scale, fmt: str, group: int, rows=None):
-    """x [T, in] f32 @ W[out, in]^T -> [T, out] f32; W = (q, scale) in ``fmt`` (quant.py layout).  ``rows`` (bool
-    [T], optional): only those rows are computed, the others are 0 (padding rows of a fixed-width forward)."""
+def qlinear(x, q, scale, fmt: str, group: int, out: int, rows=None):
+    """x [T, in] f32 @ W[out, in]^T -> [T, out] f32; W = (q, scale) in ``fmt``: float row-major, quantized in the
+    tiles layout (quant.to_tiles).  ``rows`` (bool [T], optional): only those rows are computed, the others are 0
+    (padding rows of a fixed-width forward)."""
     import jax
     import jax.numpy as jnp
 
     T, n_in = x.shape
-    out = q.shape[0]
-    s = scale if scale is not None else jnp.zeros((1, 1), jnp.float32)
+    s = scale if scale is not None else jnp.zeros((1, 1, 1), jnp.float32)
     r = jnp.zeros((0,), jnp.int32) if rows is None else rows.reshape(T).astype(jnp.int32)
     return jax.ffi.ffi_call("glmjax_qlinear", jax.ShapeDtypeStruct((T, out), jnp.float32))(
         x.astype(jnp.float32), q, s.astype(jnp.float32), r, fmt=np.int32(fmt_code(fmt)),
-        group=np.int64(group if group else n_in))
+        group=np.int64(group if group else n_in), out=np.int64(out))
 
 
 def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, gu_group: int, dn_group: int,
-        terms: bool = False):
-    """The MoE seam.  x [T, H] f32; slots [T, K] int32 (bank slot, -1 = invalid); weights [T, K] f32.
-    Returns out [T, H] f32 = sum_k weights * expert(x) in routing order, or with ``terms`` the unweighted per-(t, k)
-    expert outputs [T, K, H] f32 (0 where invalid)."""
+        inter: int, terms: bool = False):
+    """The MoE seam.  x [T, H] f32; slots [T, K] int32 (bank slot, -1 = invalid); weights [T, K] f32; the bank's
+    arrays (float row-major or quantized tiles, quant.py), ``inter`` the experts' intermediate size.  Returns out
+    [T, H] f32 = sum_k weights * expert(x) in routing order, or with ``terms`` the unweighted per-(t, k) expert
+    outputs [T, K, H] f32 (0 where invalid)."""
     import jax
     import jax.numpy as jnp
 
     T, H = x.shape
     K = slots.shape[1]
-    z = jnp.zeros((1, 1, 1), jnp.float32)
+    z = jnp.zeros((1, 1, 1, 1), jnp.float32)
     shape = (T, K, H) if terms else (T, H)
     return jax.ffi.ffi_call("glmjax_moe", jax.ShapeDtypeStruct(shape, jnp.float32))(
         x.astype(jnp.float32), slots.astype(jnp.int32), weights.astype(jnp.float32), gate_up,
         z if gate_up_scale is None else gate_up_scale, down, z if down_scale is None else down_scale,
         fmt=np.int32(fmt_code(fmt)), gu_group=np.int64(gu_group), dn_group=np.int64(dn_group),
-        mode=np.int32(1 if terms else 0))
+        mode=np.int32(1 if terms else 0), inter=np.int64(inter))

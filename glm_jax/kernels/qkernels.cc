@@ -5,18 +5,21 @@
 //                      y_tk = down_e( silu(gate_e x_t) * up_e x_t ),  out[t] = sum_k weights[t, k] * y_tk
 //                    (mode 0: out [T, H]; mode 1: the per-(t, k) terms y [T, K, H], invalid entries 0)
 //
-// Weight formats (glm_jax/quant.py is the reference):
-//   0 f32, 1 bf16                      : float rows; activations stay f32 (exact f32 FMA dot products)
-//   2 int8_row  ([out, in] int8, scale [out, 1]) : activations quantized to int8 per 64-block (scale amax/127)
-//   3 int4_g<G> ([out, in/2] uint8, two nibbles per byte, even element low, offset-binary q+8; scale [out, ng])
-//                                       : activations quantized to int8 per 64-block; G a multiple of 64 or >= in
-// Quantized formats multiply int8 activations by the integer weights with AVX-512 VNNI (vpdpbusd) where the CPU has
-// it (llama.cpp's Q4_0 x Q8_0 scheme), otherwise with portable loops (same integer sums, same float order).
+// Weight formats and layouts (glm_jax/quant.py is the reference: quantize / to_tiles):
+//   0 f32, 1 bf16 : row-major [out, in]; activations stay f32 (exact f32 FMA dot products)
+//   2 int8_row, 3 int4_g<G>/int4_row : the "tiles" layout: rows in tiles of 16; for tile t the input is cut into
+//     units of 4 (int8) or 8 (int4) elements, one 64-byte vector per unit holding its 16 rows: byte 4i+j =
+//     row 16t+i, element u*4+j (int8) or, for int4, low nibble element 8u+j and high nibble element 8u+4+j
+//     (offset-binary q+8).  Rows padded to a multiple of 16, the input to a multiple of 4 / 8 (zero weights).
+//     Scales [tiles, groups, 16] (int8: one group).  Activations are quantized to int8 per 64-block (amax/127).
+//     One AVX-512 VNNI vpdpbusd then multiplies 16 rows by 4 broadcast activations, accumulating straight into
+//     the 16 rows' lanes: no unpacking of activations, no horizontal sums (llama.cpp's repacked Q4_0/Q8_0 idea).
 //
-// Determinism: every (row, token) dot product is computed by the same instruction sequence whatever the tile it sits
-// in, the number of tokens, rows or experts in the call, or the thread that runs it (one 16-lane accumulator per
-// (row, token), blocks in order, one fixed horizontal sum), and the MoE output sums a token's experts in routing
-// order k.  So a row's result is bitwise independent of the batch around it (the engine's batch-invariance tests).
+// Determinism: every (row, token) result is computed by the same instruction sequence whatever the tile of tokens
+// it sits in, the number of tokens, rows or experts in the call, or the thread that runs it, and the MoE output sums
+// a token's experts in routing order k.  So a row's result is bitwise independent of the batch around it (the
+// engine's batch-invariance tests).  The portable build (no AVX-512 VNNI) does the same integer sums and the same
+// per-lane float operations, so it computes the quantized formats bitwise like the VNNI build.
 //
 // Threads: work is split into tasks shared with XLA's intra-op thread pool (ffi::ThreadPool); the calling thread runs
 // tasks too and never waits for a helper that has not started, so a busy pool costs nothing but parallelism.
@@ -42,64 +45,91 @@ namespace {
 enum Fmt : int32_t { kF32 = 0, kBF16 = 1, kI8 = 2, kI4 = 3 };
 constexpr int64_t BLK = 64;   // activation quantization block (elements)
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    !defined(GLMJAX_PORTABLE)
 #define GLMJAX_VNNI 1
 #else
 #define GLMJAX_VNNI 0
 #endif
 
+inline int64_t ceil_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
 // ------------------------------------------------------------------------------------------------ weights
 struct WMat {
-  const uint8_t* q = nullptr;   // [out, row_bytes]
-  const float* s = nullptr;     // [out, ng] (quantized formats)
-  int64_t out = 0, in = 0, ng = 1, G = 0, row_bytes = 0;
+  const uint8_t* q = nullptr;
+  const float* s = nullptr;
+  int64_t out = 0, in = 0, ng = 1, G = 0;
   int fmt = kF32;
-  const int32_t* gt = nullptr;  // int4: group of each 64-block (gemm_rows fills it)
+  // float formats: row-major, row_bytes per row.  int formats: tiles (K = padded input, unit bytes 64)
+  int64_t row_bytes = 0, K = 0, units = 0;
+  std::vector<int32_t> gt;      // int formats: group of each 64-block
   const uint8_t* row(int64_t r) const { return q + r * row_bytes; }
-  const float* srow(int64_t r) const { return s + r * ng; }
+  const uint8_t* tile(int64_t t) const { return q + t * units * 64; }
+  const float* tscale(int64_t t) const { return s + t * ng * 16; }
 };
 
-int64_t row_bytes_of(int fmt, int64_t in) {
+inline bool is_float(int fmt) { return fmt == kF32 || fmt == kBF16; }
+inline int64_t unit_elems(int fmt) { return fmt == kI4 ? 8 : 4; }
+
+// bytes of one [out, in] matrix in its layout
+int64_t matrix_bytes(int fmt, int64_t out, int64_t in) {
   switch (fmt) {
-    case kF32: return in * 4;
-    case kBF16: return in * 2;
-    case kI8: return in;
-    default: return in / 2;
+    case kF32: return out * in * 4;
+    case kBF16: return out * in * 2;
+    case kI8: return ceil_to(out, 16) * ceil_to(in, 4);
+    default: return ceil_to(out, 16) * ceil_to(in, 8) / 2;
   }
 }
 
+WMat make_wmat(const void* q, const float* s, int fmt, int64_t out, int64_t in, int64_t ng, int64_t G) {
+  WMat W;
+  W.q = (const uint8_t*)q;
+  W.s = s;
+  W.out = out;
+  W.in = in;
+  W.ng = std::max<int64_t>(1, ng);
+  W.G = G > 0 ? G : in;
+  W.fmt = fmt;
+  if (is_float(fmt)) {
+    W.row_bytes = in * (fmt == kF32 ? 4 : 2);
+  } else {
+    W.K = ceil_to(in, unit_elems(fmt));
+    W.units = W.K / unit_elems(fmt);
+    const int64_t nb = (in + BLK - 1) / BLK;
+    W.gt.resize(nb);
+    for (int64_t b = 0; b < nb; ++b) W.gt[b] = (int32_t)std::min<int64_t>((b * BLK) / W.G, W.ng - 1);
+  }
+  return W;
+}
+
 // ------------------------------------------------------------------------------------------------ activations
-// One token row prepared for a weight format.  Float formats use x itself.
+// One token row prepared for a weight format.  Float formats use x itself.  Quantized: int8 per 64-block.
 struct Prep {
   const float* xf = nullptr;
-  // int4: per pair of blocks j: 128 bytes [even b0 | even b1 | odd b0 | odd b1] (a lone last block: [even | odd]),
-  //       16 f32 lane scales (lanes 0-7 block 2j, 8-15 block 2j+1) and 16 int32 lane offsets (-8 * the lane's x sum)
-  // int8: per block: 64 bytes |x|, a 64-bit mask of negative x, the block scale
-  int8_t* xq = nullptr;
-  float* sx = nullptr;
-  int32_t* init = nullptr;
-  uint64_t* neg = nullptr;
+  const int8_t* xq = nullptr;     // int4: int8 values, natural order, zero-padded to the 64-blocks
+  const uint8_t* xa = nullptr;    // int8: |values|
+  const uint64_t* neg = nullptr;  // int8: per 4-element unit, its sign bits repeated over the 16 lanes
+  const float* sx = nullptr;      // per 64-block scale
+  const int32_t* corr = nullptr;  // int4: per 64-block, -8 * sum of the block's int8 values (offset-binary nibbles)
 };
 
 struct PrepLayout {
-  int64_t nb = 0, npair = 0, bytes = 0;
-  int64_t off_xq = 0, off_sx = 0, off_init = 0, off_neg = 0;
+  int64_t nb = 0, bytes = 0, off_a = 0, off_b = 0, off_sx = 0;
 };
 
 PrepLayout prep_layout(int fmt, int64_t in) {
   PrepLayout L;
   L.nb = (in + BLK - 1) / BLK;
-  L.npair = (L.nb + 1) / 2;
   auto al = [](int64_t n) { return (n + 63) / 64 * 64; };
   if (fmt == kI4) {
-    L.off_xq = 0;
-    L.off_sx = al(L.npair * 128);
-    L.off_init = L.off_sx + al(L.npair * 16 * 4);
-    L.bytes = L.off_init + al(L.npair * 16 * 4);
+    L.off_a = 0;                                   // xq
+    L.off_b = al(L.nb * BLK);                      // corr
+    L.off_sx = L.off_b + al(L.nb * 4);
+    L.bytes = L.off_sx + al(L.nb * 4);
   } else if (fmt == kI8) {
-    L.off_xq = 0;
-    L.off_neg = al(L.nb * 64);
-    L.off_sx = L.off_neg + al(L.nb * 8);
+    L.off_a = 0;                                   // |x|
+    L.off_b = al(L.nb * BLK);                      // sign masks per unit of 4
+    L.off_sx = L.off_b + al(L.nb * 16 * 8);
     L.bytes = L.off_sx + al(L.nb * 4);
   }
   return L;
@@ -120,111 +150,68 @@ inline float block_quant(const float* x, int64_t n, int8_t* q /* 64 */) {
 
 void prep_row(int fmt, const float* x, int64_t in, const PrepLayout& L, uint8_t* buf, Prep* p) {
   p->xf = x;
-  if (fmt == kF32 || fmt == kBF16) return;
-  alignas(64) int8_t q[BLK];
-  if (fmt == kI8) {
-    p->xq = (int8_t*)(buf + L.off_xq);
-    p->neg = (uint64_t*)(buf + L.off_neg);
-    p->sx = (float*)(buf + L.off_sx);
+  if (is_float(fmt)) return;
+  float* sx = (float*)(buf + L.off_sx);
+  p->sx = sx;
+  if (fmt == kI4) {
+    int8_t* xq = (int8_t*)(buf + L.off_a);
+    int32_t* corr = (int32_t*)(buf + L.off_b);
     for (int64_t b = 0; b < L.nb; ++b) {
-      int64_t n = std::min(BLK, in - b * BLK);
-      p->sx[b] = block_quant(x + b * BLK, n, q);
-      uint64_t m = 0;
-      uint8_t* a = (uint8_t*)p->xq + b * BLK;
-      for (int i = 0; i < BLK; ++i) {
-        a[i] = (uint8_t)(q[i] < 0 ? -q[i] : q[i]);
-        if (q[i] < 0) m |= (uint64_t)1 << i;
-      }
-      p->neg[b] = m;
+      sx[b] = block_quant(x + b * BLK, std::min(BLK, in - b * BLK), xq + b * BLK);
+      int32_t sum = 0;
+      for (int i = 0; i < BLK; ++i) sum += xq[b * BLK + i];
+      corr[b] = -8 * sum;
     }
+    p->xq = xq;
+    p->corr = corr;
     return;
   }
-  // int4
-  p->xq = (int8_t*)(buf + L.off_xq);
-  p->sx = (float*)(buf + L.off_sx);
-  p->init = (int32_t*)(buf + L.off_init);
-  for (int64_t j = 0; j < L.npair; ++j) {
-    int8_t* d = p->xq + j * 128;
-    std::memset(d, 0, 128);
-    int nblk = (2 * j + 1 < L.nb) ? 2 : 1;
-    for (int h = 0; h < nblk; ++h) {
-      int64_t b = 2 * j + h;
-      int64_t n = std::min(BLK, in - b * BLK);
-      float s = block_quant(x + b * BLK, n, q);
-      int8_t* ev = nblk == 2 ? d + 32 * h : d;
-      int8_t* od = nblk == 2 ? d + 64 + 32 * h : d + 32;
-      for (int i = 0; i < 32; ++i) {
-        ev[i] = q[2 * i];
-        od[i] = q[2 * i + 1];
+  uint8_t* xa = buf + L.off_a;
+  uint64_t* neg = (uint64_t*)(buf + L.off_b);
+  alignas(64) int8_t q[BLK];
+  for (int64_t b = 0; b < L.nb; ++b) {
+    sx[b] = block_quant(x + b * BLK, std::min(BLK, in - b * BLK), q);
+    for (int u = 0; u < 16; ++u) {
+      uint64_t bits = 0;
+      for (int j = 0; j < 4; ++j) {
+        int8_t v = q[4 * u + j];
+        xa[b * BLK + 4 * u + j] = (uint8_t)(v < 0 ? -v : v);
+        if (v < 0) bits |= (uint64_t)1 << j;
       }
-      for (int l = 0; l < 8; ++l) {
-        int32_t sum = 0;
-        for (int i = 4 * l; i < 4 * l + 4; ++i) sum += ev[i] + od[i];
-        p->sx[j * 16 + 8 * h + l] = s;
-        p->init[j * 16 + 8 * h + l] = -8 * sum;
-      }
+      neg[b * 16 + u] = bits * 0x1111111111111111ull;     // the unit's 4 sign bits in every 32-bit lane
     }
-    for (int h = nblk; h < 2; ++h)
-      for (int l = 0; l < 8; ++l) {
-        p->sx[j * 16 + 8 * h + l] = 0.f;
-        p->init[j * 16 + 8 * h + l] = 0;
-      }
   }
+  p->xa = xa;
+  p->neg = neg;
 }
 
-// ------------------------------------------------------------------------------------------------ dot kernels
-// dot_rows<R>(W, r0, p): R consecutive rows against one prepared token.  One 16-lane accumulator per row, blocks in
-// order, one horizontal sum: the per-(row, token) sequence never depends on R.
-
+// ------------------------------------------------------------------------------------------------ float kernels
+// R rows x C tokens, row-major weights.  out[c * R + r].  One 16-lane accumulator per (row, token), elements in
+// order, one horizontal sum: the same instruction sequence for every (row, token) whatever R and C.
 #if GLMJAX_VNNI
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-// R rows x C tokens.  out[c * R + r].  Every (r, c) pair runs the same instruction sequence as in the R=1, C=1 case.
-template <int R, int C>
-inline void dot_f32(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t n = W.in;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 xv[C];
-    for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(P[c]->xf + i);
-    for (int r = 0; r < R; ++r) {
-      __m512 w = _mm512_loadu_ps((const float*)W.row(r0 + r) + i);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
-    }
-  }
-  if (i < n) {
-    __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    __m512 xv[C];
-    for (int c = 0; c < C; ++c) xv[c] = _mm512_maskz_loadu_ps(m, P[c]->xf + i);
-    for (int r = 0; r < R; ++r) {
-      __m512 w = _mm512_maskz_loadu_ps(m, (const float*)W.row(r0 + r) + i);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]);
-}
 
 inline __m512 bf16x16(const void* p, __mmask16 m) {
   __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <int R, int C>
-inline void dot_bf16(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
+template <int R, int C, bool BF>
+inline void dot_float(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int64_t n = W.in;
+  auto wload = [&](int r, int64_t i, __mmask16 m) {
+    return BF ? bf16x16((const uint16_t*)W.row(r0 + r) + i, m)
+              : _mm512_maskz_loadu_ps(m, (const float*)W.row(r0 + r) + i);
+  };
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 xv[C];
     for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(P[c]->xf + i);
     for (int r = 0; r < R; ++r) {
-      __m512 w = bf16x16((const uint16_t*)W.row(r0 + r) + i, 0xFFFF);
+      __m512 w = wload(r, i, 0xFFFF);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
     }
   }
@@ -233,128 +220,14 @@ inline void dot_bf16(const WMat& W, int64_t r0, const Prep* const* P, float* out
     __m512 xv[C];
     for (int c = 0; c < C; ++c) xv[c] = _mm512_maskz_loadu_ps(m, P[c]->xf + i);
     for (int r = 0; r < R; ++r) {
-      __m512 w = bf16x16((const uint16_t*)W.row(r0 + r) + i, m);
+      __m512 w = wload(r, i, m);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]);
 }
-
-template <int R, int C>
-inline void dot_i8(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t nb = (W.in + BLK - 1) / BLK;
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t n = std::min(BLK, W.in - b * BLK);
-    const __mmask64 lm = n == BLK ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
-    __m512i xa[C];
-    __mmask64 neg[C];
-    __m512 sx[C];
-    for (int c = 0; c < C; ++c) {
-      xa[c] = _mm512_load_si512((const void*)(P[c]->xq + b * BLK));
-      neg[c] = (__mmask64)P[c]->neg[b];
-      sx[c] = _mm512_set1_ps(P[c]->sx[b]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = n == BLK ? _mm512_loadu_si512((const void*)(W.row(r0 + r) + b * BLK))
-                                 : _mm512_maskz_loadu_epi8(lm, W.row(r0 + r) + b * BLK);
-      for (int c = 0; c < C; ++c) {
-        __m512i ws = _mm512_mask_sub_epi8(w, neg[c], zero, w);             // w * sign(x)
-        __m512i d = _mm512_dpbusd_epi32(zero, xa[c], ws);                   // |x| * (w sign(x))
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sx[c], acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]) * W.srow(r0 + r)[0];
-}
-
-// int4: pairs of 64-blocks (64 packed bytes); the weight scales of the pair's two blocks as one 16-lane vector
-inline __m512 i4_scales(const WMat& W, const float* sw, int64_t b0, bool two) {
-  if (W.G == BLK && two) {       // int4_g64: the pair's two groups are adjacent floats
-    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m128 s2 = _mm_castpd_ps(_mm_load_sd((const double*)(sw + b0)));
-    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s2));
-  }
-  const int64_t g0 = W.gt[b0], g1 = two ? W.gt[b0 + 1] : g0;
-  if (g0 == g1) return _mm512_set1_ps(sw[g0]);
-  return _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(sw[g0]), _mm512_set1_ps(sw[g1]));
-}
-
-template <int R, int C, bool TAIL>
-inline void i4_pair(const WMat& W, int64_t r0, const Prep* const* P, int64_t j, int64_t nb, __m512 (&acc)[R][C]) {
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  const int64_t b0 = 2 * j, byte0 = b0 * 32;
-  const bool two = b0 + 1 < nb;
-  __mmask64 lm = ~(__mmask64)0;
-  if (TAIL) {
-    const int64_t nbytes = std::min<int64_t>(64, W.row_bytes - byte0);
-    lm = nbytes == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nbytes) - 1);
-  }
-  __m512i xe[C], xo[C], ini[C];
-  __m512 sx[C];
-  for (int c = 0; c < C; ++c) {
-    const int8_t* q = P[c]->xq + j * 128;
-    if (!TAIL || two) {
-      xe[c] = _mm512_load_si512((const void*)q);
-      xo[c] = _mm512_load_si512((const void*)(q + 64));
-    } else {   // lone last block: [even 32 | odd 32] -> low 256 bits of xe / xo, high halves 0
-      xe[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)q)),
-                                 _mm256_setzero_si256(), 1);
-      xo[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i*)(q + 32))),
-                                 _mm256_setzero_si256(), 1);
-    }
-    ini[c] = _mm512_load_si512((const void*)(P[c]->init + j * 16));
-    sx[c] = _mm512_load_ps(P[c]->sx + j * 16);
-  }
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* wp = W.row(r0 + r) + byte0;
-    const __m512i v = TAIL ? _mm512_maskz_loadu_epi8(lm, wp) : _mm512_loadu_si512((const void*)wp);
-    const __m512i lo = _mm512_and_si512(v, lo4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-    const __m512 swv = i4_scales(W, W.srow(r0 + r), b0, two);
-    for (int c = 0; c < C; ++c) {
-      __m512i d = _mm512_dpbusd_epi32(ini[c], lo, xe[c]);
-      d = _mm512_dpbusd_epi32(d, hi, xo[c]);
-      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sx[c], swv), acc[r][c]);
-    }
-  }
-}
-
-template <int R, int C>
-inline void dot_i4(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t nb = (W.in + BLK - 1) / BLK, npair = (nb + 1) / 2, nfull = W.in / (2 * BLK);
-  for (int64_t j = 0; j < nfull; ++j) i4_pair<R, C, false>(W, r0, P, j, nb, acc);
-  for (int64_t j = nfull; j < npair; ++j) i4_pair<R, C, true>(W, r0, P, j, nb, acc);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[c * R + r] = hsum(acc[r][c]);
-}
-
-#else   // ------------------------------------------------------------------ portable (no AVX-512 VNNI)
-// The same arithmetic in plain loops: 16 float lanes per (row, token), blocks in order, lanes summed in one order.
-inline float hsum16(const float* a) {
-  float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += a[l];
-  return s;
-}
-
-template <int R>
-inline void dot1_f32(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  for (int r = 0; r < R; ++r) {
-    float acc[16] = {0};
-    const float* w = (const float*)W.row(r0 + r);
-    for (int64_t i = 0; i < W.in; ++i) acc[i % 16] = std::fma(w[i], p.xf[i], acc[i % 16]);
-    out[r] = hsum16(acc);
-  }
-}
-
+#else
 inline float bf16f(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
   float f;
@@ -362,119 +235,180 @@ inline float bf16f(uint16_t h) {
   return f;
 }
 
-template <int R>
-inline void dot1_bf16(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  for (int r = 0; r < R; ++r) {
-    float acc[16] = {0};
-    const uint16_t* w = (const uint16_t*)W.row(r0 + r);
-    for (int64_t i = 0; i < W.in; ++i) acc[i % 16] = std::fma(bf16f(w[i]), p.xf[i], acc[i % 16]);
-    out[r] = hsum16(acc);
-  }
-}
-
-template <int R>
-inline void dot1_i8(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  const int64_t nb = (W.in + BLK - 1) / BLK;
-  for (int r = 0; r < R; ++r) {
-    float acc[16] = {0};
-    const int8_t* w = (const int8_t*)W.row(r0 + r);
-    for (int64_t b = 0; b < nb; ++b) {
-      int64_t n = std::min(BLK, W.in - b * BLK);
-      const uint8_t* xa = (const uint8_t*)p.xq + b * BLK;
-      for (int l = 0; l < 16; ++l) {
-        int32_t d = 0;
-        for (int i = 4 * l; i < 4 * l + 4; ++i) {
-          if (i >= n) break;
-          int32_t wi = w[b * BLK + i];
-          if ((p.neg[b] >> i) & 1) wi = -wi;
-          d += (int32_t)xa[i] * wi;
-        }
-        acc[l] = std::fma((float)d, p.sx[b], acc[l]);
+template <int R, int C, bool BF>
+inline void dot_float(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+      float acc[16] = {0};
+      for (int64_t i = 0; i < W.in; ++i) {
+        float w = BF ? bf16f(((const uint16_t*)W.row(r0 + r))[i]) : ((const float*)W.row(r0 + r))[i];
+        acc[i % 16] = std::fma(w, P[c]->xf[i], acc[i % 16]);
       }
+      float s = 0.f;
+      for (int l = 0; l < 16; ++l) s += acc[l];
+      out[c * R + r] = s;
     }
-    out[r] = hsum16(acc) * W.srow(r0 + r)[0];
-  }
 }
-
-template <int R>
-inline void dot1_i4(const WMat& W, int64_t r0, const Prep& p, float* out) {
-  const int64_t nb = (W.in + BLK - 1) / BLK, npair = (nb + 1) / 2;
-  for (int r = 0; r < R; ++r) {
-    float acc[16] = {0};
-    const uint8_t* w = W.row(r0 + r);
-    const float* sw = W.srow(r0 + r);
-    for (int64_t j = 0; j < npair; ++j) {
-      const int64_t b0 = 2 * j;
-      const bool two = b0 + 1 < nb;
-      const int8_t* xe = p.xq + j * 128;
-      const int8_t* xo = two ? xe + 64 : xe + 32;
-      const int64_t g0 = W.gt[b0], g1 = two ? W.gt[b0 + 1] : g0;
-      for (int l = 0; l < 16; ++l) {
-        if (!two && l >= 8) break;
-        int32_t d = p.init[j * 16 + l];
-        for (int i = 4 * l; i < 4 * l + 4; ++i) {
-          int64_t byte = b0 * 32 + i;
-          uint8_t v = byte < W.row_bytes ? w[byte] : 0;
-          d += (int32_t)(v & 15) * xe[i] + (int32_t)(v >> 4) * xo[i];
-        }
-        float s = p.sx[j * 16 + l] * sw[l < 8 ? g0 : g1];
-        acc[l] = std::fma((float)d, s, acc[l]);
-      }
-    }
-    out[r] = hsum16(acc);
-  }
-}
-#define GLMJAX_RC(name)                                                                \
-  template <int R, int C>                                                               \
-  inline void dot_##name(const WMat& W, int64_t r0, const Prep* const* P, float* out) { \
-    for (int c = 0; c < C; ++c) dot1_##name<R>(W, r0, *P[c], out + c * R);             \
-  }
-GLMJAX_RC(f32)
-GLMJAX_RC(bf16)
-GLMJAX_RC(i8)
-GLMJAX_RC(i4)
-#undef GLMJAX_RC
 #endif
 
-template <int R, int C>
-inline void dot_rows(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
-  switch (W.fmt) {
-    case kF32: dot_f32<R, C>(W, r0, P, out); break;
-    case kBF16: dot_bf16<R, C>(W, r0, P, out); break;
-    case kI8: dot_i8<R, C>(W, r0, P, out); break;
-    default: dot_i4<R, C>(W, r0, P, out); break;
-  }
-}
-
-// rows [r0, r1) of W against tokens preps[0..n) -> ys[i][row].  Tiles of 4 rows x 4 (float) or 2 (quantized)
-// tokens: the tile's weights are loaded (and unpacked) once for its tokens; every (row, token) result is the same
-// instruction sequence whatever the tile, so a token's output never depends on the others.
-void gemm_rows(const WMat& W0, int64_t r0, int64_t r1, const Prep* const* preps, int64_t n, float* const* ys) {
-  WMat W = W0;
-  std::vector<int32_t> gt((W.in + BLK - 1) / BLK + 1);
-  for (size_t b = 0; b < gt.size(); ++b) gt[b] = (int32_t)std::min<int64_t>((b * BLK) / W.G, W.ng - 1);
-  W.gt = gt.data();
-  const int CT = (W.fmt == kF32 || W.fmt == kBF16) ? 4 : 2;
+// rows [r0, r1) of a float W against tokens preps[0..n) -> ys[i][row], tiles of 4 rows x 4 tokens
+template <bool BF>
+void gemm_float(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps, int64_t n, float* const* ys) {
   float tmp[16];
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t i = 0;
-    if (CT == 4)
-      for (; i + 4 <= n; i += 4) {
-        dot_rows<4, 4>(W, r, preps + i, tmp);
-        for (int c = 0; c < 4; ++c) std::memcpy(ys[i + c] + r, tmp + 4 * c, 4 * sizeof(float));
-      }
-    for (; i + 2 <= n; i += 2) {
-      dot_rows<4, 2>(W, r, preps + i, tmp);
-      for (int c = 0; c < 2; ++c) std::memcpy(ys[i + c] + r, tmp + 4 * c, 4 * sizeof(float));
+    for (; i + 4 <= n; i += 4) {
+      dot_float<4, 4, BF>(W, r, preps + i, tmp);
+      for (int c = 0; c < 4; ++c) std::memcpy(ys[i + c] + r, tmp + 4 * c, 4 * sizeof(float));
     }
     for (; i < n; ++i) {
-      dot_rows<4, 1>(W, r, preps + i, tmp);
+      dot_float<4, 1, BF>(W, r, preps + i, tmp);
       std::memcpy(ys[i] + r, tmp, 4 * sizeof(float));
     }
   }
   for (; r < r1; ++r)
-    for (int64_t i = 0; i < n; ++i) dot_rows<1, 1>(W, r, preps + i, ys[i] + r);
+    for (int64_t i = 0; i < n; ++i) dot_float<1, 1, BF>(W, r, preps + i, ys[i] + r);
+}
+
+// ------------------------------------------------------------------------------------------------ tile kernels
+// tile t (16 rows) x C tokens -> out[c][0..16).  Per 64-block: exact int32 sums, then
+// acc = fma(float(isum), scale[row] * sx[block], acc) per row lane, blocks in order.
+#if GLMJAX_VNNI
+template <int C>
+inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
+  const uint8_t* wt = W.tile(t);
+  const float* st = W.tscale(t);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  __m512 accf[C];
+  for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
+  const int64_t nb = (W.in + BLK - 1) / BLK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo_acc[C], hi_acc[C];
+    for (int c = 0; c < C; ++c) {
+      lo_acc[c] = _mm512_set1_epi32(P[c]->corr[b]);
+      hi_acc[c] = _mm512_setzero_si512();
+    }
+    const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
+    for (int64_t u = b * (BLK / 8); u < u1; ++u) {
+      const __m512i v = _mm512_loadu_si512((const void*)(wt + u * 64));
+      const __m512i lo = _mm512_and_si512(v, lo4);
+      const __m512i hi = _mm512_andnot_si512(lo4, v);          // 16 x the high nibble: no shift per vector
+      for (int c = 0; c < C; ++c) {
+        const int8_t* xq = P[c]->xq + u * 8;
+        lo_acc[c] = _mm512_dpbusd_epi32(lo_acc[c], lo, _mm512_set1_epi32(*(const int32_t*)xq));
+        hi_acc[c] = _mm512_dpbusd_epi32(hi_acc[c], hi, _mm512_set1_epi32(*(const int32_t*)(xq + 4)));
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(st + W.gt[b] * 16);
+    for (int c = 0; c < C; ++c) {
+      const __m512i isum = _mm512_add_epi32(lo_acc[c], _mm512_srai_epi32(hi_acc[c], 4));
+      accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(P[c]->sx[b])), accf[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], accf[c]);
+}
+
+template <int C>
+inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
+  const uint8_t* wt = W.tile(t);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 accf[C];
+  for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
+  const int64_t nb = (W.in + BLK - 1) / BLK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = zero;
+    const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 4));
+    for (int64_t u = b * (BLK / 4); u < u1; ++u) {
+      const __m512i w = _mm512_loadu_si512((const void*)(wt + u * 64));
+      for (int c = 0; c < C; ++c) {
+        const __m512i ws = _mm512_mask_sub_epi8(w, (__mmask64)P[c]->neg[u], zero, w);     // w * sign(x)
+        acc[c] = _mm512_dpbusd_epi32(acc[c], _mm512_set1_epi32(*(const int32_t*)(P[c]->xa + u * 4)), ws);
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), _mm512_set1_ps(P[c]->sx[b]), accf[c]);
+  }
+  const __m512 sc = _mm512_loadu_ps(W.tscale(t));
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], _mm512_mul_ps(accf[c], sc));
+}
+#else
+template <int C>
+inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
+  const uint8_t* wt = W.tile(t);
+  const float* st = W.tscale(t);
+  const int64_t nb = (W.in + BLK - 1) / BLK;
+  for (int c = 0; c < C; ++c) {
+    float accf[16] = {0};
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t lo_acc[16], hi_acc[16];
+      for (int l = 0; l < 16; ++l) lo_acc[l] = P[c]->corr[b], hi_acc[l] = 0;
+      const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
+      for (int64_t u = b * (BLK / 8); u < u1; ++u)
+        for (int l = 0; l < 16; ++l)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t v = wt[u * 64 + 4 * l + j];
+            lo_acc[l] += (int32_t)(v & 15) * P[c]->xq[u * 8 + j];
+            hi_acc[l] += (int32_t)(v & 0xF0) * P[c]->xq[u * 8 + 4 + j];
+          }
+      const float* sc = st + W.gt[b] * 16;
+      for (int l = 0; l < 16; ++l)
+        accf[l] = std::fma((float)(lo_acc[l] + (hi_acc[l] >> 4)), sc[l] * P[c]->sx[b], accf[l]);
+    }
+    std::memcpy(out[c], accf, sizeof(accf));
+  }
+}
+
+template <int C>
+inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
+  const uint8_t* wt = W.tile(t);
+  const float* sc = W.tscale(t);
+  const int64_t nb = (W.in + BLK - 1) / BLK;
+  for (int c = 0; c < C; ++c) {
+    float accf[16] = {0};
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t acc[16] = {0};
+      const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 4));
+      for (int64_t u = b * (BLK / 4); u < u1; ++u)
+        for (int l = 0; l < 16; ++l)
+          for (int j = 0; j < 4; ++j) {
+            int32_t w = (int8_t)wt[u * 64 + 4 * l + j];
+            if ((P[c]->neg[u] >> j) & 1) w = -w;
+            acc[l] += w * P[c]->xa[u * 4 + j];
+          }
+      for (int l = 0; l < 16; ++l) accf[l] = std::fma((float)acc[l], P[c]->sx[b], accf[l]);
+    }
+    for (int l = 0; l < 16; ++l) out[c][l] = accf[l] * sc[l];
+  }
+}
+#endif
+
+// tiles [t0, t1) of a quantized W against tokens preps[0..n) -> ys[i][rows of the tiles], 4 tokens at a time
+void gemm_tiles(const WMat& W, int64_t t0, int64_t t1, const Prep* const* preps, int64_t n, float* const* ys) {
+  alignas(64) float tmp[4][16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t rows = std::min<int64_t>(16, W.out - 16 * t);
+    auto put = [&](int64_t i, int nc) {
+      for (int c = 0; c < nc; ++c) std::memcpy(ys[i + c] + 16 * t, tmp[c], rows * sizeof(float));
+    };
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      W.fmt == kI4 ? tile_i4<4>(W, t, preps + i, tmp) : tile_i8<4>(W, t, preps + i, tmp);
+      put(i, 4);
+    }
+    for (; i < n; ++i) {
+      W.fmt == kI4 ? tile_i4<1>(W, t, preps + i, tmp) : tile_i8<1>(W, t, preps + i, tmp);
+      put(i, 1);
+    }
+  }
+}
+
+// output rows [r0, r1) (multiples of 16 for quantized formats, except at the end) against n tokens
+void gemm(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps, int64_t n, float* const* ys) {
+  if (W.fmt == kF32) return gemm_float<false>(W, r0, r1, preps, n, ys);
+  if (W.fmt == kBF16) return gemm_float<true>(W, r0, r1, preps, n, ys);
+  gemm_tiles(W, r0 / 16, (r1 + 15) / 16, preps, n, ys);
 }
 
 // ------------------------------------------------------------------------------------------------ threads
@@ -517,17 +451,10 @@ int pool_threads(ffi::ThreadPool& pool) {
 
 constexpr double kParallelMacs = 3e5;   // below this a call runs on one thread (the hand-off costs more)
 
-WMat make_wmat(const void* q, const float* s, int fmt, int64_t out, int64_t in, int64_t ng, int64_t G) {
-  WMat W;
-  W.q = (const uint8_t*)q;
-  W.s = s;
-  W.out = out;
-  W.in = in;
-  W.ng = ng;
-  W.G = G > 0 ? G : in;
-  W.fmt = fmt;
-  W.row_bytes = row_bytes_of(fmt, in);
-  return W;
+// row chunks for ``threads`` workers: about 4 tasks per thread, multiples of 16 rows (one tile) at least
+int64_t row_chunk(int64_t rows, int threads, int64_t per) {
+  int64_t want = std::max<int64_t>(1, per);
+  return std::max<int64_t>(16, ceil_to((rows + want - 1) / want, 16));
 }
 
 ffi::Error check_fmt(int32_t fmt, int64_t in, int64_t G) {
@@ -541,16 +468,16 @@ ffi::Error check_fmt(int32_t fmt, int64_t in, int64_t G) {
 
 // ------------------------------------------------------------------------------------------------ qlinear
 ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
-                       ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group) {
+                       ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group,
+                       int64_t out) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("glmjax_qlinear: rank");
-  const int64_t T = xd[0], in = xd[1], out = wd[0];
-  auto sd = s.dimensions();
-  const int64_t ng = sd.size() == 2 ? sd[1] : 1;
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("glmjax_qlinear: rank");
+  const int64_t T = xd[0], in = xd[1];
   if (auto e = check_fmt(fmt, in, group > 0 ? group : in); !e.success()) return e;
-  if (wd[1] != row_bytes_of(fmt, in) / (fmt == kF32 ? 4 : fmt == kBF16 ? 2 : 1))
-    return ffi::Error::InvalidArgument("glmjax_qlinear: weight shape does not match the format");
+  if ((int64_t)w.size_bytes() != matrix_bytes(fmt, out, in))
+    return ffi::Error::InvalidArgument("glmjax_qlinear: weight size does not match the format and shape");
+  auto sd = s.dimensions();
+  const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
   WMat W = make_wmat(w.untyped_data(), s.typed_data(), fmt, out, in, ng, group);
   PrepLayout L = prep_layout(fmt, in);
   const float* xp = x.typed_data();
@@ -575,12 +502,10 @@ ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   const int64_t n = (int64_t)pp.size();
   double macs = (double)n * out * in;
   int threads = macs >= kParallelMacs ? pool_threads(pool) : 1;
-  // row chunks (multiples of 4 rows), about 4 per thread
-  int64_t chunk = std::max<int64_t>(4, ((out + 4 * threads - 1) / (4 * threads) + 3) / 4 * 4);
-  int64_t nchunks = (out + chunk - 1) / chunk;
+  const int64_t chunk = row_chunk(out, threads, 4 * threads);
+  const int64_t nchunks = (out + chunk - 1) / chunk;
   parallel_for(&pool, threads, nchunks, [&](int64_t c) {
-    int64_t r0 = c * chunk, r1 = std::min(out, r0 + chunk);
-    gemm_rows(W, r0, r1, pp.data(), n, ys.data());
+    gemm(W, c * chunk, std::min(out, (c + 1) * chunk), pp.data(), n, ys.data());
   });
   return ffi::Error::Success();
 }
@@ -591,19 +516,22 @@ inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
                    ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::Buffer<ffi::F32> gus, ffi::AnyBuffer dn,
                    ffi::Buffer<ffi::F32> dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
-                   int64_t dn_group, int32_t mode) {
+                   int64_t dn_group, int32_t mode, int64_t inter) {
   auto xd = x.dimensions(), sd = slots.dimensions(), gd = gu.dimensions(), dd = dn.dimensions();
-  if (xd.size() != 2 || sd.size() != 2 || gd.size() != 3 || dd.size() != 3)
+  if (xd.size() != 2 || sd.size() != 2 || gd.size() < 2 || dd.size() < 2)
     return ffi::Error::InvalidArgument("glmjax_moe: rank");
-  const int64_t T = xd[0], H = xd[1], K = sd[1], S = gd[0], I2 = gd[1], I = I2 / 2;
-  if (sd[0] != T || dd[0] != S || dd[1] != H) return ffi::Error::InvalidArgument("glmjax_moe: shapes");
+  const int64_t T = xd[0], H = xd[1], K = sd[1], S = gd[0], I = inter, I2 = 2 * inter;
+  if (sd[0] != T || dd[0] != S) return ffi::Error::InvalidArgument("glmjax_moe: shapes");
   if (auto e = check_fmt(fmt, H, gu_group > 0 ? gu_group : H); !e.success()) return e;
   if (auto e = check_fmt(fmt, I, dn_group > 0 ? dn_group : I); !e.success()) return e;
+  const int64_t gu_slot = matrix_bytes(fmt, I2, H), dn_slot = matrix_bytes(fmt, H, I);
+  if ((int64_t)gu.size_bytes() != S * gu_slot || (int64_t)dn.size_bytes() != S * dn_slot)
+    return ffi::Error::InvalidArgument("glmjax_moe: expert bank size does not match the format and shapes");
+  const bool quant = !is_float(fmt);
   auto gsd = gus.dimensions(), dsd = dns.dimensions();
-  const bool quant = fmt == kI8 || fmt == kI4;
-  const int64_t gng = quant ? gsd[2] : 1, dng = quant ? dsd[2] : 1;
-  const int64_t gu_rb = row_bytes_of(fmt, H), dn_rb = row_bytes_of(fmt, I);
-  const int64_t gu_slot = I2 * gu_rb, dn_slot = H * dn_rb;
+  const int64_t gng = quant ? gsd[gsd.size() - 2] : 1, dng = quant ? dsd[dsd.size() - 2] : 1;
+  const int64_t gs_slot = quant ? (int64_t)gus.element_count() / S : 0;
+  const int64_t ds_slot = quant ? (int64_t)dns.element_count() / S : 0;
   const uint8_t* gq = (const uint8_t*)gu.untyped_data();
   const uint8_t* dq = (const uint8_t*)dn.untyped_data();
   const float* gs = gus.typed_data();
@@ -653,9 +581,8 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   int threads = macs >= kParallelMacs ? pool_threads(pool) : 1;
   // tasks: (group, row chunk); chunks sized so that there are >= ~4 tasks per thread
   auto make_tasks = [&](int64_t rows, std::vector<std::array<int64_t, 3>>& tasks) {
-    int64_t want = 4 * threads;
-    int64_t per_group = std::max<int64_t>(1, (want + (int64_t)groups.size() - 1) / (int64_t)groups.size());
-    int64_t chunk = std::max<int64_t>(16, ((rows + per_group - 1) / per_group + 3) / 4 * 4);
+    int64_t per_group = std::max<int64_t>(1, (4 * threads + (int64_t)groups.size() - 1) / (int64_t)groups.size());
+    int64_t chunk = row_chunk(rows, threads, per_group);
     for (int64_t g = 0; g < (int64_t)groups.size(); ++g)
       for (int64_t r = 0; r < rows; r += chunk) tasks.push_back({g, r, std::min(rows, r + chunk)});
   };
@@ -666,7 +593,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   // phase A: h = gate_up(x)
   parallel_for(&pool, threads, (int64_t)ta.size(), [&](int64_t i) {
     const Grp& g = groups[ta[i][0]];
-    WMat W = make_wmat(gq + g.slot * gu_slot, quant ? gs + g.slot * I2 * gng : nullptr, fmt, I2, H, gng, gu_group);
+    WMat W = make_wmat(gq + g.slot * gu_slot, quant ? gs + g.slot * gs_slot : nullptr, fmt, I2, H, gng, gu_group);
     std::vector<const Prep*> pp(g.n);
     std::vector<float*> ys(g.n);
     for (int64_t j = 0; j < g.n; ++j) {
@@ -674,7 +601,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
       pp[j] = &tprep[order[q] / K];
       ys[j] = h.data() + q * I2;
     }
-    gemm_rows(W, ta[i][1], ta[i][2], pp.data(), g.n, ys.data());
+    gemm(W, ta[i][1], ta[i][2], pp.data(), g.n, ys.data());
   });
   // phase B: act = silu(gate) * up, prepared for down
   int64_t bchunk = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
@@ -689,7 +616,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   // phase C: y = down(act)   (mode 1 writes straight into the [T, K, H] terms)
   parallel_for(&pool, threads, (int64_t)tc.size(), [&](int64_t i) {
     const Grp& g = groups[tc[i][0]];
-    WMat W = make_wmat(dq + g.slot * dn_slot, quant ? ds + g.slot * H * dng : nullptr, fmt, H, I, dng, dn_group);
+    WMat W = make_wmat(dq + g.slot * dn_slot, quant ? ds + g.slot * ds_slot : nullptr, fmt, H, I, dng, dn_group);
     std::vector<const Prep*> pp(g.n);
     std::vector<float*> ys(g.n);
     for (int64_t j = 0; j < g.n; ++j) {
@@ -697,7 +624,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
       pp[j] = &aprep[q];
       ys[j] = mode == 1 ? op + order[q] * H : y.data() + q * H;
     }
-    gemm_rows(W, tc[i][1], tc[i][2], pp.data(), g.n, ys.data());
+    gemm(W, tc[i][1], tc[i][2], pp.data(), g.n, ys.data());
   });
   if (mode == 1) return ffi::Error::Success();
   // combine in routing order k
@@ -725,7 +652,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxQLinear, QLinearImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
-                                  .Attr<int64_t>("group"));
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("out"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoe, MoeImpl,
                               ffi::Ffi::Bind()
@@ -741,6 +669,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoe, MoeImpl,
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("gu_group")
                                   .Attr<int64_t>("dn_group")
-                                  .Attr<int32_t>("mode"));
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int64_t>("inter"));
 
 extern "C" int glmjax_has_vnni() { return GLMJAX_VNNI; }
