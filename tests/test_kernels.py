@@ -171,3 +171,27 @@ def test_qlinear_matches_the_emulation_and_skips_padding_rows(fmt):
     rows = np.array([True, False, True, False, False])
     part = np.asarray(f(jnp.asarray(x), qw, jnp.asarray(rows)))
     assert np.array_equal(part[rows], got[rows]) and not part[~rows].any()
+
+
+def test_portable_build_computes_the_quantized_formats_bitwise_like_the_native_one():
+    """A CPU without AVX-512 VNNI runs the portable build (the same source, -DGLMJAX_PORTABLE): the same integer sums
+    and the same per-lane float operations, so every quantized result is bitwise the VNNI one; float formats agree
+    to rounding (their horizontal sums are ordered differently)."""
+    variant = kernels.load_portable()
+    E, H, I, T, K = 6, 192, 96, 5, 3
+    rng = np.random.default_rng(9)
+    slots = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    x = jnp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    for fmt in FORMATS:
+        bank, _ = _bank(fmt, E, H, I, seed=11)
+
+        def run(v, b=bank):
+            return np.asarray(jax.jit(lambda x: kernels.moe(
+                x, jnp.asarray(slots), jnp.asarray(w), b.gate_up, b.gate_up_scale, b.down, b.down_scale, b.fmt,
+                b.group("gate_up"), b.group("down"), b.dims[1], variant=v))(x))
+        a, b = run(""), run(variant)
+        if fmt in quant.FLOAT_FORMATS:
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), fmt
+        else:
+            assert np.array_equal(a, b), (fmt, np.abs(a - b).max())

@@ -68,7 +68,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _library_path(cxx: str) -> str:
+def _library_path(cxx: str, extra=()) -> str:
     import jaxlib
 
     with open(SOURCE, "rb") as f:
@@ -78,14 +78,14 @@ def _library_path(cxx: str) -> str:
     except (OSError, subprocess.SubprocessError):
         ver = cxx
     h = hashlib.sha256()
-    for part in (src, ver.encode(), " ".join(CXXFLAGS).encode(), jaxlib.__version__.encode(),
+    for part in (src, ver.encode(), " ".join(CXXFLAGS + list(extra)).encode(), jaxlib.__version__.encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
     return os.path.join(build_dir(), f"qkernels-{h.hexdigest()[:20]}.so")
 
 
-def _build(cxx: str, out: str):
+def _build(cxx: str, out: str, extra=()):
     import fcntl
 
     import jax
@@ -98,7 +98,7 @@ def _build(cxx: str, out: str):
         fd, tmp = tempfile.mkstemp(prefix=".qkernels-", suffix=".so.tmp", dir=os.path.dirname(out))
         os.close(fd)
         try:
-            cmd = [cxx, *CXXFLAGS, "-isystem", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+            cmd = [cxx, *CXXFLAGS, *extra, "-isystem", jax.ffi.include_dir(), SOURCE, "-o", tmp]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if r.returncode != 0:
                 msg = (r.stderr or r.stdout).strip().splitlines()
@@ -141,6 +141,27 @@ def _load():
     return lib
 
 
+def load_portable() -> str:
+    """Build and register the portable variant (no AVX-512 VNNI code: what a CPU without it runs) under the target
+    suffix returned ("_portable"), beside the native one (tests compare the two)."""
+    import jax
+
+    with _lock:
+        if _state.get("portable") is None:
+            cxx = _compiler()
+            if cxx is None:
+                raise KernelError("no C++ compiler found ($CXX, g++, c++, clang++)")
+            extra = ("-DGLMJAX_PORTABLE",)
+            path = _library_path(cxx, extra)
+            if not os.path.exists(path):
+                _build(cxx, path, extra)
+            lib = ctypes.cdll.LoadLibrary(path)
+            for name, sym in (("glmjax_qlinear", lib.GlmJaxQLinear), ("glmjax_moe", lib.GlmJaxMoe)):
+                jax.ffi.register_ffi_target(name + "_portable", jax.ffi.pycapsule(sym), platform="cpu")
+            _state["portable"] = lib
+    return "_portable"
+
+
 def available() -> bool:
     return load()
 
@@ -171,7 +192,7 @@ def supported(fmt: str, in_dim: int, group: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- jax-facing calls
-def qlinear(x, q, scale, fmt: str, group: int, out: int, rows=None):
+def qlinear(x, q, scale, fmt: str, group: int, out: int, rows=None, variant: str = ""):
     """x [T, in] f32 @ W[out, in]^T -> [T, out] f32; W = (q, scale) in ``fmt``: float row-major, quantized in the
     tiles layout (quant.to_tiles).  ``rows`` (bool [T], optional): only those rows are computed, the others are 0
     (padding rows of a fixed-width forward)."""
@@ -181,13 +202,13 @@ def qlinear(x, q, scale, fmt: str, group: int, out: int, rows=None):
     T, n_in = x.shape
     s = scale if scale is not None else jnp.zeros((1, 1, 1), jnp.float32)
     r = jnp.zeros((0,), jnp.int32) if rows is None else rows.reshape(T).astype(jnp.int32)
-    return jax.ffi.ffi_call("glmjax_qlinear", jax.ShapeDtypeStruct((T, out), jnp.float32))(
+    return jax.ffi.ffi_call("glmjax_qlinear" + variant, jax.ShapeDtypeStruct((T, out), jnp.float32))(
         x.astype(jnp.float32), q, s.astype(jnp.float32), r, fmt=np.int32(fmt_code(fmt)),
         group=np.int64(group if group else n_in), out=np.int64(out))
 
 
 def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, gu_group: int, dn_group: int,
-        inter: int, terms: bool = False):
+        inter: int, terms: bool = False, variant: str = ""):
     """The MoE seam.  x [T, H] f32; slots [T, K] int32 (bank slot, -1 = invalid); weights [T, K] f32; the bank's
     arrays (float row-major or quantized tiles, quant.py), ``inter`` the experts' intermediate size.  Returns out
     [T, H] f32 = sum_k weights * expert(x) in routing order, or with ``terms`` the unweighted per-(t, k) expert
@@ -199,7 +220,7 @@ def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, g
     K = slots.shape[1]
     z = jnp.zeros((1, 1, 1, 1), jnp.float32)
     shape = (T, K, H) if terms else (T, H)
-    return jax.ffi.ffi_call("glmjax_moe", jax.ShapeDtypeStruct(shape, jnp.float32))(
+    return jax.ffi.ffi_call("glmjax_moe" + variant, jax.ShapeDtypeStruct(shape, jnp.float32))(
         x.astype(jnp.float32), slots.astype(jnp.int32), weights.astype(jnp.float32), gate_up,
         z if gate_up_scale is None else gate_up_scale, down, z if down_scale is None else down_scale,
         fmt=np.int32(fmt_code(fmt)), gu_group=np.int64(gu_group), dn_group=np.int64(dn_group),
