@@ -363,3 +363,37 @@ def test_stream_bench_counts_what_the_store_read(cont, tmp_path):
     assert r["bytes_per_token"] * r["tokens"] == sum(n * rec[L] for L, n in r["loads_per_layer"].items())
     assert r["limit_bursts"] == 1 + (6 * layers) // 3
     assert r["limit_gbps"] > 0 and r["ratio"] > 0 and r["tok_s"] > 0
+
+
+_PEAK_CHILD = r"""
+import sys
+import jax, jax.numpy as jnp
+import glm_jax
+from glm_jax import memory
+jnp.zeros(8).block_until_ready()
+budget = (memory.rss_bytes() + 300e6) / 1e9       # the runtime as it is here + 300 MB for the model and its cache
+eng = glm_jax.Engine.load(sys.argv[1], ram_gb=budget, fetch="loop", max_seq_len=128)
+eng.generate(list(range(1, 17)), max_new_tokens=40, stop_on_eos=False)     # random routing: every expert is asked for
+print("RESULT", memory.peak_rss_bytes(), budget * 1e9, eng.store.cache_cap, eng.cfg.n_routed_experts)
+"""
+
+
+def test_the_ram_budget_bounds_the_whole_process(tmp_path):
+    """--ram_gb is the process's budget: the peak RSS of a real run stays under it, although the experts (300 MB)
+    do not fit beside the runtime.  Before, the budget counted only dense + KV + cache: this run cached every
+    expert and peaked ~90 MB above its budget."""
+    import subprocess
+    import sys
+
+    cfg = tiny_config(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0, torch_dtype="bfloat16")
+    write_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=1, dtype="bfloat16", keep_reference=False)
+    convert(str(tmp_path / "hf"), str(tmp_path / "c"), expert_format="bf16", progress=False)
+    r = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tmp_path / "c")], capture_output=True, text=True,
+                       timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, r.stderr[-2000:]
+    peak, budget, cap, n_exp = (float(v) for v in line[0].split()[1:])
+    assert cap < n_exp                     # the cache was sized down to fit beside the runtime
+    assert peak <= budget, (peak / 1e6, budget / 1e6)
