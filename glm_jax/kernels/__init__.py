@@ -97,6 +97,10 @@ def _build(cxx: str, out: str, extra=()):
             return
         fd, tmp = tempfile.mkstemp(prefix=".qkernels-", suffix=".so.tmp", dir=os.path.dirname(out))
         os.close(fd)
+        import sys
+
+        print(f"glm-jax: building the native kernels into {os.path.dirname(out)} (once per machine and jaxlib, "
+              "about 10 s)", file=sys.stderr, flush=True)
         try:
             cmd = [cxx, *CXXFLAGS, *extra, "-isystem", jax.ffi.include_dir(), SOURCE, "-o", tmp]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
