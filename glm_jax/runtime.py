@@ -150,7 +150,7 @@ class Runner:
         elif cap > self._cache_len:
             pad = cap - self._cache_len
             self._cache = jax.jit(lambda c: [{k: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2))
-                                              for k, v in e.items()} for e in c], donate_argnums=0)(self._cache)
+                                              for k, v in e.items()} for e in c])(self._cache)
             self._cache_len = cap
 
     # ------------------------------------------------------------------ jitted pieces

@@ -309,11 +309,11 @@ class Scheduler:
     def _make_room(self, need: int):
         rt = self.rt
         lim = rt.context_limit
-        need = min(need, lim) + 1
+        need = min(need, lim)
         if rt.opts["max_seq_len"]:
             cap = rt.opts["max_seq_len"]
         else:
-            cap = min(bucket(need, 256), max(lim + 1, 256))
+            cap = min(bucket(need, 256), max(lim, 256))
         if rt._cache is None or rt._cache_batch != self.B:
             if any(r is not None and r.state != "prefill" for r in self.rows):
                 raise GlmJaxError("internal: the batch cache was replaced while rows were running")
