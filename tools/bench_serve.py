@@ -97,7 +97,7 @@ def stream_table():
                 print(f"  {name} B={B} {'cold' if cold else 'warm'}: {r}", file=sys.stderr, flush=True)
     print(f"\nbatched expert streaming, embedded container, fetch=loop, {FLAGS.tokens} new tokens per sequence; cold = "
           f"cache_cap {FLAGS.cache_cap} and the store's cache dropped before the run, warm = every expert cached\n")
-    print("| config | sequences | cache | aggregate tok/s | expert bytes read / token | hit rate | dropped / token |")
+    print("| config | sequences | cache | aggregate tok/s | expert bytes read / generated token (prefill included) | hit rate | dropped / token |")
     print("|---|---|---|---|---|---|---|")
     for name, B, c, r in rows:
         print(f"| {name} | {B} | {c} | {r['tok_s']:.0f} | {r['bytes_per_tok'] / 1e3:.1f} kB | {r['hit_rate']:.2f} | "

@@ -34,6 +34,8 @@ BAD = [b"{not json", b"[1,2]", b'{"prompt": 5}', b'{"prompt": "x", "max_tokens":
 
 def main(argv):
     base = FLAGS.base_url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
     h = {"Authorization": f"Bearer {FLAGS.api_key}"}
     stats = collections.Counter()
     failures = []
@@ -93,7 +95,7 @@ def main(argv):
     at_end = rss_mb(FLAGS.pid) if FLAGS.pid else float("nan")
     time.sleep(FLAGS.settle)
     after = rss_mb(FLAGS.pid) if FLAGS.pid else float("nan")
-    health = httpx.get(base.replace("/v1", "") + "/health").json()
+    health = httpx.get(base + "/health").json()
     good = sum(stats[k] for k in ("stream", "plain", "chat"))
     failed = sum(stats[k + "_failed"] for k in ("stream", "plain", "chat"))
     print(f"soak {FLAGS.seconds} s, {FLAGS.clients} clients: {good} well-formed requests ({failed} failed), "
