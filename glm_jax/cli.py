@@ -13,8 +13,7 @@ from . import options as O
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("model", "", "Model directory: a Hugging Face checkpoint (config.json + safetensors) or a "
-                    "container written by glm-jax-convert. Default: the embedded model shipped with glm-jax.")
+O.define_model_flag()
 flags.DEFINE_string("prompt", "ROMEO:\n", "Prompt text.")
 flags.DEFINE_string("prompt_ids", "", "Comma-separated prompt token ids (instead of --prompt).")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.", lower_bound=0)
@@ -23,7 +22,8 @@ flags.DEFINE_integer("top_k", 0, "Sample from the top-k tokens only (0 = off).",
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: smallest token set with probability >= top_p, in (0, 1] "
                    "(1 = off). Unrelated to --expert_topp.")
 flags.DEFINE_integer("seed", 0, "Random seed for sampling.")
-flags.DEFINE_boolean("chat", False, "Wrap the prompt in GLM chat format ([gMASK]<sop><|user|>...<|assistant|>).")
+flags.DEFINE_boolean("chat", False, "Format the prompt as one user message with the checkpoint's chat_template "
+                     "(tokenizer_config.json), or the GLM format ([gMASK]<sop><|user|>...<|assistant|>) without one.")
 flags.DEFINE_boolean("ignore_eos", False, "Do not stop at the end-of-sequence token(s).")
 flags.DEFINE_string("output_json", "", "Also write tokens, text and stats to this JSON file.")
 O.define_flags()
@@ -111,13 +111,32 @@ def main(argv):
         from .engine import Engine
 
         engine = Engine.from_options(FLAGS.model or None, opts)
-        res = engine.generate(prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                              top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, chat=FLAGS.chat,
-                              stop_on_eos=not FLAGS.ignore_eos)
+        st = engine.stream(prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                           top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, chat=FLAGS.chat,
+                           stop_on_eos=not FLAGS.ignore_eos)
         if isinstance(prompt, str) and not FLAGS.chat:
             sys.stdout.write(prompt)
-        print(res.text if engine.tokenizer is not None else " ".join(map(str, res.tokens)))
-        print(format_stats(res.stats), file=sys.stderr)
+            sys.stdout.flush()
+        interrupted = False
+        try:
+            if engine.tokenizer is not None:
+                for piece in st:             # text as it is generated (a character split over tokens: whole)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            else:
+                shown = 0
+                for _ in st:
+                    pass
+                for t in st.tokens[shown:]:
+                    sys.stdout.write(f"{t} ")
+                sys.stdout.flush()
+        except KeyboardInterrupt:        # Ctrl-C: keep what was printed, say how far it got
+            interrupted = True
+        print()
+        res = st.result or engine.scheduler.result(st.req, st.compile0)
+        print(format_stats(res.stats) + (" | interrupted" if interrupted else ""), file=sys.stderr)
+        if interrupted:
+            return 130
         if FLAGS.output_json:
             tmp = FLAGS.output_json + f".{os.getpid()}.tmp"
             try:
@@ -131,6 +150,9 @@ def main(argv):
     except GlmJaxError as e:
         print(f"glm-jax: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:            # before the generation started (loading, compiling): no traceback
+        print("\nglm-jax: interrupted", file=sys.stderr)
+        return 130
     finally:
         if engine is not None:
             engine.close()

@@ -8,11 +8,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,8 @@ from . import model as M
 from . import options as O
 from . import paths
 from .config import GlmJaxError, ModelConfig, NonFiniteError, load_config  # noqa: F401  (re-exported)
+from .runtime import GenerationResult, Runner  # noqa: F401  (re-exported)
+from .runtime import bucket as _bucket  # noqa: F401  (tests, tools)
 from .store import RamBudgetError
 
 
@@ -44,28 +45,6 @@ def default_model_path() -> str:
     return DEFAULT_MODEL_DIR
 
 
-@dataclasses.dataclass
-class GenerationResult:
-    tokens: list
-    text: str
-    stats: dict
-    prompt_tokens: list = dataclasses.field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {"tokens": self.tokens, "text": self.text, "stats": self.stats, "prompt_tokens": self.prompt_tokens}
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
-
-
-def _round_up(n: int, m: int) -> int:
-    return ((n + m - 1) // m) * m
-
-
 class Tokenizer:
     """tokenizer.json via the `tokenizers` library, plus GLM chat formatting."""
 
@@ -79,6 +58,9 @@ class Tokenizer:
             self.tok = HFTok.from_file(path)
         except Exception as e:
             raise GlmJaxError(f"{path}: cannot load tokenizer ({e})") from None
+        from . import chat
+
+        self.template = chat.load_template(os.path.dirname(path))
 
     def encode(self, text: str) -> list:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -91,16 +73,17 @@ class Tokenizer:
 
     @property
     def supports_chat(self) -> bool:
-        return all(self.token_id(t) is not None for t in self.CHAT_TOKENS)
+        return self.template is not None or all(self.token_id(t) is not None for t in self.CHAT_TOKENS)
 
-    def chat_ids(self, prompt: str) -> list:
-        if not self.supports_chat:
-            raise GlmJaxError(f"{self.path}: --chat needs the tokens {', '.join(self.CHAT_TOKENS)} in the tokenizer")
-        g, sop, u, a = (self.token_id(t) for t in self.CHAT_TOKENS)
-        return [g, sop, u] + self.encode("\n" + prompt) + [a] + self.encode("\n")
+    def chat_ids(self, prompt) -> list:
+        """A chat prompt: text (one user message) or a list of {"role", "content"} messages (glm_jax/chat.py)."""
+        from . import chat
+
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return chat.chat_ids(self, self.template, msgs)
 
 
-class Engine:
+class Engine(Runner):
     """A loaded model: config, params (dense resident; experts resident or behind an expert store), tokenizer."""
 
     def __init__(self, path: str, cfg: ModelConfig, params: dict, opts: dict, tokenizer: Optional[Tokenizer],
@@ -116,13 +99,10 @@ class Engine:
         self.store = store
         self.dtype = params["norm"].dtype
         self.moe_layers = cfg.moe_layers
-        self._cache = None
-        self._cache_len = 0
+        self._init_runtime()
         self.plugin = _build_plugin(opts)
         self.lossy = self.plugin is not None
-        self._jits = {}
-        self._route_acc = {}
-        self._view = None
+        self._scheduler = None
         self.kernel = kernel                                # who computes the experts / dense products
         self.checkpoint_dtype = declared_dtype(path) or "unknown"
         self._closed = False
@@ -185,7 +165,7 @@ class Engine:
                                            # weights) and a reserve for compilation and the step's buffers
                                            used_bytes=MEM.rss_bytes() + RUNTIME_RESERVE,
                                            kv_bytes=M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
-                                           (opts["max_seq_len"] or KV_RESERVE_TOKENS),
+                                           (opts["max_seq_len"] or KV_RESERVE_TOKENS) * opts["max_batch"],
                                            # slots for one decode / verify's union; a larger one (a prefill) is
                                            # fetched and computed in chunks of this many experts (streaming.py)
                                            max_working_set=working_set(cfg, opts), source=src,
@@ -216,104 +196,6 @@ class Engine:
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
         return cls(path, cfg, params, opts, tok, store, kernel)
-
-    # ------------------------------------------------------------------ jitted pieces
-    def _jit(self, name, fn, **kw):
-        f = self._jits.get(name)
-        if f is None:
-            f = self._jits[name] = jax.jit(fn, **kw)
-        return f
-
-    def _step_resident(self):
-        cfg, plugin = self.cfg, self.plugin or M.identity_plugin
-        want_stats = self.plugin is not None
-
-        def f(params, cache, tokens, start, lengths, resident, logit_rows=None, moe_rows=None):
-            logits, hidden, cache, routing = M.step(cfg, params, cache, tokens, start, lengths, resident, plugin,
-                                                    moe_rows, logit_rows)
-            return logits, hidden, cache, _routing_summary(routing, want_stats)
-
-        return self._jit("step", f, donate_argnums=(1,), static_argnames=("moe_rows",))
-
-    # ------------------------------------------------------------------ core forward
-    def _ensure_cache(self, batch: int, need: int):
-        cap = self.opts["max_seq_len"] or _round_up(max(need, 64), 256)
-        if need > cap:
-            raise GlmJaxError(f"option 'max_seq_len': {cap} tokens is too small for this request ({need} needed)")
-        if self._cache is None or self._cache_len < cap or self._cache_batch != batch:
-            self._cache = jax.device_put(M.init_cache(self.cfg, batch, cap, self.dtype,
-                                                      with_mtp=self.params.get("mtp") is not None), self.device)
-            self._cache_len = cap
-            self._cache_batch = batch
-        return self._cache
-
-    def step_params(self):
-        """The params the one-jit step runs on: ``self.params``, plus, when an expert store holds every expert
-        (fetch=resident on a container), each MoE layer's store bank and slot map (aliasing the store's arenas)."""
-        if self.store is None:
-            return self.params
-        if self._view is None:
-            if not self.store.all_resident():
-                raise GlmJaxError("internal: the one-jit step needs every expert resident in the store")
-            L = self.cfg.num_hidden_layers
-            params = dict(self.params)
-            layers = list(params["layers"])
-            for i, (bank, slot_of) in self.store.resident_view().items():
-                extra = {"experts": bank, "slot_of": jax.device_put(slot_of, self.device)}
-                if i < L:
-                    layers[i] = dict(layers[i], **extra)
-                elif params.get("mtp") is not None:
-                    params["mtp"] = dict(params["mtp"], layer=dict(params["mtp"]["layer"], **extra))
-            params["layers"] = layers
-            self._view = params
-        return self._view
-
-    def resident_for(self, layer: int) -> np.ndarray:
-        """bool [E]: what the routing plugins see as resident in ``layer`` (--budget_residency: the live cache +
-        pins, the pins only, or nothing; nothing without a store)."""
-        mode = self.opts["budget_residency"]
-        if self.store is None or mode == "none":
-            return np.zeros(self.cfg.n_routed_experts, bool)
-        return self.store.pinned_mask(layer) if mode == "pinned" else self.store.resident_mask(layer)
-
-    def _resident_masks(self):
-        return jnp.asarray(np.stack([self.resident_for(l) for l in self.moe_layers]).reshape(
-            len(self.moe_layers), self.cfg.n_routed_experts))
-
-    def forward(self, tokens: np.ndarray, start: np.ndarray, lengths: np.ndarray, logit_rows=None):
-        """Run tokens [B, T] at positions start[b] on the engine's cache.  Returns (logits, hidden).
-        ``logit_rows`` (bool [B, T], optional): the positions whose logits are needed (a prefill: its last); the
-        native kernels leave the others 0."""
-        # a short padded forward (decode / MTP verify at a fixed width, speculative.py) runs the routed experts on
-        # its real rows only
-        B, T = np.shape(tokens)
-        moe_rows = int(np.max(lengths)) if B == 1 and T <= 16 and int(np.max(lengths)) < T else None
-        tokens = jnp.asarray(tokens, jnp.int32)
-        start = jnp.asarray(start, jnp.int32)
-        lengths = jnp.asarray(lengths, jnp.int32)
-        self._check_open()
-        if self.opts["fetch"] == "resident":
-            lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
-            logits, hidden, self._cache, summ = self._step_resident()(
-                self.step_params(), self._cache, tokens, start, lengths, self._resident_masks(), lr,
-                moe_rows=moe_rows)
-            self._accumulate(summ)
-        else:
-            from .streaming import stream_step
-
-            lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
-            logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr)
-        if not bool(_all_finite(logits, lengths)):
-            raise NonFiniteError(f"{self.path}: the model produced NaN/Inf logits (positions {int(start[0])}.."
-                                 f"{int(start[0]) + int(lengths[0]) - 1}); the weights or activations overflow "
-                                 f"{jnp.dtype(self.dtype).name} (try --dtype=float32)")
-        return logits, hidden
-
-    def _accumulate(self, summ):
-        if summ:
-            acc = self._route_acc
-            for k, v in summ.items():
-                acc[k] = acc.get(k, 0.0) + float(v)
 
     # ------------------------------------------------------------------ public API
     def logits(self, token_ids) -> np.ndarray:
@@ -357,13 +239,11 @@ class Engine:
             out.append(t)
         return out
 
-    def _check_open(self):
-        if self._closed:
-            raise GlmJaxError(f"{self.path}: this Engine was closed (Engine.close()); load the model again")
-
-    def encode(self, text: str, chat: bool = False) -> list:
+    def encode(self, text, chat: bool = False) -> list:
+        """Token ids of text; ``chat=True``: of a chat prompt (text = one user message, or a list of
+        {"role", "content"} messages) formatted by the checkpoint's chat_template (glm_jax/chat.py)."""
         self._check_open()
-        if not isinstance(text, str):
+        if not isinstance(text, str) and not (chat and isinstance(text, list)):
             raise GlmJaxError(f"encode: expected text (str), got {type(text).__name__}")
         if self.tokenizer is None:
             raise GlmJaxError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
@@ -372,25 +252,88 @@ class Engine:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def generate(self, prompt_or_ids: Union[str, Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
-                 stop_on_eos: bool = True) -> GenerationResult:
-        from .generate import generate
+    # ------------------------------------------------------------------ generation (scheduler.py)
+    @property
+    def scheduler(self):
+        """The engine's continuous-batching scheduler (``--max_batch`` rows, ``--prefill_chunk``)."""
+        if self._scheduler is None:
+            from .scheduler import Scheduler
+
+            self._scheduler = Scheduler(self, max_batch=self.opts["max_batch"],
+                                        prefill_chunk=self.opts["prefill_chunk"])
+        return self._scheduler
+
+    def request(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int = 0, chat: bool = False, stop_on_eos: bool = True, stop=None,
+                on_event=None, where: str = "generate"):
+        """A checked ``scheduler.Request`` (not yet submitted): prompt = text, token ids, or with ``chat`` a list
+        of messages; ``stop``: stop strings (str or list of str)."""
+        from .scheduler import Request, Sampling
 
         self._check_open()
-        if not isinstance(prompt_or_ids, str):
-            prompt_or_ids = self._token_ids(prompt_or_ids, "generate")
-        V = self.cfg.vocab_size
-        max_new_tokens = _arg_int("max_new_tokens", max_new_tokens, 0, None)
-        temperature = _arg_float("temperature", temperature, 0.0, None)
-        top_k = _arg_int("top_k", top_k, 0, V, f" (0 = off; the vocabulary has {V} tokens)")
-        top_p = _arg_float("top_p", top_p, 0.0, 1.0, open_lo=True)
-        seed = _arg_int("seed", seed, -(1 << 63), (1 << 63) - 1)
         for name, v in (("chat", chat), ("stop_on_eos", stop_on_eos)):
             if not isinstance(v, (bool, np.bool_)):
-                raise GlmJaxError(f"generate: {name} must be True or False, got {v!r}")
-        return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, chat=bool(chat), stop_on_eos=bool(stop_on_eos))
+                raise GlmJaxError(f"{where}: {name} must be True or False, got {v!r}")
+        if isinstance(prompt, str) or (chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            ids = self.encode(prompt, chat=bool(chat))
+        else:
+            if chat:
+                raise GlmJaxError(f"{where}: chat=True needs a text prompt or a list of messages")
+            ids = self._token_ids(prompt, where)
+        if not ids:
+            raise GlmJaxError(f"{where}: empty prompt")
+        V = self.cfg.vocab_size
+        s = Sampling(max_new_tokens=_arg_int("max_new_tokens", max_new_tokens, 0, None, where=where),
+                     temperature=_arg_float("temperature", temperature, 0.0, None, where=where),
+                     top_k=_arg_int("top_k", top_k, 0, V, f" (0 = off; the vocabulary has {V} tokens)", where=where),
+                     top_p=_arg_float("top_p", top_p, 0.0, 1.0, open_lo=True, where=where),
+                     seed=_arg_int("seed", seed, -(1 << 63), (1 << 63) - 1, where=where),
+                     stop_on_eos=bool(stop_on_eos), stop=_stop_strings(stop, where))
+        if s.stop and self.tokenizer is None:
+            raise GlmJaxError(f"{where}: stop strings need a tokenizer ({self.path} has no tokenizer.json)")
+        return Request(ids, s, on_event=on_event, decode=self.decode if self.tokenizer is not None else None)
+
+    def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, chat: bool = False, stop_on_eos: bool = True, stop=None):
+        """Generate from one prompt (text, token ids; with ``chat`` also a list of messages) -> GenerationResult,
+        or from a list of prompts -> a list of GenerationResult, decoded together (continuous batching over
+        ``--max_batch`` rows; each prompt's output is the same as alone at that width)."""
+        kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  chat=chat, stop_on_eos=stop_on_eos, stop=stop)
+        self._check_open()
+        if _is_batch(prompt_or_ids, chat):
+            if not prompt_or_ids:
+                raise GlmJaxError("generate: empty list of prompts")
+            reqs = [self.request(p, where=f"generate[{i}]", **kw) for i, p in enumerate(prompt_or_ids)]
+        else:
+            reqs = [self.request(prompt_or_ids, **kw)]
+        sched = self.scheduler
+        for r in reqs:
+            sched.check(r.prompt, r.sampling)
+        self._route_acc = {}
+        if self.store is not None:
+            self.store.reset_stats()
+        compile0 = self.compile_s
+        try:
+            for r in reqs:
+                sched.submit(r)
+            sched.run(reqs)
+        except BaseException:
+            for r in reqs:
+                sched.cancel(r)
+            sched._reap()
+            raise
+        out = [sched.result(r, compile0) for r in reqs]
+        return out if _is_batch(prompt_or_ids, chat) else out[0]
+
+    def stream(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, chat: bool = False, stop_on_eos: bool = True, stop=None):
+        """Like ``generate`` for one prompt, as an iterator of text pieces as they are generated (UTF-8 safe:
+        a character split over tokens comes out whole).  After the last piece, ``.result`` is the
+        GenerationResult.  Closing the iterator early (``break``) cancels the request and frees its row."""
+        return _Stream(self, self.request(prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_k=top_k, top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos,
+                                          stop=stop, where="stream"))
 
     @property
     def compile_s(self) -> float:
@@ -419,13 +362,6 @@ def declared_dtype(path: str) -> str:
     return d if isinstance(d, str) else ""
 
 
-@jax.jit
-def _all_finite(logits, lengths):
-    """True when every real position's logits (t < lengths[b]) are finite."""
-    real = jnp.arange(logits.shape[1])[None, :] < lengths[:, None]
-    return jnp.all(jnp.where(real[..., None], jnp.isfinite(logits), True))
-
-
 def _check_seq(x, where: str):
     if isinstance(x, (str, bytes, bytearray)) or not hasattr(x, "__len__") or not hasattr(x, "__iter__"):
         raise GlmJaxError(f"{where}: expected a sequence of token ids (ints), got {type(x).__name__}"
@@ -433,23 +369,83 @@ def _check_seq(x, where: str):
                              if isinstance(x, str) else ""))
 
 
-def _arg_int(name, v, lo, hi, note=""):
+def _is_batch(p, chat) -> bool:
+    """A list of prompts (not one prompt of token ids, nor one chat of messages)."""
+    if not isinstance(p, (list, tuple)) or not p:
+        return False
+    first = p[0]
+    if isinstance(first, dict):
+        return False
+    return isinstance(first, (str, list, tuple, np.ndarray))
+
+
+def _stop_strings(stop, where) -> tuple:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise GlmJaxError(f"{where}: stop must be a string or a list of strings")
+    if len(stop) > 16:
+        raise GlmJaxError(f"{where}: at most 16 stop strings, got {len(stop)}")
+    return tuple(s for s in stop if s)
+
+
+class _Stream:
+    def __init__(self, engine, req):
+        self.engine, self.req = engine, req
+        self.result = None
+        self.compile0 = engine.compile_s
+        self._pieces = []
+        req.on_event = lambda r, text, toks, done: self._pieces.append(text) if text else None
+        self._started = False
+
+    def __iter__(self):
+        e, req = self.engine, self.req
+        sched = e.scheduler
+        e._route_acc = {}
+        if e.store is not None:
+            e.store.reset_stats()
+        compile0 = self.compile0 = e.compile_s
+        sched.submit(req)
+        try:
+            while not req.done:
+                if sched.serving:
+                    req.done_event.wait(0.05)
+                else:
+                    sched.step()
+                while self._pieces:
+                    yield self._pieces.pop(0)
+            while self._pieces:
+                yield self._pieces.pop(0)
+            self.result = sched.result(req, compile0)
+        finally:
+            if not req.done:
+                sched.cancel(req)
+                sched._reap()
+
+    @property
+    def tokens(self) -> list:
+        return list(self.req.out)
+
+
+def _arg_int(name, v, lo, hi, note="", where="generate"):
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
-        raise GlmJaxError(f"generate: {name} must be an integer, got {v!r}")
+        raise GlmJaxError(f"{where}: {name} must be an integer, got {v!r}")
     v = int(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise GlmJaxError(f"generate: {name}={v} out of range (expected {rng}){note}")
+        raise GlmJaxError(f"{where}: {name}={v} out of range (expected {rng}){note}")
     return v
 
 
-def _arg_float(name, v, lo, hi, open_lo=False):
+def _arg_float(name, v, lo, hi, open_lo=False, where="generate"):
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
-        raise GlmJaxError(f"generate: {name} must be a finite number, got {v!r}")
+        raise GlmJaxError(f"{where}: {name} must be a finite number, got {v!r}")
     v = float(v)
     if v < lo or (open_lo and v == lo) or (hi is not None and v > hi):
         rng = f"{'(' if open_lo else '['}{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
-        raise GlmJaxError(f"generate: {name}={v:g} out of range (expected {rng})"
+        raise GlmJaxError(f"{where}: {name}={v:g} out of range (expected {rng})"
                           + (" (0 = greedy)" if name == "temperature" else ""))
     return v
 
@@ -506,15 +502,16 @@ KV_RESERVE_TOKENS = 4096      # KV positions the RAM budget reserves when --max_
 
 def working_set(cfg: ModelConfig, opts: Optional[dict] = None) -> int:
     """Expert slots per layer beyond the retained cache: the union of one decode forward, i.e. top-k times its real
-    positions (1, or 1 + the draft tokens of a speculative verify).  Larger unions (a prefill) are fetched in
+    positions (one per row of ``--max_batch``, or 1 + the draft tokens of one row's speculative verify).  Larger unions (a prefill) are fetched in
     chunks of this size."""
-    width = 1
+    width, rows = 1, 1
     if opts is not None:
         d = opts["draft"]
         if d < 0:
             d = 3 if (opts["mtp"] and cfg.has_mtp and opts["draft_source"] in ("auto", "mtp")) else 0
         width += max(0, d)
-    return min(cfg.n_routed_experts, width * cfg.num_experts_per_tok)
+        rows = opts["max_batch"]
+    return min(cfg.n_routed_experts, max(width, rows) * cfg.num_experts_per_tok)
 
 
 def _pick_kernel(mode: str) -> str:
@@ -551,17 +548,3 @@ def _build_plugin(opts: dict):
                    budget_max_positions=opts["budget_max_positions"] or None, cache_route=cr,
                    route_j=opts["route_j"], route_m=opts["route_m"], route_alpha=opts["route_alpha"],
                    route_lambda=opts["route_lambda"])
-
-
-def _routing_summary(routing, want_stats: bool) -> dict:
-    """Per-forward routing numbers summed over MoE layers (inside jit): plugin stats when a plugin is active."""
-    if not want_stats or not routing:
-        return {}
-    import glm_jax_plugins as P
-
-    out = {}
-    for before, after in routing:
-        for k, v in P.stats(before, after).items():
-            out[k] = out.get(k, 0.0) + v
-    out["layers"] = jnp.asarray(len(routing), jnp.float32)
-    return out

@@ -1,15 +1,13 @@
-"""Token generation: prefill, the decode loop, sampling (greedy / temperature / top-k / nucleus top-p), stats."""
+"""Sampling (greedy / temperature / top-k / nucleus top-p), one row or per-row parameters, and the run statistics.
+
+The generation loop itself is ``scheduler.Scheduler`` (continuous batching)."""
 
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-from .config import GlmJaxError
 
 F32 = jnp.float32
 
@@ -45,180 +43,50 @@ def sample(logits, key, temperature: float, top_k: int, top_p: float):
     return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
 
 
-def generate(engine, prompt_or_ids, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0, chat=False,
-             stop_on_eos=True):
-    if isinstance(prompt_or_ids, str):
-        ids = engine.encode(prompt_or_ids, chat=chat)
-    else:
-        ids = [int(t) for t in prompt_or_ids]
-        if chat:
-            raise GlmJaxError("generate: chat=True needs a text prompt")
-    if not ids:
-        raise GlmJaxError("generate: empty prompt")
-    V = engine.cfg.vocab_size
-    bad = [t for t in ids if not 0 <= t < V]
-    if bad:
-        raise GlmJaxError(f"generate: token id {bad[0]} outside the vocabulary [0, {V})")
-    if max_new_tokens < 0:
-        raise GlmJaxError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-    if top_p <= 0.0 or top_p > 1.0:
-        raise GlmJaxError(f"option 'top_p': must be in (0, 1], got {top_p}")
-    eos = set(engine.cfg.eos_token_ids) if stop_on_eos else set()
-    engine._route_acc = {}
-    if engine.store is not None:
-        engine.store.reset_stats()
+def filtered_probs_rows(logits, temperature, top_k, top_p):
+    """``filtered_probs`` with per-row parameters: logits [B, V], temperature / top_p [B] f32, top_k [B] int32.
+    Rows with temperature 0 get their (unused) distribution at temperature 1.  Same arithmetic as
+    ``filtered_probs`` row by row; the sorts run only when some row asks for top-k / top-p."""
+    logits = logits.astype(F32)
+    V = logits.shape[-1]
+    z = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    use_k = (top_k > 0) & (top_k < V)
 
-    from .speculative import decode_width, draft_plan
+    def cut_k(z):
+        zs = -jnp.sort(-z, axis=-1)
+        kth = jnp.take_along_axis(zs, jnp.clip(top_k - 1, 0, V - 1)[:, None], -1)
+        return jnp.where(use_k[:, None] & (z < kth), -jnp.inf, z)
 
-    plan = draft_plan(engine)
-    P = len(ids)
-    need = P + max_new_tokens + (plan.k + 2 if plan else 1)
-    engine._ensure_cache(1, need)
-    key = jax.random.PRNGKey(seed)
-    samp = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    z = jax.lax.cond(jnp.any(use_k), cut_k, lambda z: z, z)
+    p = jax.nn.softmax(z, -1)
+    use_p = top_p < 1.0
 
-    compile0 = engine.compile_s
-    t0 = time.perf_counter()
-    T = _bucket(P)
-    toks = np.zeros((1, T), np.int32)
-    toks[0, :P] = ids
-    last = np.zeros((1, T), bool)
-    last[0, P - 1] = True            # only the last position's logits are needed
-    logits, hidden = engine.forward(toks, np.zeros(1, np.int32), np.array([P], np.int32), logit_rows=last)
-    key, sk = jax.random.split(key)
-    nxt = int(sample(logits[0, P - 1], sk, **samp))
-    prefill_s = time.perf_counter() - t0 - (engine.compile_s - compile0)
-    compile1 = engine.compile_s
-    store_prefill = engine.store.stats() if engine.store is not None else None
-    engine._route_acc = {}
+    def cut_p(p):
+        order = jnp.argsort(-p, axis=-1)
+        ps = jnp.take_along_axis(p, order, -1)
+        cum = jnp.cumsum(ps, -1)
+        keep_sorted = (cum - ps) < top_p[:, None]
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), -1) | ~use_p[:, None]
+        p = jnp.where(keep, p, 0.0)
+        return p / p.sum(-1, keepdims=True)
 
-    out = []
-    t1 = time.perf_counter()
-    forwards = 0
-    spec_stats = {}
-    if max_new_tokens > 0:
-        out.append(nxt)
-        if plan is not None and not (nxt in eos):
-            out, forwards, spec_stats, key = plan.run(engine, ids, out, hidden[0, :P], key, samp,
-                                                      max_new_tokens, eos)
-        elif engine.opts["fetch"] == "resident":
-            # many tokens per dispatch: the step and the sampler in one compiled loop (no host round trip per token)
-            forwards, key = _fused_decode(engine, out, P, key, samp, max_new_tokens, eos)
-        else:
-            pos = P
-            # decode at the same padded width as a speculative verify (batch invariance: speculative.py)
-            W = decode_width(engine)
-            while len(out) < max_new_tokens and out[-1] not in eos:
-                dtok = np.zeros((1, W), np.int32)
-                dtok[0, 0] = out[-1]
-                logits, hidden = engine.forward(dtok, np.array([pos], np.int32), np.array([1], np.int32))
-                forwards += 1
-                key, sk = jax.random.split(key)
-                out.append(int(sample(logits[0, 0], sk, **samp)))
-                pos += 1
-    decode_s = time.perf_counter() - t1 - (engine.compile_s - compile1)
-    # the first new token comes from the prefill forward; decode tokens are the ones after it
-    n_dec = max(len(out) - 1, 0)
-    stats = {
-        "prefill_tokens": P, "prefill_s": prefill_s,
-        "decode_tokens": n_dec, "decode_s": decode_s,
-        "decode_tok_s": (n_dec / decode_s) if decode_s > 0 and n_dec else 0.0,
-        "new_tokens": len(out), "forwards": forwards,
-        "tokens_per_forward": (n_dec / forwards) if forwards else 0.0,
-        "fetch": engine.opts["fetch"], "compile_s": engine.compile_s - compile0,
-        "dtype": jnp.dtype(engine.dtype).name, "checkpoint_dtype": engine.checkpoint_dtype, "kernels": engine.kernel,
-    }
-    stats.update(spec_stats)
-    stats.update(route_stats(engine._route_acc))
-    if engine.store is not None:
-        st = engine.store.stats()
-        stats.update(_store_stats(st, store_prefill, n_dec))
-    text = engine.decode(out)
-    from .engine import GenerationResult
-
-    return GenerationResult(tokens=out, text=text, stats=stats, prompt_tokens=ids)
+    return jax.lax.cond(jnp.any(use_p), cut_p, lambda p: p, p)
 
 
-FUSED_CHUNK = 32      # decode tokens per dispatch of the compiled loop (at most; it stops early at EOS)
+def sample_rows(logits, keys, temperature, top_k, top_p):
+    """One token per row of logits [B, V] with per-row parameters and PRNG keys [B, 2]: each row splits its key
+    once (``key, sk = split(key)``, as the one-row loop did) and samples with ``sk`` (greedy rows: argmax).
+    Returns (tokens [B] int32, keys [B, 2])."""
+    split = jax.vmap(jax.random.split)(keys)                       # [B, 2, 2]
+    keys, sk = split[:, 0], split[:, 1]
+    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
 
+    def sampled(_):
+        p = filtered_probs_rows(logits, temperature, top_k, top_p)
+        return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(sk, jnp.log(p)).astype(jnp.int32)
 
-def _fused_decode(engine, out: list, P: int, key, samp: dict, max_new_tokens: int, eos: set):
-    """Plain decode with resident experts, FUSED_CHUNK tokens per dispatch: ``lax.while_loop`` over (step at the
-    padded decode width -> sample -> stop at EOS / the budget) on the device.  Same step function, same width,
-    same key sequence as the one-forward-per-token loop.  Appends to ``out``; returns (forwards, key)."""
-    from .speculative import decode_width
-
-    W = decode_width(engine)
-    fn = _fused_decode_fn(engine, samp, W)
-    ev = np.full(max(1, len(eos)), -1, np.int32)
-    ev[:len(eos)] = sorted(eos)
-    eos_arr = jnp.asarray(ev)
-    resident = engine._resident_masks()
-    params = engine.step_params()
-    pos, forwards = P, 0
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        n = min(FUSED_CHUNK, max_new_tokens - len(out))
-        engine._cache, toks, cnt, key, acc = fn(params, engine._cache, jnp.int32(out[-1]), jnp.int32(pos), key,
-                                                jnp.int32(n), eos_arr, resident)
-        cnt = int(cnt)
-        if not bool(acc.pop("_finite")):
-            from .config import NonFiniteError
-
-            raise NonFiniteError(f"{engine.path}: the model produced NaN/Inf logits (positions {pos}..{pos + cnt - 1}); "
-                                 f"the weights or activations overflow {jnp.dtype(engine.dtype).name} "
-                                 "(try --dtype=float32)")
-        out.extend(int(t) for t in np.asarray(toks)[:cnt])
-        engine._accumulate(acc)
-        pos += cnt
-        forwards += cnt
-    return forwards, key
-
-
-def _fused_decode_fn(engine, samp: dict, W: int):
-    key_ = ("fused_decode", W, tuple(sorted(samp.items())))
-    f = engine._jits.get(key_)
-    if f is not None:
-        return f
-    from . import model as M
-    from .engine import _routing_summary
-
-    cfg = engine.cfg
-    plugin = engine.plugin or M.identity_plugin
-    want_stats = engine.plugin is not None
-
-    def one(params, cache, tok, pos, key, resident):
-        toks = jnp.zeros((1, W), jnp.int32).at[0, 0].set(tok)
-        logits, _, cache, routing = M.step(cfg, params, cache, toks, pos[None], jnp.ones((1,), jnp.int32), resident,
-                                           plugin, moe_rows=1)
-        key, sk = jax.random.split(key)
-        nxt = sample(logits[0, 0], sk, **samp)
-        summ = dict(_routing_summary(routing, want_stats))
-        summ["_finite"] = jnp.all(jnp.isfinite(logits[0, 0]))
-        return cache, nxt, key, summ
-
-    def f(params, cache, tok, pos, key, n, eos, resident):
-        acc0 = {k: (jnp.ones(a.shape, a.dtype) if k == "_finite" else jnp.zeros(a.shape, a.dtype))
-                for k, a in jax.eval_shape(one, params, cache, tok, pos, key, resident)[3].items()}
-
-        def body(c):
-            cache, nxt, key, summ = one(params, c["cache"], c["tok"], c["pos"], c["key"], resident)
-            return dict(cache=cache, tok=nxt, pos=c["pos"] + 1, key=key, i=c["i"] + 1,
-                        out=c["out"].at[c["i"]].set(nxt), done=jnp.any(nxt == eos),
-                        acc={k: (c["acc"][k] & v) if k == "_finite" else c["acc"][k] + v for k, v in summ.items()})
-
-        c = jax.lax.while_loop(lambda c: (c["i"] < n) & ~c["done"], body,
-                               dict(cache=cache, tok=tok, pos=pos, key=key, i=jnp.int32(0),
-                                    out=jnp.zeros((FUSED_CHUNK,), jnp.int32), done=jnp.bool_(False), acc=acc0))
-        return c["cache"], c["out"], c["i"], c["key"], c["acc"]
-
-    f = engine._jits[key_] = jax.jit(f, donate_argnums=(1,))
-    return f
-
-
-def _bucket(n):
-    from .engine import _bucket as b
-
-    return b(n)
+    tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    return jnp.where(temperature > 0, tok, greedy), keys
 
 
 def route_stats(acc: dict) -> dict:

@@ -77,7 +77,14 @@ OPTIONS = [
         "stored: the checkpoint's dtype, or the container's --dense_format), f32, bf16, int8_row, int4_g64 "
         "(quantized at load; the lm_head stays int8 for int4 formats). Quantized dense weights need the native "
         "kernels to be fast.", ("native", "f32", "bf16", "int8_row", "int4_g64")),
-    Opt("max_seq_len", 0, "int", "KV-cache capacity in tokens (0: prompt + max_new_tokens, rounded up).", lo=0),
+    Opt("max_seq_len", 0, "int", "Context limit and KV-cache capacity per sequence in tokens (0: the model's "
+        "max_position_embeddings; the cache grows with the requests). It may only lower the model's limit: RoPE is "
+        "applied as the checkpoint defines it, without extension.", lo=0),
+    Opt("max_batch", 1, "int", "Rows of the continuous-batching scheduler: sequences decoded together, each with its "
+        "own KV rows (glm-jax-serve: 8). Every decode runs at this width, so a sequence's output does not depend "
+        "on the others; the expert store sizes its working set for this many rows.", lo=1, hi=256),
+    Opt("prefill_chunk", 512, "int", "Prompt tokens per prefill forward: longer prompts are prefilled in chunks, "
+        "interleaved with the other rows' decode steps.", lo=16, hi=1 << 20),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
         "called from inside one compiled step via io_callback). auto: resident for plain HF dirs that fit, loop for "
@@ -301,6 +308,15 @@ def define_flags(flags_module=None):
             F.DEFINE_enum(o.name, o.default, list(o.choices), h)
         else:
             F.DEFINE_string(o.name, o.default, h)
+
+
+def define_model_flag():
+    """--model, shared by glm-jax and glm-jax-serve (both may be imported in one process)."""
+    from absl import flags
+
+    if "model" not in flags.FLAGS:
+        flags.DEFINE_string("model", "", "Model directory: a Hugging Face checkpoint (config.json + safetensors) or a "
+                            "container written by glm-jax-convert. Default: the embedded model shipped with glm-jax.")
 
 
 def from_flags() -> Options:

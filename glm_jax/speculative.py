@@ -52,6 +52,7 @@ import numpy as np
 
 from . import model as M
 from .config import GlmJaxError
+from .runtime import bucket
 
 F32 = jnp.float32
 DECODE_WIDTH = 4          # padded T of every decode / verify forward in the generation loop (batch invariance)
@@ -216,130 +217,139 @@ class SpecPlan:
         self.guard_pct = guard_pct
         self.guard_window = guard_window
 
-    def run(self, engine, prompt_ids, out, prompt_hidden, key, samp, max_new_tokens, eos):
-        """Continue a generation whose prefill is done.  prompt_hidden [P, H]: main hidden of the prompt positions;
-        out = [x_P] (sampled from the prefill logits, not yet in the cache).  Returns (out, forwards, stats, key)."""
-        k, W = self.k, decode_width(engine, self.k)
-        mtp = self.source == "mtp"
-        streamed = engine.opts["fetch"] != "resident"
+
+class SpecRow:
+    """Speculative decoding of one sequence whose prefill is done (the scheduler runs it on the sequence's row:
+    ``Runner.row_view``).  prompt_hidden [P, H]: main hidden of the prompt positions (MTP; None for n-grams);
+    ``out`` = [x_P] (sampled from the prefill logits, not yet in the cache), extended by the scheduler with what
+    ``step`` returns.  Stats accumulate in ``stats()``; ``rt.last_spec_trace`` lists (position of the pending
+    token, drafts, accepted) per verify."""
+
+    def __init__(self, plan: SpecPlan, rt, prompt_ids, out, prompt_hidden, key, samp, eos):
+        self.plan, self.rt = plan, rt
+        self.k, self.W = plan.k, decode_width(rt, plan.k)
+        self.mtp = plan.source == "mtp"
+        self.streamed = rt.opts["fetch"] != "resident"
         P = len(prompt_ids)
-        seq = list(prompt_ids) + list(out)
-        pos = P                       # position of the pending token out[-1]
-        forwards = 0
-        st = collections.Counter()
-        window = collections.deque(maxlen=max(1, self.guard_window))
-        paused_until = -1             # len(out) at which drafting re-arms
+        self.out = out
+        self.seq = list(prompt_ids) + list(out)
+        self.pos = P                  # position of the pending token out[-1]
+        self.st = collections.Counter()
+        self.window = collections.deque(maxlen=max(1, plan.guard_window))
+        self.paused_until = -1        # len(out) at which drafting re-arms
         # MTP catch-up queue: pairs (token, hidden) for MTP slots mtp_next.. (pair (x_{t+1}, h_t) in slot t)
-        pend_tok = list(prompt_ids[1:]) + [out[-1]]
-        pend_h = [jnp.asarray(prompt_hidden)]
-        mtp_next = 0
-        union_key = "union_experts"
-        t_draft = t_verify = 0.0
-        trace = engine.last_spec_trace = []     # (position of the pending token, drafts, accepted) per forward
+        self.pend_tok = list(prompt_ids[1:]) + [out[-1]]
+        self.pend_h = [jnp.asarray(prompt_hidden)] if prompt_hidden is not None else []
+        self.mtp_next = 0
+        self.key = key
+        self.samp = samp
+        self.eos = eos
+        self.t_draft = self.t_verify = 0.0
+        self.trace = rt.last_spec_trace = []
 
-        def main_forward(tokens):
-            nonlocal forwards
-            t = np.zeros((1, W), np.int32)
-            t[0, :len(tokens)] = tokens
-            u0 = engine._route_acc.get(union_key, 0.0)
-            logits, hidden = engine.forward(t, np.array([pos], np.int32), np.array([len(tokens)], np.int32))
-            forwards += 1
-            du = engine._route_acc.get(union_key, 0.0) - u0
-            if du:
-                st["verify_union" if len(tokens) > 1 else "decode_union"] += du
-            return logits[0], hidden[0]
+    def _main_forward(self, tokens):
+        rt, W = self.rt, self.W
+        t = np.zeros((1, W), np.int32)
+        t[0, :len(tokens)] = tokens
+        u0 = rt._route_acc.get("union_experts", 0.0)
+        logits, hidden = rt.forward(t, np.array([self.pos], np.int32), np.array([len(tokens)], np.int32))
+        du = rt._route_acc.get("union_experts", 0.0) - u0
+        if du:
+            self.st["verify_union" if len(tokens) > 1 else "decode_union"] += du
+        self.st["forwards"] += 1
+        return logits[0], hidden[0]
 
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            remaining = max_new_tokens - len(out)
-            kk = min(k, remaining - 1)     # no drafts past the end (they could never be emitted)
-            drafts, q = [], None
-            if kk > 0 and len(out) >= paused_until:
-                t0 = time.perf_counter()
-                if mtp:
-                    n = len(pend_tok)
-                    T = W if n <= W else _bucket(n)
-                    toks = np.zeros((1, T), np.int32)
-                    toks[0, :n] = pend_tok
-                    hid = jnp.concatenate(pend_h, 0)
-                    hid = jnp.pad(hid, ((0, T - n), (0, 0)))[None]
-                    key, sk = jax.random.split(key)
-                    if streamed:      # the MTP layer's experts come through the store
-                        d, q = _mtp_draft_streamed(engine, k, samp, jnp.asarray(toks), hid,
-                                                   jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32), sk)
-                    else:
-                        fn = _mtp_draft_fn(engine, k, samp)
-                        d, q, engine._cache = fn(engine.step_params(), engine._cache, jnp.asarray(toks), hid,
-                                                 jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
-                                                 sk, _mtp_resident(engine))
-                    mtp_next += n
-                    pend_tok, pend_h = [], []
-                    drafts = [int(x) for x in np.asarray(d)[:kk]]
-                    st["mtp_forwards"] += k
-                else:
-                    drafts = ngram_drafts(seq, kk)
-                t_draft += time.perf_counter() - t0
+    def step(self, budget: int):
+        """One draft + verify.  ``budget``: tokens the sequence may still add.  Returns (new tokens, forwards)."""
+        rt, k, W, samp, st = self.rt, self.k, self.W, self.samp, self.st
+        out = self.out
+        kk = min(k, budget - 1)     # no drafts past the end (they could never be emitted)
+        drafts, q = [], None
+        if kk > 0 and len(out) >= self.paused_until:
             t0 = time.perf_counter()
-            logits, hidden = main_forward([out[-1]] + drafts)
-            nd = len(drafts)
-            if nd:
-                st["verifies"] += 1
-                kq = q if q is not None else None
-                key, sk = jax.random.split(key)
-                dpad = np.zeros(k, np.int32)
-                dpad[:nd] = drafts
-                m, nxt = _accept(logits[:k + 1], jnp.asarray(dpad), kq,
-                                 jnp.asarray(nd, jnp.int32), sk, k=k, **samp)
-                m, nxt = int(m), int(nxt)
-                st["drafts_proposed"] += nd
-                st["drafts_accepted"] += m
-                window.extend([True] * m + [False] * (nd - m))
-                if (len(window) == window.maxlen and
-                        100.0 * sum(window) / len(window) < self.guard_pct):
-                    st["guard_pauses"] += 1
-                    paused_until = len(out) + 1 + m + GUARD_REARM
-                    window.clear()
+            if self.mtp:
+                n = len(self.pend_tok)
+                T = W if n <= W else bucket(n)
+                toks = np.zeros((1, T), np.int32)
+                toks[0, :n] = self.pend_tok
+                hid = jnp.concatenate(self.pend_h, 0)
+                hid = jnp.pad(hid, ((0, T - n), (0, 0)))[None]
+                self.key, sk = jax.random.split(self.key)
+                if self.streamed:      # the MTP layer's experts come through the store
+                    d, q = _mtp_draft_streamed(rt, k, samp, jnp.asarray(toks), hid,
+                                               jnp.asarray([self.mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
+                                               sk)
+                else:
+                    fn = _mtp_draft_fn(rt, k, samp)
+                    d, q, rt._cache = fn(rt.step_params(), rt._cache, jnp.asarray(toks), hid,
+                                         jnp.asarray([self.mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
+                                         sk, _mtp_resident(rt))
+                self.mtp_next += n
+                self.pend_tok, self.pend_h = [], []
+                drafts = [int(x) for x in np.asarray(d)[:kk]]
+                st["mtp_forwards"] += k
             else:
-                m = 0
-                key, sk = jax.random.split(key)
-                from .generate import sample
+                drafts = ngram_drafts(self.seq, kk)
+            self.t_draft += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        logits, hidden = self._main_forward([out[-1]] + drafts)
+        nd = len(drafts)
+        if nd:
+            st["verifies"] += 1
+            self.key, sk = jax.random.split(self.key)
+            dpad = np.zeros(k, np.int32)
+            dpad[:nd] = drafts
+            m, nxt = _accept(logits[:k + 1], jnp.asarray(dpad), q, jnp.asarray(nd, jnp.int32), sk, k=k, **samp)
+            m, nxt = int(m), int(nxt)
+            st["drafts_proposed"] += nd
+            st["drafts_accepted"] += m
+            self.window.extend([True] * m + [False] * (nd - m))
+            if (len(self.window) == self.window.maxlen and
+                    100.0 * sum(self.window) / len(self.window) < self.plan.guard_pct):
+                st["guard_pauses"] += 1
+                self.paused_until = len(out) + 1 + m + GUARD_REARM
+                self.window.clear()
+        else:
+            m = 0
+            self.key, sk = jax.random.split(self.key)
+            from .generate import sample
 
-                nxt = int(sample(logits[0], sk, **samp))
-            t_verify += time.perf_counter() - t0
-            trace.append((pos, drafts, m))
-            new = drafts[:m] + [nxt]
-            # committed now: out[-1] and drafts[:m] at positions pos..pos+m; nxt is the new pending token
-            if mtp:
-                pend_tok += new
-                pend_h.append(hidden[:m + 1])
-            for t in new:
-                if len(out) >= max_new_tokens or out[-1] in eos:
-                    break
-                out.append(t)
-                seq.append(t)
-            pos += m + 1
+            nxt = int(sample(logits[0], sk, **samp))
+        self.t_verify += time.perf_counter() - t0
+        self.trace.append((self.pos, drafts, m))
+        new = drafts[:m] + [nxt]
+        # committed now: out[-1] and drafts[:m] at positions pos..pos+m; nxt is the new pending token
+        if self.mtp:
+            self.pend_tok += new
+            self.pend_h.append(hidden[:m + 1])
+        emit = []
+        for t in new:
+            if len(emit) >= budget or (emit and emit[-1] in self.eos) or (not emit and out[-1] in self.eos):
+                break
+            emit.append(t)
+        self.seq.extend(emit)
+        self.pos += m + 1
+        return emit, 1
+
+    def stats(self) -> dict:
+        st, k = self.st, self.k
         prop = st["drafts_proposed"]
         stats = {
-            "draft_source": self.source, "draft_k": k, "decode_width": W,
+            "draft_source": self.plan.source, "draft_k": k, "decode_width": self.W,
             "drafts_proposed": prop, "drafts_accepted": st["drafts_accepted"],
             "mtp_acceptance": (st["drafts_accepted"] / prop) if prop else 0.0,
             "verifies": st["verifies"], "guard_pauses": st["guard_pauses"],
-            "mtp_forwards": st["mtp_forwards"], "draft_s": t_draft, "verify_s": t_verify,
+            "mtp_forwards": st["mtp_forwards"], "draft_s": self.t_draft, "verify_s": self.t_verify,
         }
-        n_moe = len(engine.moe_layers) or 1
+        n_moe = len(self.rt.moe_layers) or 1
         if st["verifies"] and "verify_union" in st:
             stats["verify_union_per_layer"] = st["verify_union"] / st["verifies"] / n_moe
-        plain = forwards - st["verifies"]
+        plain = st["forwards"] - st["verifies"]
         if plain and "decode_union" in st:
             stats["decode_union_per_layer"] = st["decode_union"] / plain / n_moe
-        return out, forwards, stats, key
+        return stats
 
 
 def _mtp_resident(engine):
     """What the routing plugins see as resident for the MTP layer."""
     return jnp.asarray(engine.resident_for(engine.cfg.num_hidden_layers))
-
-
-def _bucket(n):
-    from .engine import _bucket as b
-
-    return b(n)

@@ -36,7 +36,7 @@ def _fns(engine):
     cfg = engine.cfg
     plugin = engine.plugin or M.identity_plugin
     want_stats = engine.plugin is not None
-    from .engine import _routing_summary
+    from .runtime import routing_summary as _routing_summary
 
     @jax.jit
     def embed(params, tokens):
@@ -274,7 +274,7 @@ def _build_callback_step(engine, n_pos, rows=None):
     cfg, store = engine.cfg, engine.store
     plugin = engine.plugin or M.identity_plugin
     want_stats = engine.plugin is not None
-    from .engine import _routing_summary
+    from .runtime import routing_summary as _routing_summary
 
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     W = min(E, K * (rows if rows is not None else n_pos))

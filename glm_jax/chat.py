@@ -1,0 +1,139 @@
+"""Chat formatting: the checkpoint's own ``chat_template`` (tokenizer_config.json), rendered with jinja2 the way
+transformers renders it (a sandboxed environment with trim_blocks / lstrip_blocks, ``raise_exception``,
+``strftime_now``, ``tojson``; variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, and
+the special tokens by name), then tokenized; special tokens written in the template are recognised by the
+tokenizer.  A checkpoint without a template gets the GLM format:
+``[gMASK]<sop><|role|>\\ncontent ... <|assistant|>\\n``.  ``glm-jax --chat`` and the server use the same code."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from .config import GlmJaxError
+
+GLM_TOKENS = ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
+ROLES = ("system", "user", "assistant")
+
+
+def load_template(model_dir: str) -> Optional[dict]:
+    """{"template": str, "tokens": {name: str}} from tokenizer_config.json, or None when it has no chat_template."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise GlmJaxError(f"{path}: cannot read ({e})") from None
+    if not isinstance(cfg, dict):
+        raise GlmJaxError(f"{path}: expected a JSON object")
+    t = cfg.get("chat_template")
+    if t is None:
+        return None
+    if isinstance(t, list):      # [{"name": "default", "template": ...}, ...]
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default") or next(iter(named.values()), None)
+    if not isinstance(t, str) or not t:
+        raise GlmJaxError(f"{path}: field chat_template: expected a template string")
+    tokens = {}
+    for k, v in cfg.items():
+        if k.endswith("_token"):
+            if isinstance(v, dict):
+                v = v.get("content")
+            if isinstance(v, str) or v is None:
+                tokens[k] = v
+    _compile(t, path)
+    return {"template": t, "tokens": tokens, "path": path}
+
+
+_ENV = {}
+
+
+def _compile(template: str, where: str):
+    t = _ENV.get(template)
+    if t is not None:
+        return t
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise jinja2.exceptions.TemplateError(msg)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        t = env.from_string(template)
+    except jinja2.exceptions.TemplateError as e:
+        raise GlmJaxError(f"{where}: chat_template does not compile ({e})") from None
+    _ENV[template] = t
+    return t
+
+
+def check_messages(messages, where: str = "messages") -> list:
+    """A list of {"role": system|user|assistant|tool, "content": str} (content parts of type text are joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise GlmJaxError(f"{where}: expected a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise GlmJaxError(f"{where}[{i}]: expected an object with role and content")
+        role = m.get("role")
+        if role not in ROLES + ("tool",):
+            raise GlmJaxError(f"{where}[{i}].role: expected one of system, user, assistant, tool, got {role!r}")
+        c = m.get("content", "")
+        if c is None:
+            c = ""
+        if isinstance(c, list):          # [{"type": "text", "text": ...}]
+            parts = []
+            for j, p in enumerate(c):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise GlmJaxError(f"{where}[{i}].content[{j}]: only text parts are supported")
+                parts.append(p["text"])
+            c = "".join(parts)
+        if not isinstance(c, str):
+            raise GlmJaxError(f"{where}[{i}].content: expected a string")
+        out.append({"role": role, "content": c})
+    return out
+
+
+def render(template: dict, messages: list, add_generation_prompt: bool = True) -> str:
+    t = _compile(template["template"], template.get("path", "chat_template"))
+    import jinja2
+
+    kw = dict(template.get("tokens", {}))
+    try:
+        return t.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                        **{k: v for k, v in kw.items()})
+    except jinja2.exceptions.TemplateError as e:
+        raise GlmJaxError(f"{template.get('path', 'chat_template')}: chat_template: {e}") from None
+
+
+def chat_ids(tokenizer, template: Optional[dict], messages: list) -> list:
+    """Token ids of a chat prompt (ends with the assistant's turn opened)."""
+    messages = check_messages(messages)
+    if template is not None:
+        return tokenizer.encode(render(template, messages))
+    ids = [tokenizer.token_id(t) for t in GLM_TOKENS]
+    if any(i is None for i in ids):
+        raise GlmJaxError(f"{tokenizer.path}: chat needs a chat_template in tokenizer_config.json or the GLM tokens "
+                          f"{', '.join(GLM_TOKENS)} in the tokenizer")
+    g, sop, _, a = ids
+    out = [g, sop]
+    for m in messages:
+        rid = tokenizer.token_id(f"<|{m['role']}|>")
+        if rid is None:
+            raise GlmJaxError(f"{tokenizer.path}: no <|{m['role']}|> token for a {m['role']} message")
+        out += [rid] + tokenizer.encode("\n" + m["content"])
+    return out + [a] + tokenizer.encode("\n")
