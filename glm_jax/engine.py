@@ -111,8 +111,10 @@ class Engine:
         self.moe_layers = cfg.moe_layers
         self._cache = None
         self._cache_len = 0
-        self.plugin = _build_plugin(opts)
+        self.plugin, self.plugin_names = _build_plugin(opts)
         self.lossy = self.plugin is not None
+        if self.plugin_names:
+            _preflight(self.plugin, cfg)
         self._jits = {}
         self._route_acc = {}
 
@@ -219,7 +221,22 @@ class Engine:
         logits, hidden, self._cache = stream_step(self, tokens, start, lengths)
         return logits, hidden
 
+    def _check_routing(self, summ):
+        """Raise the contract violation a forward's routing summary reports (user plugins' in-jit value checks,
+        glm_jax_plugins.contract), if any; removes those keys from ``summ``."""
+        if not summ or "violation" not in summ:
+            return
+        code, layer = int(summ.pop("violation")), int(summ.pop("violation_layer"))
+        if code:
+            from glm_jax_plugins import contract
+
+            i, flags = contract.decode(code)
+            name = self.plugin_names[i] if 0 <= i < len(self.plugin_names) else f"#{i}"
+            raise O.PluginError(f"routing plugin '{name}' broke the contract at layer {layer}: "
+                                f"{contract.describe(flags)}")
+
     def _accumulate(self, summ):
+        self._check_routing(summ)
         if summ:
             acc = self._route_acc
             for k, v in summ.items():
@@ -293,22 +310,63 @@ def _tree_bytes(tree) -> int:
 
 
 def _build_plugin(opts: dict):
-    """The composed routing plugin (None when every lossy knob is off)."""
+    """(the composed routing plugin or None when every lossy knob is off, the user plugins' names).
+
+    Order: cache_route -> topp -> the user plugins (option ``plugins``, in the given order) -> expert_budget.  Each
+    user plugin is wrapped in ``glm_jax_plugins.contract.checked``: structure checked at trace time, values in-jit
+    (reported through the routing summary, ``Engine._check_routing``)."""
     import glm_jax_plugins as P
 
     topp = opts["expert_topp"] if opts["expert_topp"] < 1.0 else None
     budget = opts["expert_budget"] if opts["expert_budget"] > 0 else None
     cr = None if opts["cache_route"] == "off" else opts["cache_route"]
-    if topp is None and budget is None and cr is None:
-        return None
+    user = [(p, n) for p, n in O.load_plugins(opts["plugins"]) if not getattr(p, "is_identity", False)]
+    if topp is None and budget is None and cr is None and not user:
+        return None, []
+    names = [n for _, n in user]
+    checked = [P.contract.checked(p, i, n, error=O.PluginError) for i, (p, n) in enumerate(user)]
     return P.build(expert_topp=topp, expert_budget=budget, budget_scope=opts["budget_scope"],
                    budget_max_positions=opts["budget_max_positions"] or None, cache_route=cr,
                    route_j=opts["route_j"], route_m=opts["route_m"], route_alpha=opts["route_alpha"],
-                   route_lambda=opts["route_lambda"])
+                   route_lambda=opts["route_lambda"], plugins=checked), names
+
+
+def _preflight(plugin, cfg: ModelConfig):
+    """Trace the composed plugin once on an abstract state (layer index traced, as in the engine): a user plugin
+    that breaks the contract's structure, or branches in Python on a traced value, fails here, at load."""
+    from glm_jax_plugins import contract
+
+    st = contract.abstract_state(4, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.norm_topk_prob,
+                                 cfg.routed_scaling_factor, cfg.num_hidden_layers)
+    try:
+        jax.eval_shape(plugin, st)
+    except O.PluginError:
+        raise
+    except Exception as e:                  # noqa: BLE001 - a built-in plugin failing here is a bug; say so
+        raise O.PluginError(f"routing plugins {plugin.name!r}: tracing failed: {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+def violation_summary(routing) -> dict:
+    """The first contract violation over a forward's MoE layers (inside jit): {} when no plugin is checked, else
+    {"violation": code (0 = none), "violation_layer": its layer index}."""
+    out = {}
+    for _, after in routing:
+        if after.violation is None:
+            continue
+        layer = jnp.asarray(-1 if after.layer is None else after.layer, jnp.int32)
+        if not out:
+            out = {"violation": after.violation, "violation_layer": layer}
+        else:
+            first = out["violation"] == 0
+            out = {"violation": jnp.where(first, after.violation, out["violation"]),
+                   "violation_layer": jnp.where(first, layer, out["violation_layer"])}
+    return out
 
 
 def _routing_summary(routing, want_stats: bool) -> dict:
-    """Per-forward routing numbers summed over MoE layers (inside jit): plugin stats when a plugin is active."""
+    """Per-forward routing numbers summed over MoE layers (inside jit): plugin stats when a plugin is active, and
+    the user plugins' contract check (violation_summary)."""
     if not want_stats or not routing:
         return {}
     import glm_jax_plugins as P
@@ -318,4 +376,5 @@ def _routing_summary(routing, want_stats: bool) -> dict:
         for k, v in P.stats(before, after).items():
             out[k] = out.get(k, 0.0) + v
     out["layers"] = jnp.asarray(len(routing), jnp.float32)
+    out.update(violation_summary(routing))
     return out

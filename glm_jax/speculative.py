@@ -95,6 +95,7 @@ def _mtp_draft_fn(engine, k: int, samp: dict):
     f = engine._jits.get(key_)
     if f is not None:
         return f
+    from .engine import violation_summary
     from .generate import filtered_probs
 
     cfg = engine.cfg
@@ -110,7 +111,7 @@ def _mtp_draft_fn(engine, k: int, samp: dict):
 
     def f(params, cache, tokens, hidden, start, n, key, resident):
         res = resident
-        lg, hn, cache, _ = M.mtp_forward(cfg, params, cache, tokens, hidden, start, n, res, plugin, own)
+        lg, hn, cache, routing = M.mtp_forward(cfg, params, cache, tokens, hidden, start, n, res, plugin, own)
         last = n[0] - 1
         lg = jax.lax.dynamic_index_in_dim(lg[0], last, 0, keepdims=False)
         g = jax.lax.dynamic_index_in_dim(hn[0], last, 0, keepdims=True)[None]      # [1, 1, H]
@@ -119,12 +120,13 @@ def _mtp_draft_fn(engine, k: int, samp: dict):
         ds, qs = [d], [q]
         pos = start + n[0]
         for j in range(1, k):
-            lg, g, cache, _ = M.mtp_forward(cfg, params, cache, d.reshape(1, 1), g, pos, None, res, plugin, own)
+            lg, g, cache, r = M.mtp_forward(cfg, params, cache, d.reshape(1, 1), g, pos, None, res, plugin, own)
+            routing = routing + r
             d, q = pick(lg[0, 0], keys[j])
             ds.append(d)
             qs.append(q)
             pos = pos + 1
-        return jnp.stack(ds), (None if greedy else jnp.stack(qs)), cache
+        return jnp.stack(ds), (None if greedy else jnp.stack(qs)), cache, violation_summary(routing)
 
     f = engine._jits[key_] = jax.jit(f, donate_argnums=(1,))
     return f
@@ -268,9 +270,10 @@ class SpecPlan:
                                                    jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32), sk)
                     else:
                         fn = _mtp_draft_fn(engine, k, samp)
-                        d, q, engine._cache = fn(engine.params, engine._cache, jnp.asarray(toks), hid,
-                                                 jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
-                                                 sk, _mtp_resident(engine))
+                        d, q, engine._cache, viol = fn(engine.params, engine._cache, jnp.asarray(toks), hid,
+                                                       jnp.asarray([mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
+                                                       sk, _mtp_resident(engine))
+                        engine._check_routing(viol)
                     mtp_next += n
                     pend_tok, pend_h = [], []
                     drafts = [int(x) for x in np.asarray(d)[:kk]]
