@@ -198,6 +198,12 @@ class Engine:
             return np.zeros(self.cfg.n_routed_experts, bool)
         return self.store.pinned_mask(layer) if mode == "pinned" else self.store.resident_mask(layer)
 
+    @property
+    def residency_is_static(self) -> bool:
+        """True when what the plugins see as ``resident`` cannot change during a run (no store, or
+        --budget_residency none / pinned): a plugin that reads it is then still a function of the routing alone."""
+        return self.store is None or self.opts["budget_residency"] != "cache"
+
     def _resident_masks(self):
         return jnp.asarray(np.stack([self.resident_for(l) for l in self.moe_layers]).reshape(
             len(self.moe_layers), self.cfg.n_routed_experts))

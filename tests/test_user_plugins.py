@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import cli_inprocess
 import glm_jax
 import glm_jax_plugins as gp
 from glm_jax import options as O
@@ -202,6 +203,15 @@ def test_classify_tells_routing_only_from_cache_dependent_and_cross_row():
     assert contract.classify(gp.layer_budget((0, 1, 1, 1), use_resident=True), **kw)["kind"] == "cache-dependent"
     union = contract.classify(gp.expert_budget(2, "union"), **kw)
     assert not union["row_independent"]
+    # an engine whose residency never changes (--budget_residency none / pinned) makes a resident-reading plugin
+    # routing-only after all
+    from glm_jax_tools import evaluate as ev
+
+    dep = contract.classify(gp.expert_budget(2, "position"), **kw)
+    assert dep["cache_dependent"]
+    for residency, kind in (("none", "routing-only (resident constant"), ("cache", "cache-dependent")):
+        eng = glm_jax.Engine.load(GOLDEN, fetch="loop", cache_cap=1, budget_residency=residency)
+        assert ev.effective_kind(dep, eng)["kind"].startswith(kind)
 
 
 # ----------------------------------------------------------------------------- through the engine
@@ -242,40 +252,10 @@ def test_api_loads_a_plugin_module_from_pythonpath(monkeypatch, baseline_loop):
 
 
 def _cli(argv, capsys):
-    """Run a command's main in-process with these flags (flags reset afterwards)."""
-    from absl import flags
-
-    F = flags.FLAGS
-    F(argv)
-    try:
-        from glm_jax import cli
-
-        rc = cli.main([argv[0]]) if argv[0] == "glm-jax" else _eval_main()
-    finally:
-        F.unparse_flags()
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def _eval_main():
-    from glm_jax_tools import evaluate as ev
-
-    return ev.main(["glm-jax-eval"])
-
-
-def _define_all():
-    import importlib
-
-    from glm_jax_tools import evaluate as ev
-
-    importlib.import_module("glm_jax.cli")          # defines glm-jax's flags
-
-    ev.define_flags()
-    O.define_flags()
+    return cli_inprocess.run(argv, capsys)
 
 
 def test_cli_plugin_flag_from_pythonpath(tmp_path, monkeypatch, capsys, baseline_loop):
-    _define_all()
     monkeypatch.syspath_prepend(EXAMPLES)
     out = tmp_path / "o.json"
     rc, _, err = _cli(["glm-jax", f"--model={GOLDEN}", "--prompt_ids=7,8,9,10,11", "--max_new_tokens=12",
@@ -302,7 +282,6 @@ def test_cli_plugin_flag_from_pythonpath(tmp_path, monkeypatch, capsys, baseline
 def test_check_contract_passes_for_routing_only_plugin(capsys):
     """glm-jax-eval --check_contract on the shipped model (trained MTP head, experts through the store, 1 cached
     expert per layer): the gate-weight floor keeps greedy output identical with MTP drafts."""
-    _define_all()
     rc, out, err = _cli(["glm-jax-eval", "--check_contract", "--contract_tokens=16", "--cache_cap=1",
                          "--plugin=glm_jax_plugins.weight_floor:weight_floor", "--plugin_args=min_share=0.2"],
                         capsys)

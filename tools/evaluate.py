@@ -297,11 +297,20 @@ def check_contract(model, opts: dict, prompt="ROMEO:\n", new_tokens: int = 32, p
     for fn, name in user + [(eng.plugin, "all, as composed" if user else eng.plugin.name)]:
         if fn is eng.plugin and len(user) == 1 and _no_builtin(opts):
             continue                                   # one user plugin alone: the composition is that plugin
-        c = P.contract.classify(fn, **probe)
+        c = effective_kind(P.contract.classify(fn, **probe), eng)
         rows.append(dict(name=name, **c, mtp_safe=not c["cache_dependent"] and c["row_independent"]))
     return {"identical": diff is None, "first_diff": diff, "tokens": a.tokens, "tokens_mtp": b.tokens,
             "mtp_acceptance": b.stats.get("mtp_acceptance", 0.0), "experts_dropped": a.stats["experts_dropped"],
             "draft": draft, "plugins": rows}
+
+
+def effective_kind(c: dict, engine) -> dict:
+    """A plugin that reads ``resident`` is still routing-only in an engine whose residency is static (no store, or
+    --budget_residency none / pinned): the probe varies the mask, that engine never does."""
+    if c["cache_dependent"] and engine.residency_is_static:
+        c = dict(c, cache_dependent=False,
+                 kind=f"routing-only (resident constant: --budget_residency={engine.opts['budget_residency']})")
+    return c
 
 
 def _no_builtin(opts) -> bool:
