@@ -8,17 +8,16 @@ import pytest
 from glm_jax import options as O
 from glm_jax_tools import sweep as S
 
-SETTINGS = {"reps": 2, "new_tokens": 32, "windows": 16}
+SETTINGS = {"quality": {"windows": 16}, "speed": {"reps": 2, "new_tokens": 32}}
 
 
-def test_config_key_is_canonical_and_covers_model_and_settings():
+def test_config_key_is_canonical_and_covers_the_model():
     a = {"expert_topp": 0.7, "plugins": [["m:f", {"b": 1, "a": 2}]]}
     b = {"plugins": [["m:f", {"a": 2, "b": 1}]], "expert_topp": 0.7}
-    k = S.config_key(a, "fp", SETTINGS)
-    assert k == S.config_key(b, "fp", SETTINGS)                              # key order does not matter
-    assert k != S.config_key(a, "fp2", SETTINGS)                             # another model
-    assert k != S.config_key(a, "fp", dict(SETTINGS, reps=3))                # other measurement settings
-    assert k != S.config_key(dict(a, expert_topp=0.8), "fp", SETTINGS)
+    k = S.config_key(a, "fp")
+    assert k == S.config_key(b, "fp")                                        # key order does not matter
+    assert k != S.config_key(a, "fp2")                                       # another model
+    assert k != S.config_key(dict(a, expert_topp=0.8), "fp")
     with pytest.raises(TypeError, match="JSON data"):
         S.canonical({"plugins": [lambda s: s]})
 
@@ -33,27 +32,33 @@ def test_model_fingerprint_reads_the_model_files(tmp_path):
 def test_run_grid_caches_each_configuration_and_resumes(tmp_path):
     calls = []
 
-    def measure(name, cfg):
-        calls.append(name)
+    def measure(name, cfg, parts):
+        calls.append((name, tuple(sorted(parts))))
         if name == "boom" and len(calls) < 4:
             raise RuntimeError("interrupted")
-        return {"PPL Δ%": cfg.get("expert_topp", 1.0), "cold speedup": 1.0}
+        return {"quality": {"PPL Δ%": cfg.get("expert_topp", 1.0)}, "speed": {"cold speedup": 1.0 + len(calls)}}
 
+    both = ("quality", "speed")
     grid = {"baseline": {}, "topp0.7": {"expert_topp": 0.7}, "boom": {"expert_topp": 0.5}}
+    run = lambda **kw: S.run_grid(kw.pop("g", grid), "fp", kw.pop("settings", SETTINGS), str(tmp_path), measure,  # noqa
+                                  log=lambda m: None, **kw)
     with pytest.raises(RuntimeError):                                        # interrupted at the third config
-        S.run_grid(grid, "fp", SETTINGS, str(tmp_path), measure, log=lambda m: None)
-    assert calls == ["baseline", "topp0.7", "boom"] and len(os.listdir(tmp_path)) == 2
-    rows = S.run_grid(grid, "fp", SETTINGS, str(tmp_path), measure, log=lambda m: None)
-    assert calls[3:] == ["boom"]                                             # resumed: only the missing one
-    assert [r["cached"] for r in rows] == [True, True, False] and [r["name"] for r in rows] == list(grid)
-    assert rows[1]["PPL Δ%"] == 0.7 and rows[1]["config"] == {"expert_topp": 0.7}
-    S.run_grid(grid, "fp", SETTINGS, str(tmp_path), measure, log=lambda m: None)
+        run()
+    assert calls == [("baseline", both), ("topp0.7", both), ("boom", both)] and len(os.listdir(tmp_path)) == 2
+    rows = run()
+    assert calls[3:] == [("boom", both)]                                     # resumed: only the missing one
+    assert [r["cached"] for r in rows] == [list(both), list(both), []] and [r["name"] for r in rows] == list(grid)
+    assert rows[1]["PPL Δ%"] == 0.7 and rows[1]["cold speedup"] == 3.0 and rows[1]["config"] == {"expert_topp": 0.7}
+    run()
     assert len(calls) == 4                                                   # everything cached
-    S.run_grid(grid, "fp", dict(SETTINGS, reps=5), str(tmp_path), measure, log=lambda m: None)
-    S.run_grid({"baseline": {}}, "fp", SETTINGS, str(tmp_path), measure, refresh=True, log=lambda m: None)
-    assert calls[4:] == ["baseline", "topp0.7", "boom", "baseline"]
-    with open(S.cache_path(str(tmp_path), "topp0.7", S.config_key({"expert_topp": 0.7}, "fp", SETTINGS))) as f:
-        assert json.load(f)["name"] == "topp0.7"
+    # more PPL windows: quality is measured again, speed comes from the cache
+    rows = run(settings=dict(SETTINGS, quality={"windows": 64}))
+    assert calls[4:] == [(n, ("quality",)) for n in grid] and rows[1]["cold speedup"] == 3.0
+    run(g={"baseline": {}}, settings=dict(SETTINGS, quality={"windows": 64}), refresh=True)
+    assert calls[7:] == [("baseline", both)]
+    with open(S.cache_path(str(tmp_path), "topp0.7", S.config_key({"expert_topp": 0.7}, "fp"))) as f:
+        d = json.load(f)
+    assert d["name"] == "topp0.7" and d["parts"]["quality"]["settings"] == {"windows": 64}
 
 
 def test_pareto_frontier():

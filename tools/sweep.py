@@ -20,8 +20,9 @@ Per configuration:
   same-run baseline and its speedup stays honest when a sweep is resumed later.
 
 Results are cached per configuration in ``--cache_dir`` (one JSON per configuration, named by a hash of the
-configuration, the model (its manifest / config bytes) and the measurement settings): a rerun skips what is done, an
-interrupted sweep resumes, ``--refresh`` remeasures.  Output: ``OUT.md`` (the table), ``OUT.json``, ``OUT.png`` (PPL
+configuration and the model (its manifest / config bytes)); inside, the quality and the speed results each carry the
+settings they were measured with, so a rerun measures only what is missing or was measured otherwise (more PPL windows
+remeasure quality, not speed), an interrupted sweep resumes, ``--refresh`` remeasures.  Output: ``OUT.md`` (the table), ``OUT.json``, ``OUT.png`` (PPL
 increase against cold bytes read per token and against cold speedup, the Pareto frontier marked, the <= 2% window
 shaded); the best configuration inside the window by cold speedup is named at the end.
 """
@@ -49,7 +50,8 @@ def define_flags():
     ab.define_flags()
     once(flags.DEFINE_string, "grid_file", "", "JSON {name: {engine options}} of more configurations (user plugins "
          "as \"plugins\": [[\"module:factory\", {kwargs}]]).")
-    once(flags.DEFINE_string, "cache_dir", "", "Per-configuration result cache (default: OUT.cache/).")
+    once(flags.DEFINE_string, "cache_dir", "bench_out/sweep.cache", "Per-configuration result cache (one JSON per "
+         "configuration and model; shared by every --out).")
     once(flags.DEFINE_bool, "refresh", False, "Remeasure configurations that have a cached result.")
     once(flags.DEFINE_float, "window_pct", 2.0, "The PPL-increase window (%) the best setting is picked from.")
     once(flags.DEFINE_integer, "window_len", 128, "Tokens per perplexity window.")
@@ -130,9 +132,9 @@ def model_fingerprint(model: str) -> str:
     return h.hexdigest()
 
 
-def config_key(cfg: dict, fingerprint: str, settings: dict) -> str:
-    blob = json.dumps({"config": json.loads(canonical(cfg)), "model": fingerprint,
-                       "settings": json.loads(canonical(settings))}, sort_keys=True)
+def config_key(cfg: dict, fingerprint: str) -> str:
+    """The cache file's key: sha256 of the configuration and the model."""
+    blob = json.dumps({"config": json.loads(canonical(cfg)), "model": fingerprint}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -140,30 +142,46 @@ def cache_path(cache_dir: str, name: str, key: str) -> str:
     return os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.+-]+', '_', name)}-{key[:16]}.json")
 
 
+PARTS = ("quality", "speed")
+
+
 def run_grid(configs: dict, fingerprint: str, settings: dict, cache_dir: str, measure, refresh: bool = False,
              log=print) -> list:
-    """Each configuration's result: from ``cache_dir`` when its key (config + model + settings) is there, else
-    ``measure(name, cfg)`` (a dict), saved at once (an interrupted sweep resumes).  Returns the results in grid
-    order, each with "name", "key" and "cached"."""
+    """Each configuration's result, cached in one JSON per configuration (``cache_path``: keyed by a hash of the
+    configuration and the model).  The file holds the result of each part ("quality", "speed") with the measurement
+    settings it was made with (``settings[part]``); a part is measured again only when it is missing, was made with
+    other settings, or ``refresh``: ``measure(name, cfg, parts)`` returns {part: result dict}.  The file is written
+    after every configuration (an interrupted sweep resumes).  Returns the rows in grid order: name, config, key,
+    cached (the parts that came from the cache) and every part's results."""
     os.makedirs(cache_dir, exist_ok=True)
     out = []
     for name, cfg in configs.items():
-        key = config_key(cfg, fingerprint, settings)
+        key = config_key(cfg, fingerprint)
         path = cache_path(cache_dir, name, key)
-        if os.path.exists(path) and not refresh:
+        stored = {}
+        if os.path.exists(path):
             with open(path) as f:
-                r = json.load(f)
-            r["cached"] = True
-            log(f"[sweep] {name}: cached ({path})")
-        else:
-            log(f"[sweep] {name}: measuring")
-            r = dict(measure(name, cfg), name=name, key=key, config=json.loads(canonical(cfg)))
+                stored = json.load(f).get("parts", {})
+        want = json.loads(canonical(settings))
+        todo = [p for p in PARTS if p in want and (refresh or stored.get(p, {}).get("settings") != want[p])]
+        if todo:
+            log(f"[sweep] {name}: measuring {', '.join(todo)}")
+            got = measure(name, cfg, set(todo))
+            for p in todo:
+                stored[p] = {"settings": want[p], "result": got[p]}
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump(r, f, indent=1)
+                json.dump({"name": name, "key": key, "config": json.loads(canonical(cfg)), "parts": stored}, f,
+                          indent=1)
             os.replace(tmp, path)
-            r["cached"] = False
-        out.append(r)
+        else:
+            log(f"[sweep] {name}: cached ({path})")
+        row = {"name": name, "key": key, "config": json.loads(canonical(cfg)),
+               "cached": [p for p in PARTS if p in want and p not in todo]}
+        for p in PARTS:
+            if p in want:
+                row.update(stored[p]["result"])
+        out.append(row)
     return out
 
 
@@ -273,55 +291,58 @@ class Measurer:
             self._base[corner] = ab.corner_engine(self.model, ab.NO_MTP, corner, self.E, 0.0)
         return self._base[corner]
 
-    def __call__(self, name, cfg):
+    def __call__(self, name, cfg, parts=PARTS):
         import glm_jax_plugins as P
         from glm_jax_tools import evaluate as ev
 
         c = dict(ab.NO_MTP, **cfg)
-        res = {}
+        res = {p: {} for p in parts}
         engines = {}
         probe = ab.corner_engine(self.model, c, WARM, self.E, self.pin_gb)
-        kind = None
-        if probe.plugin is not None:
-            k = P.contract.classify(probe.plugin, self.cfg.num_experts_per_tok, self.E, list(self.cfg.moe_layers),
-                                    self.cfg.norm_topk_prob, self.cfg.routed_scaling_factor,
-                                    self.cfg.num_hidden_layers, seeds=2)
-            kind = k["kind"] + ("" if k["row_independent"] else ", cross-row")
-            res["kind"] = kind
-        qcorner = COLD if kind and kind.startswith("cache") and COLD in self.corners else WARM
-        if qcorner == WARM:
-            engines[WARM] = probe
-        else:
-            probe.close()
-        # quality (the lossy engine scored against the reference; the baseline config is the reference itself)
-        if probe.plugin is not None or name == "baseline":
+        engines[WARM] = probe
+        if "quality" in parts:
+            q = res["quality"]
+            kind = None
+            if probe.plugin is not None:
+                k = ev.effective_kind(P.contract.classify(
+                    probe.plugin, self.cfg.num_experts_per_tok, self.E, list(self.cfg.moe_layers),
+                    self.cfg.norm_topk_prob, self.cfg.routed_scaling_factor, self.cfg.num_hidden_layers, seeds=2),
+                    probe)
+                kind = ("cache-dependent" if k["cache_dependent"] else "routing-only") + \
+                    ("" if k["row_independent"] else ", cross-row")
+                q["kind"] = kind
+            # the lossy engine scored against the reference (the baseline configuration is the reference itself);
+            # a cache-dependent configuration in the cold corner, where its quality differs
+            qcorner = COLD if kind and kind.startswith("cache") and COLD in self.corners else WARM
             e = engines.get(qcorner) or engines.setdefault(qcorner, ab.corner_engine(self.model, c, qcorner, self.E,
                                                                                      self.pin_gb))
             if qcorner == COLD:
                 e.store.drop_cache()
             sim, e.store.sim_disk_gbps = e.store.sim_disk_gbps, 0.0
-            q = ev.evaluate(e, self.ref(), self.plays, n_items=FLAGS.items, n_windows=FLAGS.windows,
+            r = ev.evaluate(e, self.ref(), self.plays, n_items=FLAGS.items, n_windows=FLAGS.windows,
                             window_len=FLAGS.window_len, chunk=4)
             e.store.sim_disk_gbps = sim
-            res.update({"PPL": q["ppl"], "PPL ref": q["ppl_ref"], "PPL Δ%": q["ppl_delta_pct"], "KL": q["kl"],
-                        "top-1": q["top1_agree"], "quality corner": qcorner})
-            if q.get("mc_items"):
-                res.update({"MC acc (PMI)": q["mc_acc_pmi"], "MC ref": q["mc_acc_pmi_ref"]})
-        for corner in self.corners:
-            e = engines.get(corner) or engines.setdefault(corner, ab.corner_engine(self.model, c, corner, self.E,
-                                                                                   self.pin_gb))
-            runs = ab.interleaved_runs({"baseline": self.base(corner), name: e}, corner, FLAGS.reps,
-                                       FLAGS.new_tokens, FLAGS.prompt)
-            me, bl = ab.speed_row(corner, name, runs[name]), ab.speed_row(corner, "baseline", runs["baseline"])
-            res.update({f"{corner} tok/s": me["tok/s"], f"{corner} base tok/s": bl["tok/s"],
-                        f"{corner} speedup": me["tok/s"] / bl["tok/s"] if bl["tok/s"] else float("nan"),
-                        f"{corner} MB/tok": me["MB read/tok"], f"{corner} hit rate": me["hit rate"],
-                        f"{corner} dropped/tok": me["dropped/tok"]})
-            if corner == COLD:
-                res["cold sim GB/tok"] = me["sim GB/tok"]
+            q.update({"PPL": r["ppl"], "PPL ref": r["ppl_ref"], "PPL Δ%": r["ppl_delta_pct"], "KL": r["kl"],
+                      "top-1": r["top1_agree"], "quality corner": qcorner})
+            if r.get("mc_items"):
+                q.update({"MC acc (PMI)": r["mc_acc_pmi"], "MC ref": r["mc_acc_pmi_ref"]})
+        if "speed" in parts:
+            sp = res["speed"]
+            for corner in self.corners:
+                e = engines.get(corner) or engines.setdefault(corner, ab.corner_engine(self.model, c, corner, self.E,
+                                                                                       self.pin_gb))
+                runs = ab.interleaved_runs({"baseline": self.base(corner), name: e}, corner, FLAGS.reps,
+                                           FLAGS.new_tokens, FLAGS.prompt)
+                me, bl = ab.speed_row(corner, name, runs[name]), ab.speed_row(corner, "baseline", runs["baseline"])
+                sp.update({f"{corner} tok/s": me["tok/s"], f"{corner} base tok/s": bl["tok/s"],
+                           f"{corner} speedup": me["tok/s"] / bl["tok/s"] if bl["tok/s"] else float("nan"),
+                           f"{corner} MB/tok": me["MB read/tok"], f"{corner} hit rate": me["hit rate"],
+                           f"{corner} dropped/tok": me["dropped/tok"]})
+                if corner == COLD:
+                    sp["cold sim GB/tok"] = me["sim GB/tok"]
+            sp["dropped/tok"] = sp.get("cold dropped/tok", sp.get("warm dropped/tok"))
         for e in engines.values():
             e.close()
-        res["dropped/tok"] = res.get("cold dropped/tok", res.get("warm dropped/tok"))
         return res
 
     def close(self):
@@ -349,14 +370,14 @@ def main(argv):
             return 2
         configs = {n: configs[n] for n in FLAGS.configs}
     _, pin_gb = ab.prepare(model, FLAGS.prompt, FLAGS.new_tokens)
-    settings = {"reps": FLAGS.reps, "new_tokens": FLAGS.new_tokens, "prompt": FLAGS.prompt, "windows": FLAGS.windows,
-                "window_len": FLAGS.window_len, "items": FLAGS.items, "cold_cap": FLAGS.cold_cap,
-                "sim_disk_gbps": FLAGS.sim_disk_gbps, "sim_expert_mb": FLAGS.sim_expert_mb,
-                "corners": sorted(FLAGS.corners)}
+    settings = {"quality": {"windows": FLAGS.windows, "window_len": FLAGS.window_len, "items": FLAGS.items,
+                            "cold_corner": "cold" in FLAGS.corners},
+                "speed": {"reps": FLAGS.reps, "new_tokens": FLAGS.new_tokens, "prompt": FLAGS.prompt,
+                          "cold_cap": FLAGS.cold_cap, "sim_disk_gbps": FLAGS.sim_disk_gbps,
+                          "sim_expert_mb": FLAGS.sim_expert_mb, "corners": sorted(FLAGS.corners)}}
     plays = ev.read_plays(os.path.join(model, "heldout.txt"))
     measurer = Measurer(model, cfg, pin_gb, plays, FLAGS.corners)
-    cache_dir = FLAGS.cache_dir or FLAGS.out + ".cache"
-    rows = run_grid(configs, model_fingerprint(model), settings, cache_dir, measurer, FLAGS.refresh)
+    rows = run_grid(configs, model_fingerprint(model), settings, FLAGS.cache_dir, measurer, FLAGS.refresh)
     measurer.close()
     mark_frontiers(rows)
     head = (f"model {model}; quality: {FLAGS.windows}x{FLAGS.window_len}-token PPL windows of the held-out plays, "
