@@ -14,19 +14,20 @@ from . import options as O
 FLAGS = flags.FLAGS
 
 O.define_model_flag()
-flags.DEFINE_string("prompt", "ROMEO:\n", "Prompt text.")
-flags.DEFINE_string("prompt_ids", "", "Comma-separated prompt token ids (instead of --prompt).")
-flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.", lower_bound=0)
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
-flags.DEFINE_integer("top_k", 0, "Sample from the top-k tokens only (0 = off).", lower_bound=0)
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: smallest token set with probability >= top_p, in (0, 1] "
-                   "(1 = off). Unrelated to --expert_topp.")
-flags.DEFINE_integer("seed", 0, "Random seed for sampling.")
-flags.DEFINE_boolean("chat", False, "Format the prompt as one user message with the checkpoint's chat_template "
-                     "(tokenizer_config.json), or the GLM format ([gMASK]<sop><|user|>...<|assistant|>) without one.")
-flags.DEFINE_boolean("ignore_eos", False, "Do not stop at the end-of-sequence token(s).")
-flags.DEFINE_string("output_json", "", "Also write tokens, text and stats to this JSON file.")
-O.define_flags()
+O.define_once(flags.DEFINE_string, "prompt", "ROMEO:\n", "Prompt text.")
+O.define_once(flags.DEFINE_string, "prompt_ids", "", "Comma-separated prompt token ids (instead of --prompt).")
+O.define_once(flags.DEFINE_integer, "max_new_tokens", 64, "Tokens to generate.", lower_bound=0)
+O.define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
+O.define_once(flags.DEFINE_integer, "top_k", 0, "Sample from the top-k tokens only (0 = off).", lower_bound=0)
+O.define_once(flags.DEFINE_float, "top_p", 1.0, "Nucleus sampling: smallest token set with probability >= top_p, in "
+              "(0, 1] (1 = off). Unrelated to --expert_topp.")
+O.define_once(flags.DEFINE_integer, "seed", 0, "Random seed for sampling.")
+O.define_once(flags.DEFINE_boolean, "chat", False, "Format the prompt as one user message with the checkpoint's "
+              "chat_template (tokenizer_config.json), or the GLM format ([gMASK]<sop><|user|>...<|assistant|>) "
+              "without one.")
+O.define_once(flags.DEFINE_boolean, "ignore_eos", False, "Do not stop at the end-of-sequence token(s).")
+O.define_once(flags.DEFINE_string, "output_json", "", "Also write tokens, text and stats to this JSON file.")
+O.define_flags()        # the engine options, --plugin / --plugin_args included (shared with glm-jax-eval, -serve)
 
 
 def format_stats(s: dict) -> str:

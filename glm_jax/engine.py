@@ -100,8 +100,10 @@ class Engine(Runner):
         self.dtype = params["norm"].dtype
         self.moe_layers = cfg.moe_layers
         self._init_runtime()
-        self.plugin = _build_plugin(opts)
+        self.plugin, self.plugin_names = _build_plugin(opts)
         self.lossy = self.plugin is not None
+        if self.plugin_names:
+            _preflight(self.plugin, cfg)
         self._scheduler = None
         self.kernel = kernel                                # who computes the experts / dense products
         self.checkpoint_dtype = declared_dtype(path) or "unknown"
@@ -536,15 +538,38 @@ def _tree_bytes(tree) -> int:
 
 
 def _build_plugin(opts: dict):
-    """The composed routing plugin (None when every lossy knob is off)."""
+    """(the composed routing plugin or None when every lossy knob is off, the user plugins' names).
+
+    Order: cache_route -> topp -> the user plugins (option ``plugins``, in the given order) -> expert_budget.  Each
+    user plugin is wrapped in ``glm_jax_plugins.contract.checked``: structure checked at trace time, values in-jit
+    (reported through the routing summary, ``Runner._check_routing``)."""
     import glm_jax_plugins as P
 
     topp = opts["expert_topp"] if opts["expert_topp"] < 1.0 else None
     budget = opts["expert_budget"] if opts["expert_budget"] > 0 else None
     cr = None if opts["cache_route"] == "off" else opts["cache_route"]
-    if topp is None and budget is None and cr is None:
-        return None
+    user = [(p, n) for p, n in O.load_plugins(opts["plugins"]) if not getattr(p, "is_identity", False)]
+    if topp is None and budget is None and cr is None and not user:
+        return None, []
+    names = [n for _, n in user]
+    checked = [P.contract.checked(p, i, n, error=O.PluginError) for i, (p, n) in enumerate(user)]
     return P.build(expert_topp=topp, expert_budget=budget, budget_scope=opts["budget_scope"],
                    budget_max_positions=opts["budget_max_positions"] or None, cache_route=cr,
                    route_j=opts["route_j"], route_m=opts["route_m"], route_alpha=opts["route_alpha"],
-                   route_lambda=opts["route_lambda"])
+                   route_lambda=opts["route_lambda"], plugins=checked), names
+
+
+def _preflight(plugin, cfg: ModelConfig):
+    """Trace the composed plugin once on an abstract state (layer index traced, as in the engine): a user plugin
+    that breaks the contract's structure, or branches in Python on a traced value, fails here, at load."""
+    from glm_jax_plugins import contract
+
+    st = contract.abstract_state(4, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.norm_topk_prob,
+                                 cfg.routed_scaling_factor, cfg.num_hidden_layers)
+    try:
+        jax.eval_shape(plugin, st)
+    except O.PluginError:
+        raise
+    except Exception as e:                  # noqa: BLE001 - a built-in plugin failing here is a bug; say so
+        raise O.PluginError(f"routing plugins {plugin.name!r}: tracing failed: {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None

@@ -144,8 +144,10 @@ def attn_block(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel=None,
 
 
 # ----------------------------------------------------------------------------- router + MoE
-def route(cfg: ModelConfig, mp, hn, positions_valid, resident) -> RoutingState:
-    """The GLM "noaux_tc" router in f32 on hn [T, H] (post-attention-normed).  Returns the routing state."""
+def route(cfg: ModelConfig, mp, hn, positions_valid, resident, layer=None, seq_pos=None) -> RoutingState:
+    """The GLM "noaux_tc" router in f32 on hn [T, H] (post-attention-normed).  Returns the routing state; ``layer``
+    (the layer index, int or int32 scalar) and ``seq_pos`` ([T] int32, each row's position in its sequence) are
+    handed to the plugins (None: unknown)."""
     T = hn.shape[0]
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     logits = jnp.einsum("th,eh->te", hn.astype(F32), mp["router_w"].astype(F32))
@@ -167,7 +169,10 @@ def route(cfg: ModelConfig, mp, hn, positions_valid, resident) -> RoutingState:
     valid = jnp.broadcast_to(positions_valid[:, None], (T, K))
     return RoutingState(ids=ids, weights=w, valid=valid, scores=scores, biased=biased,
                         resident=resident.astype(bool), positions=positions_valid.astype(bool),
-                        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=float(cfg.routed_scaling_factor))
+                        layer=None if layer is None else jnp.asarray(layer, jnp.int32),
+                        seq_pos=None if seq_pos is None else jnp.asarray(seq_pos, jnp.int32).reshape(T),
+                        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=float(cfg.routed_scaling_factor),
+                        num_layers=cfg.num_hidden_layers)
 
 
 def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: Optional[bool] = None):
@@ -287,7 +292,7 @@ def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, v
     if "moe" not in lp:
         return h + mlp(lp["mlp"], hn, valid_bt), cache, sel, None
     flat = hn.reshape(B * T, H)
-    before = route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident)
+    before = route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident, layer, positions_of(start, T))
     after = plugin(before)
     if bank is None:        # resident experts: the layer's own bank (slot_of: where an expert store put them)
         bank, slot_of = lp["experts"], lp.get("slot_of")

@@ -2,13 +2,18 @@
 
 Each option has a flag of the same name and its range (``lo`` / ``hi`` / ``check``): the flag, the environment
 alias and the keyword get the same check and the same error text, prefixed by where the value came from.  The
-original engine's environment names (colibri: EXPERT_BUDGET, TOPP, MTP, ...) are accepted as aliases; an explicitly
-given flag or keyword always wins over the environment (an alias is not even parsed then).
+exception is ``plugins`` (user routing plugins), whose flags are ``--plugin`` (repeatable) and ``--plugin_args``:
+:func:`define_flags` defines them for every command that takes engine options (glm-jax, glm-jax-eval,
+glm-jax-serve), and :func:`from_flags` turns them into the ``plugins`` option.  The original engine's environment
+names (colibri: EXPERT_BUDGET, TOPP, MTP, ...) are accepted as aliases; an explicitly given flag or keyword always
+wins over the environment (an alias is not even parsed then).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import math
 import os
 import re
@@ -21,11 +26,15 @@ class OptionError(GlmJaxError):
     pass
 
 
+class PluginError(GlmJaxError):
+    """A user routing plugin could not be loaded or broke the plugin contract (glm_jax_plugins.contract)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Opt:
     name: str
     default: Any
-    kind: str            # "str" | "int" | "float" | "bool" | "enum"
+    kind: str            # "str" | "int" | "float" | "bool" | "enum" | "plugins"
     help: str
     choices: tuple = ()
     env: tuple = ()      # environment aliases (original engine's names)
@@ -139,6 +148,10 @@ OPTIONS = [
         lo=0.0, lo_open=True),
     Opt("route_lambda", 0.1, "float", "CACHE_ROUTE prior: score bonus of resident experts.", env=("ROUTE_LAMBDA",),
         lo=0.0),
+    Opt("plugins", (), "plugins", "User routing plugins (Python API: a list of RoutingState -> RoutingState "
+        "callables, glm_jax_plugins.Plugin objects, 'module:factory' strings or ('module:factory', {kwargs}) pairs; "
+        "flags: --plugin / --plugin_args). Applied in the given order after cache_route and topp, before "
+        "expert_budget. Lossy."),
     Opt("mtp", False, "bool", "Speculative decoding with the model's MTP layer when it has one (--mtp; off by "
         "default: on the shipped model it decoded 3.3x slower than plain decode on CPU, 529 vs 1756 tok/s with "
         "44% acceptance, README). Greedy output is identical either way.", env=("MTP",), main=True),
@@ -173,6 +186,8 @@ def _range_text(o: Opt) -> str:
 
 def check_value(o: Opt, v: Any, where: str):
     """Parse and range-check one value of option ``o``; ``where`` names its source (flag / env / keyword)."""
+    if o.kind == "plugins":
+        return _parse_plugins(v, where)
     def bad(msg=None, parsed=None):
         shown = repr(v) if not isinstance(v, str) or v.strip() != v or not v or " " in v else v
         if parsed is not None:        # a number out of range: shown as parsed (flag, alias and keyword alike)
@@ -286,6 +301,146 @@ def resolve(explicit: Optional[dict] = None, environ=None, kind: str = "keyword"
     return Options(out, src, lab)
 
 
+# ----------------------------------------------------------------------------- user routing plugins
+@dataclasses.dataclass(frozen=True)
+class PluginSpec:
+    """A plugin named by ``module:factory`` (imported from the user's PYTHONPATH) and its keyword arguments."""
+    spec: str
+    kwargs: tuple = ()            # sorted (key, value) pairs
+    origin: str = "option 'plugins'"
+
+    @property
+    def name(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs)
+        return f"{self.spec}({args})" if args else self.spec
+
+
+_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_ARG_SPLIT = re.compile(r",(?=\s*[A-Za-z_]\w*\s*=)")
+
+
+def parse_spec(spec: str, kwargs=None, origin: str = "option 'plugins'") -> PluginSpec:
+    spec = str(spec).strip()
+    if not _SPEC.match(spec):
+        raise OptionError(f"{origin}: expected module:factory (e.g. glm_jax_plugins.weight_floor:weight_floor), "
+                          f"got {spec!r}")
+    kw = dict(kwargs or {})
+    if not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise OptionError(f"{origin}: plugin arguments must be keyword names, got {sorted(map(str, kw))}")
+    return PluginSpec(spec, tuple(sorted(kw.items())), origin)
+
+
+def parse_plugin_args(text: str, origin: str = "flag --plugin_args") -> dict:
+    """'key=value,key=value' -> dict.  Values are Python literals where they parse as one (0.1, 2, True, None,
+    "0,0,2,2" -> a tuple), else strings; a comma separates pairs only when a ``key=`` follows it."""
+    out = {}
+    text = (text or "").strip()
+    if not text:
+        return out
+    for part in _ARG_SPLIT.split(text):
+        k, eq, v = part.partition("=")
+        k, v = k.strip(), v.strip()
+        if not eq or not k.isidentifier():
+            raise OptionError(f"{origin}: expected key=value[,key=value...], got {part.strip()!r} in {text!r}")
+        if v.lower() in ("true", "false"):
+            out[k] = v.lower() == "true"
+            continue
+        try:
+            out[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            out[k] = v
+    return out
+
+
+def parse_plugin_flags(specs, args) -> tuple:
+    """``--plugin`` values and ``--plugin_args`` values (the i-th --plugin_args belongs to the i-th --plugin; give
+    none, or one per --plugin, '' for a plugin without arguments) -> PluginSpecs."""
+    specs, args = list(specs or []), list(args or [])
+    if args and not specs:
+        raise OptionError("flag --plugin_args: given without --plugin")
+    if args and len(args) != len(specs):
+        raise OptionError(f"flag --plugin_args: given {len(args)} times for {len(specs)} --plugin flags (one per "
+                          "--plugin, in the same order; '' for a plugin without arguments)")
+    out = []
+    for i, sp in enumerate(specs):
+        kw = parse_plugin_args(args[i], f"flag --plugin_args={args[i]!r}") if args else {}
+        out.append(parse_spec(sp, kw, f"flag --plugin={sp}"))
+    return tuple(out)
+
+
+def _parse_plugins(v, where: str) -> tuple:
+    if v is None:
+        return ()
+    if isinstance(v, (str, PluginSpec)) or callable(v):
+        v = [v]
+    if not isinstance(v, (list, tuple)):
+        raise OptionError(f"{where}: expected a list of plugins, got {type(v).__name__}")
+    out = []
+    for i, item in enumerate(v):
+        if isinstance(item, PluginSpec) or (callable(item) and not isinstance(item, type)):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(parse_spec(item, None, f"{where}[{i}]"))
+        elif (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+              and isinstance(item[1], dict)):
+            out.append(parse_spec(item[0], item[1], f"{where}[{i}]"))
+        else:
+            raise OptionError(f"{where}[{i}]: expected a RoutingState -> RoutingState callable, 'module:factory' or "
+                              f"('module:factory', {{kwargs}}), got {item!r}")
+    return tuple(out)
+
+
+def load_plugins(items) -> list:
+    """Resolve the ``plugins`` option: [(callable, name)].  A spec is imported (``module:factory`` -> factory(**kw));
+    an attribute that is already a glm_jax_plugins.Plugin is used as it is.  Errors name the flag / plugin."""
+    from glm_jax_plugins import Plugin
+
+    out = []
+    for item in items:
+        if not isinstance(item, PluginSpec):
+            out.append((item, getattr(item, "name", None) or getattr(item, "__name__", None) or repr(item)))
+            continue
+        where = item.origin
+        mod_name, _, attr = item.spec.partition(":")
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception as e:        # noqa: BLE001 - one line naming the flag
+            raise PluginError(f"{where}: cannot import module {mod_name!r} ({type(e).__name__}: {e}); is it on "
+                              "PYTHONPATH?") from None
+        obj = mod
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise PluginError(f"{where}: module {mod_name!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        kw = dict(item.kwargs)
+        if isinstance(obj, Plugin):
+            if kw:
+                raise PluginError(f"{where}: {attr} is a plugin, not a factory: it takes no --plugin_args")
+            plugin = obj
+        elif callable(obj):
+            try:
+                plugin = obj(**kw)
+            except Exception as e:    # noqa: BLE001
+                raise PluginError(f"{where}: {attr}(**{kw}) raised {type(e).__name__}: {e}") from None
+        else:
+            raise PluginError(f"{where}: {attr} is not callable")
+        if not callable(plugin):
+            raise PluginError(f"{where}: {attr}(...) returned {type(plugin).__name__}, not a RoutingState -> "
+                              "RoutingState callable")
+        name = getattr(plugin, "name", None)
+        out.append((plugin, item.name if not name or getattr(plugin, "is_identity", False) else name))
+    return out
+
+
+def define_once(define, name: str, *args, **kw):
+    """``define(name, ...)`` (an absl DEFINE_*) unless a flag of that name exists: commands that share a flag with the
+    same meaning (--model, --output_json) can be imported into one process (tests run them in-process)."""
+    from absl import flags
+
+    if name not in flags.FLAGS:
+        define(name, *args, **kw)
+
+
 def define_flags(flags_module=None):
     """Define one absl flag per option (idempotent).  Ranges are checked by ``resolve`` (one error text for flags,
     aliases and keywords), not by absl."""
@@ -293,6 +448,17 @@ def define_flags(flags_module=None):
 
     F = flags_module or flags
     for o in OPTIONS:
+        if o.kind == "plugins":
+            if "plugin" not in F.FLAGS:
+                F.DEFINE_multi_string("plugin", [], "A user routing plugin, module:factory (repeatable): factory("
+                                      "**args) is imported from PYTHONPATH and must return a jittable RoutingState "
+                                      "-> RoutingState callable (glm_jax_plugins.routing). Applied in the given "
+                                      "order after --cache_route and --expert_topp, before --expert_budget. "
+                                      "Example: --plugin=glm_jax_plugins.weight_floor:weight_floor.")
+                F.DEFINE_multi_string("plugin_args", [], "key=value[,key=value...] arguments of the factory of "
+                                      "the --plugin in the same position (repeat once per --plugin; '' for none). "
+                                      "Values are Python literals (0.1, 2, True, 0,0,2,2 -> a tuple) or strings.")
+            continue
         if o.name in F.FLAGS:
             continue
         h = o.help + (f" [env alias: {', '.join(o.env)}]" if o.env else "")
@@ -325,7 +491,9 @@ def from_flags() -> Options:
     from absl import flags
 
     F = flags.FLAGS
-    explicit = {o.name: F[o.name].value for o in OPTIONS if F[o.name].present}
+    explicit = {o.name: F[o.name].value for o in OPTIONS if o.kind != "plugins" and F[o.name].present}
+    if F["plugin"].present or F["plugin_args"].present:
+        explicit["plugins"] = parse_plugin_flags(F.plugin, F.plugin_args)
     return resolve(explicit, kind="flag")
 
 

@@ -53,7 +53,8 @@ def round_up(n: int, m: int) -> int:
 
 
 def routing_summary(routing, want_stats: bool) -> dict:
-    """Per-forward routing numbers summed over MoE layers (inside jit): plugin stats when a plugin is active."""
+    """Per-forward routing numbers summed over MoE layers (inside jit): plugin stats when a plugin is active, and
+    the user plugins' contract check (violation_summary)."""
     if not want_stats or not routing:
         return {}
     import glm_jax_plugins as P
@@ -63,6 +64,24 @@ def routing_summary(routing, want_stats: bool) -> dict:
         for k, v in P.stats(before, after).items():
             out[k] = out.get(k, 0.0) + v
     out["layers"] = jnp.asarray(len(routing), jnp.float32)
+    out.update(violation_summary(routing))
+    return out
+
+
+def violation_summary(routing) -> dict:
+    """The first contract violation over a forward's MoE layers (inside jit): {} when no plugin is checked, else
+    {"violation": code (0 = none), "violation_layer": its layer index}."""
+    out = {}
+    for _, after in routing:
+        if after.violation is None:
+            continue
+        layer = jnp.asarray(-1 if after.layer is None else after.layer, jnp.int32)
+        if not out:
+            out = {"violation": after.violation, "violation_layer": layer}
+        else:
+            first = out["violation"] == 0
+            out = {"violation": jnp.where(first, after.violation, out["violation"]),
+                   "violation_layer": jnp.where(first, layer, out["violation_layer"])}
     return out
 
 
@@ -276,7 +295,31 @@ class Runner:
         for one sequence -- the streamed forward, MTP drafting -- runs on one row of the batch cache)."""
         return Runner._RowView(self, row)
 
+    @property
+    def residency_is_static(self) -> bool:
+        """True when what the plugins see as ``resident`` cannot change during a run (no store, or
+        --budget_residency none / pinned): a plugin that reads it is then still a function of the routing alone."""
+        return self.store is None or self.opts["budget_residency"] != "cache"
+
+    def _check_routing(self, summ):
+        """Raise the contract violation a forward's routing summary reports (user plugins' in-jit value checks,
+        glm_jax_plugins.contract), if any; removes those keys from ``summ``."""
+        if not summ or "violation" not in summ:
+            return
+        code, layer = int(summ.pop("violation")), int(summ.pop("violation_layer"))
+        if code:
+            from glm_jax_plugins import contract
+
+            from .options import PluginError
+
+            i, flags = contract.decode(code)
+            names = getattr(self, "plugin_names", [])
+            name = names[i] if 0 <= i < len(names) else f"#{i}"
+            raise PluginError(f"routing plugin '{name}' broke the contract at layer {layer}: "
+                              f"{contract.describe(flags)}")
+
     def _accumulate(self, summ):
+        self._check_routing(summ)
         if summ:
             acc = self._route_acc
             for k, v in summ.items():

@@ -153,6 +153,7 @@ class Request:
         self.spec = None
         self.spec_stats = {}
         self.store_prefill = None
+        self.route_prefill = {}      # the routing counters when its prefill ended: its stats cover decode only
         self.hidden = []
 
     @property
@@ -351,6 +352,7 @@ class Scheduler:
             self.keys[i] = key
             req.prefill_s += time.perf_counter() - t0 - (rt.compile_s - c0)
             req.store_prefill = rt.store.stats() if rt.store is not None else None
+            req.route_prefill = dict(rt._route_acc)
             req.t_first = time.perf_counter()
             req.state = "decode"
             self.pos[i], self.tok[i] = P, tok
@@ -543,7 +545,7 @@ class Scheduler:
             "ttft_s": (req.t_first - req.t_submit) if req.t_first else 0.0,
         }
         stats.update(req.spec_stats)
-        stats.update(route_stats(rt._route_acc))
+        stats.update(route_stats({k: v - req.route_prefill.get(k, 0.0) for k, v in rt._route_acc.items()}))
         if rt.store is not None:
             stats.update(_store_stats(rt.store.stats(), req.store_prefill, n_dec))
         text = req.stream.text if rt.tokenizer is not None else ""

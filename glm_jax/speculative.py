@@ -96,6 +96,7 @@ def _mtp_draft_fn(engine, k: int, samp: dict):
     f = engine._jits.get(key_)
     if f is not None:
         return f
+    from .runtime import violation_summary
     from .generate import filtered_probs
 
     cfg = engine.cfg
@@ -111,7 +112,7 @@ def _mtp_draft_fn(engine, k: int, samp: dict):
 
     def f(params, cache, tokens, hidden, start, n, key, resident):
         res = resident
-        lg, hn, cache, _ = M.mtp_forward(cfg, params, cache, tokens, hidden, start, n, res, plugin, own)
+        lg, hn, cache, routing = M.mtp_forward(cfg, params, cache, tokens, hidden, start, n, res, plugin, own)
         last = n[0] - 1
         lg = jax.lax.dynamic_index_in_dim(lg[0], last, 0, keepdims=False)
         g = jax.lax.dynamic_index_in_dim(hn[0], last, 0, keepdims=True)[None]      # [1, 1, H]
@@ -120,12 +121,13 @@ def _mtp_draft_fn(engine, k: int, samp: dict):
         ds, qs = [d], [q]
         pos = start + n[0]
         for j in range(1, k):
-            lg, g, cache, _ = M.mtp_forward(cfg, params, cache, d.reshape(1, 1), g, pos, None, res, plugin, own)
+            lg, g, cache, r = M.mtp_forward(cfg, params, cache, d.reshape(1, 1), g, pos, None, res, plugin, own)
+            routing = routing + r
             d, q = pick(lg[0, 0], keys[j])
             ds.append(d)
             qs.append(q)
             pos = pos + 1
-        return jnp.stack(ds), (None if greedy else jnp.stack(qs)), cache
+        return jnp.stack(ds), (None if greedy else jnp.stack(qs)), cache, violation_summary(routing)
 
     f = engine._jits[key_] = jax.jit(f, donate_argnums=(1,))
     return f
@@ -281,9 +283,10 @@ class SpecRow:
                                                sk)
                 else:
                     fn = _mtp_draft_fn(rt, k, samp)
-                    d, q, rt._cache = fn(rt.step_params(), rt._cache, jnp.asarray(toks), hid,
-                                         jnp.asarray([self.mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
-                                         sk, _mtp_resident(rt))
+                    d, q, rt._cache, viol = fn(rt.step_params(), rt._cache, jnp.asarray(toks), hid,
+                                               jnp.asarray([self.mtp_next], jnp.int32), jnp.asarray([n], jnp.int32),
+                                               sk, _mtp_resident(rt))
+                    rt._check_routing(viol)
                 self.mtp_next += n
                 self.pend_tok, self.pend_h = [], []
                 drafts = [int(x) for x in np.asarray(d)[:kk]]

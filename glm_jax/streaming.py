@@ -48,12 +48,14 @@ def _fns(engine):
         return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps), valid_bt), cache, sel
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-    def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router):
+    def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router, layer_id):
+        """``layer`` (static) picks the compiled variant (_layer_key); ``layer_id`` (traced) is the true index the
+        plugins see."""
         B, T, H = x.shape
         h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
         hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
         flat = hn.reshape(B * T, H)
-        before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident)
+        before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident, layer_id, M.positions_of(start, T))
         after = plugin(before)
         pred = None
         if next_router is not None:   # router lookahead: layer L+1's router on layer L's post-attention state
@@ -172,7 +174,7 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None):
             later = [j for j in moe_idx if j > i]
             nxt = layers[later[0]]["moe"] if later else None
         h, hn, cache[i], sel, ids, w, valid, pred, summ = f["attn_route"](
-            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(engine.resident_for(i)), nxt)
+            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(engine.resident_for(i)), nxt, np.int32(i))
         ids_np, valid_np_k = np.asarray(ids), np.asarray(valid)       # the one host sync per MoE layer
         union = np.unique(ids_np[valid_np_k])
         if pending_pred is not None:
@@ -239,7 +241,9 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
     lp = params["mtp"]["layer"]
     cache = engine._cache
     h, hn, cache[L], _, ids, w, valid, _, summ = f["attn_route"](
-        _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(engine.resident_for(L)), None)
+        _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(engine.resident_for(L)), None,
+        np.int32(L))
+    engine._check_routing(summ)
     ids_np = np.asarray(ids)
     union = np.unique(ids_np[np.asarray(valid)])
     _acc(engine, "mtp_union_experts", len(union))
@@ -315,7 +319,7 @@ def _build_callback_step(engine, n_pos, rows=None):
                 x = h + M.mlp(lp["mlp"], hn)
                 continue
             flat = hn.reshape(B * T, -1)
-            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident[mi])
+            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident[mi], i, M.positions_of(start, T))
             mi += 1
             after = plugin(before)
             r = B * T if rows is None else rows

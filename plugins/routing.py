@@ -16,6 +16,13 @@ Conventions shared by all plugins in this package:
   ``biased`` / ``resident`` / ``positions`` (they describe the router's view and the cache, not the decision);
 * ``rescued`` is an optional ``[T] bool`` (None until the expert budget ran): positions where the budget's rescue
   re-enabled one expert. It only feeds :func:`stats`.
+* ``layer`` (int32 scalar: the decoder layer's index, ``num_hidden_layers`` for the MTP layer) and ``seq_pos``
+  (``[T] int32``: each row's position in its sequence) let a plugin act per layer / per position. Inside the engine
+  both are traced arrays (one compiled program serves every layer of a kind), so a plugin branches on them with
+  ``jnp.where`` / ``lax.select``, never with a Python ``if``. ``num_layers`` (static) is the model's
+  ``num_hidden_layers``. None / 0 when a state is built outside the engine.
+* ``violation`` (int32 scalar or None) belongs to the engine's contract checks (:mod:`glm_jax_plugins.contract`);
+  a plugin passes it through, which ``state.replace(...)`` does.
 
 This module never imports ``glm_jax`` (plugins are leaf modules).
 """
@@ -28,8 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_DATA_FIELDS = ("ids", "weights", "valid", "scores", "biased", "resident", "positions", "rescued")
-_META_FIELDS = ("norm_topk_prob", "routed_scaling_factor")
+_DATA_FIELDS = ("ids", "weights", "valid", "scores", "biased", "resident", "positions", "rescued", "layer",
+                "seq_pos", "violation")
+_META_FIELDS = ("norm_topk_prob", "routed_scaling_factor", "num_layers")
 
 # Epsilon of the router's normalisation (HF: ``w / (w.sum(-1, keepdim=True) + 1e-20)``).
 ROUTER_EPS = 1e-20
@@ -44,8 +52,10 @@ class RoutingState:
 
     ids [T,K] int32, weights [T,K] f32, valid [T,K] bool, scores [T,E] f32 (unbiased sigmoid),
     biased [T,E] f32 (sigmoid + e_score_correction_bias; -inf outside selected groups), resident [E] bool (experts that
-    count as cache hits), positions [T] bool (real positions vs padding), rescued [T] bool | None (set by the budget).
-    Static: norm_topk_prob, routed_scaling_factor.
+    count as cache hits), positions [T] bool (real positions vs padding), rescued [T] bool | None (set by the budget),
+    layer int32 [] | None (layer index), seq_pos [T] int32 | None (position of each row in its sequence), violation
+    int32 [] | None (engine-owned, see the module docstring).
+    Static: norm_topk_prob, routed_scaling_factor, num_layers.
     """
 
     ids: Any
@@ -56,8 +66,12 @@ class RoutingState:
     resident: Any
     positions: Any
     rescued: Any = None
+    layer: Any = None
+    seq_pos: Any = None
+    violation: Any = None
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    num_layers: int = 0
 
     def replace(self, **kw) -> "RoutingState":
         return dataclasses.replace(self, **kw)

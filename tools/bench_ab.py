@@ -29,20 +29,29 @@ from absl import app, flags
 from glm_jax_tools.tables import markdown
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "", "Converted model directory (default: the embedded default model).")
-flags.DEFINE_integer("reps", 3, "Interleaved repetitions per configuration.", lower_bound=1)
-flags.DEFINE_integer("new_tokens", 48, "Tokens per generation.")
-flags.DEFINE_string("prompt", "ROMEO:\n", "Prompt.")
-flags.DEFINE_integer("cold_cap", 1, "Cache cap (experts/layer) of the cold low-RAM corner.")
-flags.DEFINE_float("sim_disk_gbps", 1.5, "Simulated disk bandwidth for the cold corner (0 = real reads only).")
-flags.DEFINE_float("sim_expert_mb", 19.0, "Simulated expert size (GLM-5.2 int4 ~19 MB).")
-flags.DEFINE_integer("items", 200, "Multiple-choice items per quality eval.")
-flags.DEFINE_integer("windows", 4, "Perplexity windows per quality eval.")
-flags.DEFINE_list("configs", [], "Subset of configuration names (default: all).")
-flags.DEFINE_list("corners", ["warm", "cold"], "Corners to run (warm first: routing-only quality is measured "
-                  "there once and reused).")
-flags.DEFINE_bool("quality", True, "Also measure quality (glm-jax-eval) per configuration.")
-flags.DEFINE_string("out", "bench_out/ab", "Output prefix (.md, .json, .png).")
+
+
+def define_flags():
+    """This tool's flags (on demand, so tools/sweep.py can import the corner machinery; each defined once: a flag of
+    the same name another command defined is reused)."""
+    from glm_jax.options import define_once as once
+
+    once(flags.DEFINE_string, "model", "", "Converted model directory (default: the embedded default model).")
+    once(flags.DEFINE_integer, "reps", 3, "Interleaved repetitions per configuration.", lower_bound=1)
+    once(flags.DEFINE_integer, "new_tokens", 48, "Tokens per generation.")
+    once(flags.DEFINE_string, "prompt", "ROMEO:\n", "Prompt.")
+    once(flags.DEFINE_integer, "cold_cap", 1, "Cache cap (experts/layer) of the cold low-RAM corner.")
+    once(flags.DEFINE_float, "sim_disk_gbps", 1.5, "Simulated disk bandwidth for the cold corner (0 = real reads "
+         "only).")
+    once(flags.DEFINE_float, "sim_expert_mb", 19.0, "Simulated expert size (GLM-5.2 int4 ~19 MB).")
+    once(flags.DEFINE_integer, "items", 200, "Multiple-choice items per quality eval.")
+    once(flags.DEFINE_integer, "windows", 4, "Perplexity windows per quality eval.")
+    once(flags.DEFINE_list, "configs", [], "Subset of configuration names (default: all).")
+    once(flags.DEFINE_list, "corners", ["warm", "cold"], "Corners to run (warm first: routing-only quality is "
+         "measured there once and reused).")
+    once(flags.DEFINE_bool, "quality", True, "Also measure quality (glm-jax-eval) per configuration.")
+    once(flags.DEFINE_string, "out", "bench_out/ab", "Output prefix (.md, .json, .png).")
+
 
 NO_MTP = dict(mtp=False, draft=0)
 MTP = dict(mtp=True, draft=3)
@@ -82,20 +91,66 @@ def _needs_pin(cfg: dict) -> bool:
     return cfg.get("budget_residency") == "pinned"
 
 
-def main(argv):
+def depends_on_cache(cfg: dict) -> bool:
+    """Whether a configuration's routing reads the expert cache (its quality then differs between corners)."""
+    return cfg.get("budget_residency") == "cache" and cfg.get("expert_budget", 0) > 0 or "cache_route" in cfg
+
+
+def prepare(model: str, prompt: str, new_tokens: int):
+    """Probe the model: (ModelConfig, pin_gb).  One baseline generation leaves a usage history for --pin=auto (saved
+    by the store at close); pin_gb holds about 2 experts per layer."""
     import glm_jax
     from glm_jax.container import open_container
+
+    probe = glm_jax.Engine.load(model, fetch="loop", cache_cap=1)
+    cfg = probe.cfg
+    probe.generate(prompt, max_new_tokens=new_tokens, stop_on_eos=False)
+    rec = open_container(model, cfg).layout(cfg.moe_layers[0]).record_len
+    probe.close()
+    return cfg, 2 * len(cfg.moe_layers) * rec / 1e9
+
+
+def corner_engine(model: str, cfg: dict, corner: str, E: int, pin_gb: float):
+    """An engine for configuration ``cfg`` (engine options) in ``corner``."""
+    import glm_jax
+
+    return glm_jax.Engine.load(model, **dict(cfg, **corner_opts(corner, E, pin_gb if _needs_pin(cfg) else 0.0)))
+
+
+def interleaved_runs(engines: dict, corner: str, reps: int, new_tokens: int, prompt: str) -> dict:
+    """Decode runs of every engine, interleaved rep-major (A B A B ...: drift hits all alike), after one short
+    compile run each; cold: the store made cold before every run.  Returns {name: [stats, ...]}."""
+    runs = {n: [] for n in engines}
+    for e in engines.values():        # compile outside the timing
+        e.generate(prompt, max_new_tokens=4, stop_on_eos=False)
+    for _ in range(reps):
+        for n, e in engines.items():
+            if corner == "cold":
+                e.store.drop_cache()
+            runs[n].append(e.generate(prompt, max_new_tokens=new_tokens, stop_on_eos=False).stats)
+    return runs
+
+
+def speed_row(corner: str, name: str, st: list) -> dict:
+    """Median speed numbers of one configuration's runs in one corner."""
+    med = lambda k: statistics.median(s.get(k, 0.0) for s in st)  # noqa: E731
+    return {"corner": corner, "config": name, "tok/s": med("decode_tok_s"), "prefill s": med("prefill_s"),
+            "decode s": med("decode_s"),
+            "hit rate": med("decode_hits") / max(med("decode_hits") + med("decode_misses"), 1),
+            "MB read/tok": med("bytes_read_per_token") / 1e6,
+            "sim GB/tok": (med("decode_sim_bytes") / 1e9 / max(med("decode_tokens"), 1)) if corner == "cold" else 0.0,
+            "dropped/tok": med("experts_dropped") / max(med("decode_tokens"), 1),
+            "MTP acc": med("mtp_acceptance") if "mtp_acceptance" in st[0] else float("nan"),
+            "tok/fwd": med("tokens_per_forward")}
+
+
+def main(argv):
+    import glm_jax
     from glm_jax_tools import evaluate as ev
 
     model = FLAGS.model or glm_jax.default_model_path()
-    probe = glm_jax.Engine.load(model, fetch="loop", cache_cap=1)
-    cfg = probe.cfg
+    cfg, pin_gb = prepare(model, FLAGS.prompt, FLAGS.new_tokens)
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
-    # a usage history for --pin=auto: one baseline generation (saved by the store at close)
-    probe.generate(FLAGS.prompt, max_new_tokens=FLAGS.new_tokens, stop_on_eos=False)
-    rec = open_container(model, cfg).layout(cfg.moe_layers[0]).record_len
-    pin_gb = 2 * len(cfg.moe_layers) * rec / 1e9           # about 2 pinned experts per layer
-    probe.close()
     plays = ev.read_plays(os.path.join(model, "heldout.txt"))
     allc = configs(E, K)
     qmemo = {}
@@ -104,9 +159,8 @@ def main(argv):
         """Quality of a configuration.  MTP never changes what is scored (scoring is teacher forced), and a routing
         that is a pure function of the router (no cache residency in it) is the same in both corners: reuse."""
         base = name.replace("+mtp", "")
-        lossy = any(k in c for k in ("expert_topp", "expert_budget", "cache_route"))
-        depends_on_cache = c.get("budget_residency") == "cache" or "cache_route" in c
-        key = (base, corner if depends_on_cache else "any")
+        lossy = any(k in c for k in ("expert_topp", "expert_budget", "cache_route", "plugins"))
+        key = (base, corner if depends_on_cache(c) else "any")
         if not FLAGS.quality:
             return None
         if key not in qmemo:
@@ -131,32 +185,11 @@ def main(argv):
     # multiple-choice scores are memoised on it (computed once per run)
     ref = glm_jax.Engine.load(model, **dict(NO_MTP, **corner_opts("warm", E, 0.0))) if FLAGS.quality else None
     for corner in FLAGS.corners:
-        engines = {}
-        for n in names:
-            o = dict(allc[n], **corner_opts(corner, E, pin_gb if _needs_pin(allc[n]) else 0.0))
-            engines[n] = glm_jax.Engine.load(model, **o)
-        runs = {n: [] for n in names}
-        for n, e in engines.items():        # compile outside the timing
-            e.generate(FLAGS.prompt, max_new_tokens=4, stop_on_eos=False)
-        for rep in range(FLAGS.reps):
-            for n, e in engines.items():
-                if corner == "cold":
-                    e.store.drop_cache()
-                r = e.generate(FLAGS.prompt, max_new_tokens=FLAGS.new_tokens, stop_on_eos=False)
-                runs[n].append(r.stats)
+        engines = {n: corner_engine(model, allc[n], corner, E, pin_gb) for n in names}
+        runs = interleaved_runs(engines, corner, FLAGS.reps, FLAGS.new_tokens, FLAGS.prompt)
         for n, e in engines.items():
-            st = runs[n]
-            med = lambda k: statistics.median(s.get(k, 0.0) for s in st)  # noqa: E731
             q = quality(n, allc[n], corner, e, ref)
-            row = {"corner": corner, "config": n, "tok/s": med("decode_tok_s"), "prefill s": med("prefill_s"),
-                   "decode s": med("decode_s"), "hit rate": med("decode_hits") / max(med("decode_hits") +
-                                                                                   med("decode_misses"), 1),
-                   "MB read/tok": med("bytes_read_per_token") / 1e6,
-                   "sim GB/tok": (med("decode_sim_bytes") / 1e9 / max(med("decode_tokens"), 1))
-                   if corner == "cold" else 0.0,
-                   "dropped/tok": med("experts_dropped") / max(med("decode_tokens"), 1),
-                   "MTP acc": med("mtp_acceptance") if "mtp_acceptance" in st[0] else float("nan"),
-                   "tok/fwd": med("tokens_per_forward"), **(q or {"PPL": None})}
+            row = dict(speed_row(corner, n, runs[n]), **(q or {"PPL": None}))
             rows.append(row)
             print(json.dumps(row), flush=True)
         for e in engines.values():
@@ -215,4 +248,5 @@ def _plot(rows, path):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

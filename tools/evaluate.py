@@ -8,6 +8,13 @@ the same model with no lossy plugin, on held-out text:
   per-token mean (acc_norm) and by log P(line | context) - log P(line | "\n") (acc_pmi: how much the context helps,
   the score that separates a weak model from chance); fixed seed, >= 200 items.
 
+``--check_contract`` checks MTP's contract for the given plugins instead (:func:`check_contract`): greedy generation
+with and without MTP drafts must give the same tokens; each plugin is also classified (routing-only vs
+cache-dependent, row-independent or not) by glm_jax_plugins.contract.classify.  Exit status 0 when the outputs are
+identical, 1 when they differ.
+
+    glm-jax-eval --check_contract --plugin=glm_jax_plugins.weight_floor:weight_floor --plugin_args=min_share=0.2
+
 Scoring is decode-faithful: the text runs through the KV cache in chunks of ``--score_chunk`` positions (default 4,
 the size of an MTP verify and of the budget's default position guard), so lossy plugins act as they do when
 generating.  Candidates of one item share the context's cache (rewound, not recomputed).
@@ -30,18 +37,28 @@ FLAGS = flags.FLAGS
 
 
 def define_flags():
-    """Flags of glm-jax-eval (defined on demand so other tools can import this module)."""
-    flags.DEFINE_string("model", "", "Model directory (default: the embedded default model).")
-    flags.DEFINE_string("text", "", "Held-out text: a file with plays separated by lines '=== <name> ===' (default: "
-                        "<model>/heldout.txt).")
-    flags.DEFINE_integer("items", 200, "Multiple-choice items.", lower_bound=1)
-    flags.DEFINE_integer("windows", 16, "Perplexity windows.", lower_bound=1)
-    flags.DEFINE_integer("window_len", 128, "Tokens per perplexity window.", lower_bound=2)
-    flags.DEFINE_integer("context_lines", 6, "Lines of context per multiple-choice item.", lower_bound=1)
-    flags.DEFINE_integer("score_chunk", 4, "Positions per forward when scoring (1 = exactly like decode).",
-                         lower_bound=1)
-    flags.DEFINE_integer("eval_seed", 1234, "Seed for picking windows, items and distractors.")
-    flags.DEFINE_string("output_json", "", "Also write the results as JSON.")
+    """Flags of glm-jax-eval (defined on demand so other tools can import this module; idempotent, and a flag another
+    command already defined with the same meaning (--model, --output_json) is reused)."""
+    from glm_jax.options import define_once as once
+
+    once(flags.DEFINE_string, "model", "", "Model directory (default: the embedded default model).")
+    once(flags.DEFINE_string, "text", "", "Held-out text: a file with plays separated by lines '=== <name> ===' "
+         "(default: <model>/heldout.txt).")
+    once(flags.DEFINE_integer, "items", 200, "Multiple-choice items (0: perplexity / KL / top-1 only).",
+         lower_bound=0)
+    once(flags.DEFINE_integer, "windows", 16, "Perplexity windows.", lower_bound=1)
+    once(flags.DEFINE_integer, "window_len", 128, "Tokens per perplexity window.", lower_bound=2)
+    once(flags.DEFINE_integer, "context_lines", 6, "Lines of context per multiple-choice item.", lower_bound=1)
+    once(flags.DEFINE_integer, "score_chunk", 4, "Positions per forward when scoring (1 = exactly like decode).",
+         lower_bound=1)
+    once(flags.DEFINE_integer, "eval_seed", 1234, "Seed for picking windows, items and distractors.")
+    once(flags.DEFINE_string, "output_json", "", "Also write the results as JSON.")
+    once(flags.DEFINE_boolean, "check_contract", False, "Instead of the quality eval: greedy generation with and "
+         "without MTP drafts for the given plugins (--plugin, --expert_budget, ...): identical or not (exit status "
+         "0 / 1), and each plugin's kind (routing-only or cache-dependent, row-independent).")
+    once(flags.DEFINE_integer, "contract_tokens", 32, "--check_contract: tokens to generate.", lower_bound=1)
+    once(flags.DEFINE_string, "contract_prompt", "ROMEO:\n", "--check_contract: the prompt (comma-separated token "
+         "ids for a model without a tokenizer).")
 
 
 # ----------------------------------------------------------------------------- math (tested)
@@ -164,10 +181,18 @@ def evaluate(engine, ref, plays: dict, n_items=200, n_windows=16, window_len=128
     t0 = time.perf_counter()
     # perplexity / KL / agreement on windows
     nll_c, nll_r, kls, agree = [], [], [], []
+    memo = ref.__dict__.setdefault("_eval_memo", {})
+    keep = n_windows * window_len * engine.cfg.vocab_size * 4 <= 512e6      # memoise up to 512 MB of logits
     for w in make_windows(tok, plays, n_windows, window_len, seed):
         sc.prepare(len(w))
-        sr.prepare(len(w))
-        lc, lr = sc.run(w), sr.run(w)
+        lc = sc.run(w)
+        wkey = ("window", tuple(w), chunk)          # the reference's logits do not depend on the config
+        lr = memo.get(wkey)
+        if lr is None:
+            sr.prepare(len(w))
+            lr = sr.run(w)
+            if keep:
+                memo[wkey] = lr
         tgt = np.asarray(w[1:])
         nll_c.append(-log_softmax(lc[:-1])[np.arange(len(tgt)), tgt])
         nll_r.append(-log_softmax(lr[:-1])[np.arange(len(tgt)), tgt])
@@ -176,10 +201,9 @@ def evaluate(engine, ref, plays: dict, n_items=200, n_windows=16, window_len=128
     res = {"ppl": float(np.exp(np.concatenate(nll_c).mean())), "ppl_ref": float(np.exp(np.concatenate(nll_r).mean())),
            "kl": float(np.concatenate(kls).mean()), "top1_agree": float(np.concatenate(agree).mean())}
     # multiple choice (the reference's numbers are memoised on the engine: they do not depend on the config)
-    items = make_items(plays, n_items, context_lines, seed)
+    items = make_items(plays, n_items, context_lines, seed) if n_items > 0 else []
     key = ("mc", n_items, context_lines, chunk, seed, n_windows, window_len)
-    memo = getattr(ref, "_eval_memo", {})
-    for name, s in (("", sc), ("_ref", sr)):
+    for name, s in (("", sc), ("_ref", sr)) if items else ():
         if name and key in memo:
             res.update(memo[key])
             continue
@@ -208,7 +232,6 @@ def evaluate(engine, ref, plays: dict, n_items=200, n_windows=16, window_len=128
         res.update(out)
         if name:
             memo[key] = out
-            ref._eval_memo = memo
     res["mc_items"] = len(items)
     res["ppl_delta_pct"] = 100.0 * (res["ppl"] / res["ppl_ref"] - 1.0)
     res["eval_s"] = time.perf_counter() - t0
@@ -218,16 +241,132 @@ def evaluate(engine, ref, plays: dict, n_items=200, n_windows=16, window_len=128
     return res
 
 
-def main(argv):
+# ----------------------------------------------------------------------------- MTP contract check
+def check_contract(model, opts: dict, prompt="ROMEO:\n", new_tokens: int = 32, probe_seeds: int = 4) -> dict:
+    """Greedy generation with the configuration's plugins, with and without MTP drafts, and each plugin's kind.
+
+    Returns {"identical", "first_diff" (token index or None), "tokens", "tokens_mtp", "mtp_acceptance",
+    "experts_dropped" (without MTP), "draft", "plugins": [{"name", "kind", "cache_dependent", "row_independent",
+    "value_flags", "mtp_safe"}]}; the last plugin row is the whole composition (built-in flags included) as the
+    engine runs it, unless it is a single user plugin alone."""
+    import glm_jax_plugins as P
     from glm_jax import Engine, options as O
     from glm_jax.config import GlmJaxError
 
+    opts = O.resolve(opts)
+    eng = Engine.load(model, **dict(opts, mtp=True))
+    if eng.params.get("mtp") is None:
+        raise GlmJaxError(f"{eng.path}: --check_contract needs a model with an MTP layer")
+    if not eng.lossy:
+        raise GlmJaxError("--check_contract: no routing plugin given (--plugin, --expert_topp, --expert_budget, "
+                          "--cache_route)")
+    if isinstance(prompt, str) and eng.tokenizer is None:
+        try:
+            prompt = [int(t) for t in prompt.split(",") if t.strip()]
+        except ValueError:
+            raise GlmJaxError(f"{eng.path}: no tokenizer.json; give --contract_prompt as comma-separated token "
+                              "ids") from None
+    draft = opts["draft"] if opts["draft"] > 0 else 3
+
+    def run(**spec_opts):
+        # the speculative options are read per generate call: one engine (one set of compiled programs) runs both;
+        # each run starts from an empty expert cache
+        saved = dict(eng.opts)
+        eng.opts.update(spec_opts)
+        if eng.store is not None:
+            eng.store.drop_cache(page_cache=False)
+        try:
+            return eng.generate(prompt, max_new_tokens=new_tokens, temperature=0.0, stop_on_eos=False)
+        finally:
+            eng.opts.clear()
+            eng.opts.update(saved)
+
+    a = run(draft=0)
+    b = run(draft=draft, draft_source="mtp")
+    eng.close()
+    diff = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
+    if diff is None and len(a.tokens) != len(b.tokens):
+        diff = min(len(a.tokens), len(b.tokens))
+    cfg = eng.cfg
+    layers = list(cfg.moe_layers) + [cfg.num_hidden_layers]
+    probe = dict(K=cfg.num_experts_per_tok, E=cfg.n_routed_experts, layers=layers,
+                 norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+                 num_layers=cfg.num_hidden_layers, seeds=probe_seeds)
+    rows = []
+    user = O.load_plugins(opts["plugins"])
+    for fn, name in user + [(eng.plugin, "all, as composed" if user else eng.plugin.name)]:
+        if fn is eng.plugin and len(user) == 1 and _no_builtin(opts):
+            continue                                   # one user plugin alone: the composition is that plugin
+        c = effective_kind(P.contract.classify(fn, **probe), eng)
+        rows.append(dict(name=name, **c, mtp_safe=not c["cache_dependent"] and c["row_independent"]))
+    return {"identical": diff is None, "first_diff": diff, "tokens": a.tokens, "tokens_mtp": b.tokens,
+            "mtp_acceptance": b.stats.get("mtp_acceptance", 0.0), "experts_dropped": a.stats["experts_dropped"],
+            "draft": draft, "plugins": rows}
+
+
+def effective_kind(c: dict, engine) -> dict:
+    """A plugin that reads ``resident`` is still routing-only in an engine whose residency is static (no store, or
+    --budget_residency none / pinned): the probe varies the mask, that engine never does."""
+    if c["cache_dependent"] and engine.residency_is_static:
+        c = dict(c, cache_dependent=False,
+                 kind=f"routing-only (resident constant: --budget_residency={engine.opts['budget_residency']})")
+    return c
+
+
+def _no_builtin(opts) -> bool:
+    return opts["expert_topp"] >= 1.0 and opts["expert_budget"] <= 0 and opts["cache_route"] == "off"
+
+
+def contract_report(r: dict) -> str:
+    from glm_jax_plugins.contract import describe
+
+    out = ["| plugin | kind | row-independent | value checks on probes | keeps MTP's contract (predicted) |",
+           "|---|---|---|---|---|"]
+    for p in r["plugins"]:
+        out.append(f"| {p['name']} | {p['kind']} | {'yes' if p['row_independent'] else 'no'} | "
+                   f"{describe(p['value_flags']) or 'ok'} | {'yes' if p['mtp_safe'] else 'no'} |")
+    n = len(r["tokens"])
+    if r["identical"]:
+        verdict = f"PASS: greedy output with MTP (draft {r['draft']}) is identical to without, {n} tokens"
+    else:
+        verdict = (f"FAIL: greedy output with MTP (draft {r['draft']}) differs from without at token "
+                   f"{r['first_diff']} of {n}")
+    verdict += f" (MTP acceptance {100 * r['mtp_acceptance']:.0f}%)"
+    safe = all(p["mtp_safe"] for p in r["plugins"])
+    if r["identical"] and not safe:
+        verdict += "; identical on this prompt, but a plugin is cache-dependent or cross-row: not guaranteed"
+    elif not r["identical"] and safe:
+        verdict += "; unexpected for routing-only, row-independent plugins"
+    elif not r["identical"]:
+        verdict += "; expected: a plugin is cache-dependent or cross-row"
+    return "\n".join(out) + "\n" + verdict
+
+
+def main(argv):
+    from absl import logging
+
+    from glm_jax import Engine, options as O
+    from glm_jax.config import GlmJaxError
+
+    if not FLAGS["verbosity"].present:       # keep jax's backend-probe INFO lines off the terminal
+        logging.set_verbosity(logging.WARNING)
+    if FLAGS.check_contract:
+        try:
+            r = check_contract(FLAGS.model or None, O.from_flags(), FLAGS.contract_prompt, FLAGS.contract_tokens)
+        except GlmJaxError as e:
+            print(f"glm-jax-eval: error: {e}", file=sys.stderr)
+            return 2
+        print(contract_report(r))
+        if FLAGS.output_json:
+            with open(FLAGS.output_json, "w") as f:
+                json.dump(r, f, indent=1)
+        return 0 if r["identical"] else 1
     try:
         opts = O.from_flags()
         if FLAGS.output_json:           # before the evaluation, so that its result is never lost at the end
             O.check_writable(FLAGS.output_json, "--output_json")
         engine = Engine.from_options(FLAGS.model or None, opts)
-        ref_opts = dict(opts, expert_topp=1.0, expert_budget=0, cache_route="off")
+        ref_opts = dict(opts, expert_topp=1.0, expert_budget=0, cache_route="off", plugins=())
         ref = Engine.load(FLAGS.model or None, **ref_opts)
         text = FLAGS.text or os.path.join(engine.path, "heldout.txt")
         if not os.path.exists(text):
@@ -242,15 +381,18 @@ def main(argv):
                  FLAGS.score_chunk, FLAGS.eval_seed)
     lossy = {k: v for k, v in opts.items() if k in ("expert_topp", "expert_budget", "budget_scope",
                                                      "budget_residency", "cache_route") and v != O.BY_NAME[k].default}
+    if engine.plugin_names:
+        lossy["plugins"] = engine.plugin_names
     print(f"config: {lossy or 'no lossy plugin'}  (model {engine.path}, score_chunk {FLAGS.score_chunk})")
     print("| metric | config | reference |")
     print("|---|---|---|")
     print(f"| perplexity | {r['ppl']:.3f} | {r['ppl_ref']:.3f} |")
     print(f"| KL(ref‖config) /token | {r['kl']:.4f} | 0 |")
     print(f"| top-1 agreement | {r['top1_agree']:.4f} | 1 |")
-    print(f"| next-line MC acc ({r['mc_items']} items) | {r['mc_acc']:.3f} | {r['mc_acc_ref']:.3f} |")
-    print(f"| next-line MC acc_norm | {r['mc_acc_norm']:.3f} | {r['mc_acc_norm_ref']:.3f} |")
-    print(f"| next-line MC acc_pmi | {r['mc_acc_pmi']:.3f} | {r['mc_acc_pmi_ref']:.3f} |")
+    if r["mc_items"]:
+        print(f"| next-line MC acc ({r['mc_items']} items) | {r['mc_acc']:.3f} | {r['mc_acc_ref']:.3f} |")
+        print(f"| next-line MC acc_norm | {r['mc_acc_norm']:.3f} | {r['mc_acc_norm_ref']:.3f} |")
+        print(f"| next-line MC acc_pmi | {r['mc_acc_pmi']:.3f} | {r['mc_acc_pmi_ref']:.3f} |")
     print(f"| experts dropped | {int(r['experts_dropped'])} | 0 |")
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
