@@ -379,7 +379,11 @@ class Server:
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [choice], "usage": usage(), "system_fingerprint": None})
 
-        from sse_starlette.sse import EventSourceResponse
+        from sse_starlette.sse import AppStatus, EventSourceResponse
+
+        # SIGTERM drains: uvicorn stops accepting and waits for the open responses, and our streams end when their
+        # generation ends, so sse-starlette must not cut them at shutdown (its default)
+        AppStatus.disable_automatic_graceful_drain()
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -494,7 +498,7 @@ def main(argv):
         print(f"glm-jax-serve: serving {srv.model_name} on http://{FLAGS.host}:{port}/v1 "
               f"(max_batch {engine.opts['max_batch']}, {engine.opts['fetch']})", file=sys.stderr, flush=True)
         cfg = uvicorn.Config(srv.app, log_level="warning", timeout_graceful_shutdown=600)
-        uvicorn.Server(cfg).run(sockets=[sock])
+        _DrainingServer(cfg).run(sockets=[sock])
     except GlmJaxError as e:
         print(f"glm-jax-serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -502,6 +506,26 @@ def main(argv):
         if engine is not None:
             engine.close()
     return 0
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM / SIGINT: stop accepting, let the open requests finish (uvicorn's graceful shutdown), close the
+        engine, exit 0 -- uvicorn would re-raise the signal after its shutdown and the process would die of it."""
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return DrainingServer
+
+
+def _DrainingServer(cfg):
+    return _draining_server_class()(cfg)
 
 
 def run():

@@ -292,3 +292,45 @@ def test_cli_streams_and_ctrl_c(monkeypatch, capsys):
     assert out.startswith(ROMEO) and len(out) > len(ROMEO) + 20          # what was generated before Ctrl-C stays
     assert "interrupted" in err and "decode" in err and "Traceback" not in err
     assert closed
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0():
+    """glm-jax-serve as a process: SIGTERM mid-stream lets the stream finish (finish_reason, [DONE]) and the process
+    exits 0.  Before, sse-starlette cut the open stream at shutdown and uvicorn re-raised the signal (exit -15)."""
+    import http.client
+    import json
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv[0] = 'glm-jax-serve'; "
+                          "from glm_jax.server import run; run()", "--port=0", "--max_batch=2"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        while port is None:
+            line = p.stderr.readline()
+            assert line, "the server exited before serving"
+            m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            port = int(m.group(1)) if m else None
+        for _ in range(300):
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": ROMEO, "max_tokens": 200, "stream": True}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.readline().startswith(b"data: ")
+        p.send_signal(signal.SIGTERM)
+        rest = r.read().decode()
+        assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]")
+        assert p.wait(timeout=120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
