@@ -51,6 +51,9 @@ def define_flags():
     once(flags.DEFINE_integer, "context_lines", 6, "Lines of context per multiple-choice item.", lower_bound=1)
     once(flags.DEFINE_integer, "score_chunk", 4, "Positions per forward when scoring (1 = exactly like decode).",
          lower_bound=1)
+    once(flags.DEFINE_integer, "eval_batch", 1, "Score the perplexity windows this many at a time, one cache row "
+         "each, --score_chunk positions per row per forward: batched decode (a union-scope --expert_budget then caps "
+         "the union of every row's experts; give --budget_max_positions >= rows x chunk or 0).", lower_bound=1)
     once(flags.DEFINE_integer, "eval_seed", 1234, "Seed for picking windows, items and distractors.")
     once(flags.DEFINE_string, "output_json", "", "Also write the results as JSON.")
     once(flags.DEFINE_boolean, "check_contract", False, "Instead of the quality eval: greedy generation with and "
@@ -167,12 +170,32 @@ class Scorer:
             out.append(np.asarray(lg)[0, : len(part)])
         return np.concatenate(out)
 
-    def prepare(self, need: int):
-        self.e._ensure_cache(1, need + self.chunk)
+    def prepare(self, need: int, rows: int = 1):
+        self.e._ensure_cache(rows, need + self.chunk)
+
+    def run_batch(self, seqs: list) -> list:
+        """Logits of several equal-length sequences decoded together, one per cache row: each forward carries
+        ``chunk`` positions of every row, as batched decode does (a union-scope EXPERT_BUDGET then caps the union of
+        all rows' experts)."""
+        e = self.e
+        B, n = len(seqs), len(seqs[0])
+        out = [[] for _ in seqs]
+        for s in range(0, n, self.chunk):
+            m = min(self.chunk, n - s)
+            toks = np.zeros((B, self.chunk), np.int32)
+            for b, q in enumerate(seqs):
+                toks[b, :m] = q[s:s + m]
+            lg, _ = e.forward(toks, np.full(B, s, np.int32), np.full(B, m, np.int32))
+            lg = np.asarray(lg)
+            for b in range(B):
+                out[b].append(lg[b, :m])
+        return [np.concatenate(o) for o in out]
 
 
 def evaluate(engine, ref, plays: dict, n_items=200, n_windows=16, window_len=128, context_lines=6, chunk=4,
-             seed=1234) -> dict:
+             seed=1234, batch: int = 1) -> dict:
+    """Quality of ``engine`` against ``ref``.  ``batch`` > 1 scores the windows ``batch`` at a time, one cache row
+    each, ``chunk`` positions per row per forward (batched decode; the MC items stay at batch 1)."""
     tok = engine.tokenizer
     engine._route_acc, ref._route_acc = {}, {}
     if engine.store is not None:
@@ -183,9 +206,21 @@ def evaluate(engine, ref, plays: dict, n_items=200, n_windows=16, window_len=128
     nll_c, nll_r, kls, agree = [], [], [], []
     memo = ref.__dict__.setdefault("_eval_memo", {})
     keep = n_windows * window_len * engine.cfg.vocab_size * 4 <= 512e6      # memoise up to 512 MB of logits
-    for w in make_windows(tok, plays, n_windows, window_len, seed):
-        sc.prepare(len(w))
-        lc = sc.run(w)
+    wins = make_windows(tok, plays, n_windows, window_len, seed)
+    batched = {}
+    if batch > 1:
+        for g in range(0, len(wins), batch):
+            grp = wins[g:g + batch]
+            sc.prepare(len(grp[0]), len(grp))
+            for w, lc in zip(grp, sc.run_batch(grp)):
+                batched[tuple(w)] = lc
+        sc.prepare(len(wins[0]))
+    for w in wins:
+        if batch > 1:
+            lc = batched[tuple(w)]
+        else:
+            sc.prepare(len(w))
+            lc = sc.run(w)
         wkey = ("window", tuple(w), chunk)          # the reference's logits do not depend on the config
         lr = memo.get(wkey)
         if lr is None:
@@ -378,7 +413,7 @@ def main(argv):
         print(f"glm-jax-eval: error: {e}", file=sys.stderr)
         return 2
     r = evaluate(engine, ref, plays, FLAGS.items, FLAGS.windows, FLAGS.window_len, FLAGS.context_lines,
-                 FLAGS.score_chunk, FLAGS.eval_seed)
+                 FLAGS.score_chunk, FLAGS.eval_seed, batch=FLAGS.eval_batch)
     lossy = {k: v for k, v in opts.items() if k in ("expert_topp", "expert_budget", "budget_scope",
                                                      "budget_residency", "cache_route") and v != O.BY_NAME[k].default}
     if engine.plugin_names:
