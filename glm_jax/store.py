@@ -544,7 +544,6 @@ class ExpertStore:
         if lc.aliased or not slots:
             return
         import jax
-        import jax.numpy as jnp
         if self._scatter is None:
             def scatter(bank, idx, rows):
                 upd = {n: getattr(bank, n).at[idx].set(r) for n, r in rows.items()}

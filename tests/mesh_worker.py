@@ -62,8 +62,9 @@ def main(out_path, work):
                 lg = eng.logits(ids)
                 seq = prompt + ref_gen
                 tf = eng.logits(seq)[len(prompt) - 1:len(seq) - 1].argmax(-1).tolist()
-                row = dict(model=mtype, backing=backing, mesh=mesh, kernels=kernels, fetch=eng.opts["fetch"], comm="psum",
-                           logits_diff=float(np.abs(lg - ref_lg).max()), ref_tokens=ref_gen, teacher_forced=tf)
+                row = dict(model=mtype, backing=backing, mesh=mesh, kernels=kernels, fetch=eng.opts["fetch"],
+                           comm="psum", logits_diff=float(np.abs(lg - ref_lg).max()), ref_tokens=ref_gen,
+                           teacher_forced=tf)
                 if mesh in GENERATE_ON:
                     row["generated"] = eng.generate(prompt, max_new_tokens=N_GREEDY, stop_on_eos=False).tokens
                 if backing == "resident":

@@ -156,8 +156,8 @@ def stream_row(cont):
         dt = time.perf_counter() - t
         s = st.stats()
         row("experts from host RAM to the device", round(s["bytes_read"] / dt / 1e9, 2), "GB/s",
-            f"{s['expert_loads']} loads of {s['bytes_read'] / max(1, s['expert_loads']) / 1e6:.2f} MB over {n} fetches, "
-            f"page cache warm, aliased={s['aliased']} (not aliased: host staging + a donated scatter to the device)")
+            f"{s['expert_loads']} loads of {s['bytes_read'] / max(1, s['expert_loads']) / 1e6:.2f} MB over {n} "
+            f"fetches, page cache warm, aliased={s['aliased']} (not aliased: host staging + a donated scatter to the device)")
     finally:
         st.close(save_usage=False)
 
