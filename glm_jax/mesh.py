@@ -123,9 +123,9 @@ class MeshPlan:
                 value.sharding.mesh == self.mesh:
             return value                                   # already on this mesh (expert banks, slot maps)
         sh = self.sharding(axes, value.shape)
+        host = np.asarray(value)       # sliced on the host: no per-shape slicing program compiled on a device
         if jax.process_count() == 1:
-            return jax.device_put(value, sh)
-        host = np.asarray(value)
+            return jax.device_put(host, sh)
         return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
 
     # -------------------------------------------------------------- expert shards
