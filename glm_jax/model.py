@@ -284,10 +284,14 @@ def moe_finish(mp, h, hn, routed, rows=None):
 
 
 # ----------------------------------------------------------------------------- one decoder layer, full model
+def _is_split(params) -> bool:
+    return hasattr(params, "merge") and hasattr(params, "graphdef")
+
+
 def as_params(params):
     """``step`` / ``mtp_forward`` take the params pytree, or the NNX model split into one jit argument
     (``nnx_model.Split``): merged here, inside the trace (nnx.split -> jax.jit -> nnx.merge)."""
-    return params.params() if hasattr(params, "merge") and hasattr(params, "graphdef") else params
+    return params.params() if _is_split(params) else params
 
 
 def identity_plugin(state: RoutingState) -> RoutingState:
@@ -352,7 +356,8 @@ def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=
     ones; a prefill needs only its last; with the native kernels the others come out 0).  Returns (logits [B,T,V]
     f32, hidden [B,T,H] post-final-norm, cache, routing) where routing is a list (one per MoE layer) of (before,
     after) RoutingState."""
-    params = as_params(params)
+    if _is_split(params):       # the NNX model split into one jit argument: merged here, its __call__ is this
+        return params.merge()(cfg, cache, tokens, start, lengths, resident, plugin, moe_rows, logit_rows)
     B, T = tokens.shape
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)

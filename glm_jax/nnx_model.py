@@ -5,8 +5,8 @@ logical axis of every dimension of every parameter it holds ("heads", "kv_heads"
 "vocab", ...); ``glm_jax/mesh.py`` maps logical axes to mesh axes (THE SHARDING RULES, one table) and places the
 state.  A module's parameters are exactly one entry of the params pytree documented in WORKSPACE.md (attribute name
 = dict key), and ``params()`` returns that pytree (the same arrays, no copy): the forward math stays the pure
-functions of model.py / mla.py that the streaming loop also calls layer by layer, and each module's ``__call__``
-is that function on its own parameters.  Routing plugins stay pure functions over the routing arrays; the MoE seam
+functions of model.py / mla.py that the streaming loop also calls layer by layer; ``GlmModel.__call__`` is
+``model.step`` on the model's parameters.  Routing plugins stay pure functions over the routing arrays; the MoE seam
 (``model.moe_routed``) stays the one seam.
 
 The loader fills it: ``GlmModel(params)`` over what ``weights.load_params`` read (shapes checked against the config
@@ -14,10 +14,11 @@ key by key there).  Dense matrices packed for the native kernels (``quant.QWeigh
 or tiles layout) become a ``Linear`` (``q`` / ``scale`` Params, format fields static); a layer's routed experts
 (``quant.ExpertBank``) an ``Experts`` module (slots on the "expert" axis; its format, kernel and mesh static).
 
-Hot paths jit over split state: ``Split(model)`` is ``nnx.split``'s (graphdef, state) as one jit argument whose
-leaves are the state's arrays and whose static part is the graphdef; ``model.step`` / ``model.mtp_forward`` merge it
-inside the trace (``nnx.merge`` -> ``params()``), so the compiled program is the one the params pytree gives and the
-dispatch flattens a flat list of arrays (graph-mode ``nnx.jit`` per call costs ~10x).
+Hot paths jit over split state: ``Split.of(model)`` is ``nnx.split``'s (graphdef, state) as one jit argument whose
+leaves are the state's arrays and whose static part is the graphdef; ``model.step`` merges it inside the trace and
+calls the module (``nnx.merge`` -> ``GlmModel.__call__``), ``model.mtp_forward`` merges it into its params pytree,
+so the compiled program is the one the params pytree gives and the dispatch flattens a flat list of arrays
+(graph-mode ``nnx.jit`` per call costs ~10x).
 """
 
 from __future__ import annotations
@@ -148,11 +149,6 @@ class MLP(Node):
     AXES = {"gate_w": ("mlp", "embed"), "up_w": ("mlp", "embed"), "down_w": ("embed", "mlp"),
             "gate_up": ("gate_up", "embed")}
 
-    def __call__(self, x, rows=None):
-        from . import model as M
-
-        return M.mlp(self.params(), x, rows)
-
 
 class GQAAttention(Node):
     """glm4_moe attention: q/k/v [heads*hd, H] (fused ``qkv`` for the native kernels), o [H, heads*hd], optional
@@ -161,11 +157,6 @@ class GQAAttention(Node):
             "q_b": _vector("heads"), "k_b": _vector("kv_heads"), "v_b": _vector("kv_heads"),
             "qkv": ("qkv", "embed"), "qkv_b": _vector("qkv"), "o_w": ("embed", "heads"),
             "q_norm": _vector("head_dim"), "k_norm": _vector("head_dim")}
-
-    def __call__(self, cfg, x, cache, start, rows=None):
-        from . import model as M
-
-        return M.gqa_attention(cfg, self.params(), x, cache, start, rows)
 
 
 class Indexer(Node):
@@ -182,21 +173,11 @@ class MLAAttention(Node):
             "o_w": ("embed", "heads"), "q_a_b": _vector("lora"), "kv_a_b": _vector("lora"), "o_b": _vector("embed")}
     CHILDREN = {"indexer": Indexer}
 
-    def __call__(self, cfg, x, cache, start, layer, prev_sel=None):
-        from . import mla
-
-        return mla.mla_attention(cfg, self.params(), x, cache, start, layer, prev_sel)
-
 
 class MoE(Node):
     """Router (f32, replicated) + shared expert.  The routed experts sit beside it in the layer (``experts``)."""
     AXES = {"router_w": ("router", "embed"), "router_bias": _vector("router")}
     CHILDREN = {"shared": MLP}
-
-    def route(self, cfg, hn, positions_valid, resident):
-        from . import model as M
-
-        return M.route(cfg, self.params(), hn, positions_valid, resident)
 
 
 def _attention_class(d):
@@ -207,12 +188,6 @@ class DecoderLayer(Node):
     """One decoder layer: norms, attention, and a dense MLP or a MoE (router + shared expert + routed experts)."""
     AXES = {"input_norm": _vector("embed"), "post_norm": _vector("embed")}
     CHILDREN = {"attn": _attention_class, "mlp": MLP, "moe": MoE}
-
-    def __call__(self, cfg, x, cache, start, layer, prev_sel, valid_bt, resident, plugin=None, moe_rows=None):
-        from . import model as M
-
-        return M.layer_forward(cfg, self.params(), x, cache, start, layer, prev_sel, valid_bt, resident,
-                               plugin or M.identity_plugin, moe_rows=moe_rows)
 
 
 class MTP(Node):
