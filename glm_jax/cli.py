@@ -37,6 +37,8 @@ def format_stats(s: dict) -> str:
         parts.append(f"compile {s['compile_s']:.1f} s")
     if "dtype" in s:
         parts.append(f"{s['fetch']}, {s['kernels']} kernels, compute {s['dtype']} (checkpoint {s['checkpoint_dtype']})")
+    if "mesh" in s:
+        parts.append(f"mesh {s['mesh']}" + (f" over {s['processes']} processes" if s.get("processes", 1) > 1 else ""))
     if "hit_rate" in s and s.get("fetch") != "resident":      # resident: every expert in RAM, nothing fetched
         parts.append(f"expert hit rate {100 * s['hit_rate']:.1f}%")
     if "bytes_read" in s and s.get("fetch") != "resident":
@@ -112,6 +114,13 @@ def main(argv):
         from .engine import Engine
 
         engine = Engine.from_options(FLAGS.model or None, opts)
+        import jax
+
+        if jax.process_index() != 0:    # a multi-process run (--coordinator): process 0 prints and writes
+            engine.generate(prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                            top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, chat=FLAGS.chat,
+                            stop_on_eos=not FLAGS.ignore_eos)
+            return 0
         st = engine.stream(prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                            top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, chat=FLAGS.chat,
                            stop_on_eos=not FLAGS.ignore_eos)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -87,13 +88,15 @@ class Engine(Runner):
     """A loaded model: config, params (dense resident; experts resident or behind an expert store), tokenizer."""
 
     def __init__(self, path: str, cfg: ModelConfig, params: dict, opts: dict, tokenizer: Optional[Tokenizer],
-                 store=None, kernel: str = "xla"):
+                 store=None, kernel: str = "xla", plan=None):
         self.path = path
         self.cfg = cfg
         # committed to the device, like the store's banks and the cache: jit keys its compiled programs on whether
         # each argument is committed, and a mix that changes between calls compiles the same program again
         self.device = jax.devices()[0]
-        self.params = jax.device_put(params, self.device)
+        self.plan = plan                                    # mesh.MeshPlan, or None: one device
+        self._view = None
+        self.params = params                                # -> the NNX model (nnx_model.GlmModel), placed
         self.opts = opts
         self.tokenizer = tokenizer
         self.store = store
@@ -108,6 +111,26 @@ class Engine(Runner):
         self.kernel = kernel                                # who computes the experts / dense products
         self.checkpoint_dtype = declared_dtype(path) or "unknown"
         self._closed = False
+
+    # ------------------------------------------------------------------ the model
+    @property
+    def params(self) -> dict:
+        """The params pytree (WORKSPACE.md) of the NNX model ``self.model``: the same arrays."""
+        return self._params
+
+    @params.setter
+    def params(self, params: dict):
+        """Wrap a params pytree into the NNX model and place it (one device, or the mesh by the modules' logical
+        axes); the compiled step then runs on its split state."""
+        from .nnx_model import GlmModel
+
+        if self.plan is None:
+            model = GlmModel(jax.device_put(params, self.device))
+        else:
+            model = self.plan.place_model(GlmModel(params))
+        self.model = model
+        self._params = model.params()
+        self._view = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -125,6 +148,11 @@ class Engine(Runner):
         if not os.path.isdir(path):
             raise GlmJaxError(f"{path}: model directory not found" if not os.path.exists(path)
                               else f"{path}: not a directory (expected a model directory)")
+        from . import mesh as MESH
+
+        # before anything touches a backend: join the cluster (a no-op for one process)
+        MESH.init_distributed(opts["coordinator"], opts["num_processes"], opts["process_id"],
+                              {k: opts.label(k) for k in ("coordinator", "num_processes", "process_id")})
         set_compile_cache(opts["compile_cache"], opts.label("compile_cache"))
         from . import container as C
         from . import weights as W
@@ -139,10 +167,19 @@ class Engine(Runner):
         opts["fetch"] = fetch
         dtype = _pick_dtype(opts["dtype"], path, cfg)
         kernel = _pick_kernel(opts["kernels"])
+        plan = MESH.plan_for(opts, cfg, opts.label("mesh"))
+        # a tensor-parallel mesh: dense weights unfused, on the XLA path (mesh.py); the experts keep ``kernel``
+        dense_kernel = kernel if plan is None or plan.model == 1 else "xla"
+        fuse = plan is None or plan.model == 1
+        pack = None if fuse else True           # tensor-parallel: stored bf16 / int8 dense weights stay so
+        if plan is not None:
+            _check_mesh_options(opts, plan, fetch)
         store = None
         if fetch == "resident" and not container:   # a plain HF dir: experts straight into params
-            params = W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel,
-                                   dense_fmt=opts["dense_format"])
+            params = W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=dense_kernel,
+                                   dense_fmt=opts["dense_format"], fuse=fuse, pack=pack, expert_kernel=kernel,
+                                   expert_bank=None if plan is None else
+                                   (lambda load, fmt, k: plan.resident_bank(cfg.n_routed_experts, load, fmt, k)))
         else:
             from . import store as S
 
@@ -151,13 +188,20 @@ class Engine(Runner):
                 if container:     # manifest, config and sizes checked at open; the dense file's crc before use
                     src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
                     C.verify_dense(path, src.manifest)
-                    params = W.load_dense_params(path, cfg, dtype=dtype, file=src.dense_path, kernel=kernel,
-                                                 dense_fmt=opts["dense_format"])
+                    params = W.load_dense_params(path, cfg, dtype=dtype, file=src.dense_path, kernel=dense_kernel,
+                                                 dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
                 else:
-                    params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=kernel,
-                                           dense_fmt=opts["dense_format"])
+                    params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=dense_kernel,
+                                           dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
                 MEM.trim()
-                store = S.ExpertStore.open(path, cfg, cache_cap=opts["cache_cap"] or None,
+                if plan is not None:
+                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first",
+                                                                           direct_io=opts["direct_io"])
+                cap = opts["cache_cap"] or None
+                if plan is not None and cap:           # --cache_cap: per layer, split over the expert shards
+                    cap = max(1, -(-cap // plan.expert))
+                opener = S.ExpertStore.open if plan is None else functools.partial(S.ShardedStore.open, plan)
+                store = opener(path, cfg, cache_cap=cap,
                                            ram_gb=opts["ram_gb"] or None,
                                            direct_io=opts["direct_io"], io_threads=opts["io_threads"],
                                            read_chunk_mb=opts["read_chunk_mb"],
@@ -197,7 +241,7 @@ class Engine(Runner):
             opts["fetch"] = fetch
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
-        return cls(path, cfg, params, opts, tok, store, kernel)
+        return cls(path, cfg, params, opts, tok, store, kernel, plan)
 
     # ------------------------------------------------------------------ public API
     def logits(self, token_ids) -> np.ndarray:
@@ -249,10 +293,18 @@ class Engine(Runner):
             raise GlmJaxError(f"encode: expected text (str), got {type(text).__name__}")
         if self.tokenizer is None:
             raise GlmJaxError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
+        if jax.process_count() > 1:         # process 0 tokenizes; every process must call this (a collective)
+            from .mesh import broadcast_ids
+
+            return broadcast_ids(lambda: self.tokenizer.chat_ids(text) if chat else self.tokenizer.encode(text))
         return self.tokenizer.chat_ids(text) if chat else self.tokenizer.encode(text)
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        """Token ids -> text ("" without a tokenizer, and on every process but 0 of a multi-process run: process 0
+        prints)."""
+        if self.tokenizer is None or jax.process_index() != 0:
+            return ""
+        return self.tokenizer.decode(ids)
 
     # ------------------------------------------------------------------ generation (scheduler.py)
     @property
@@ -326,6 +378,9 @@ class Engine(Runner):
             sched._reap()
             raise
         out = [sched.result(r, compile0) for r in reqs]
+        if self.plan is not None:
+            for res in out:
+                res.stats.update(mesh=self.plan.describe(), processes=jax.process_count(), expert_comm=self.plan.comm)
         return out if _is_batch(prompt_or_ids, chat) else out[0]
 
     def stream(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -351,6 +406,24 @@ class Engine(Runner):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _check_mesh_options(opts, plan, fetch: str):
+    """What a mesh does not run (one line naming the option)."""
+    if fetch == "callback":
+        raise GlmJaxError(f"{opts.label('fetch')}=callback: runs on one device (the mesh {plan.describe()} needs "
+                          f"--fetch=resident or loop)")
+    if opts["pin"]:
+        raise GlmJaxError(f"{opts.label('pin')}={opts['pin']}: pinned experts are not supported on a mesh yet "
+                          f"(--mesh={plan.describe()})")
+    if jax.process_count() > 1:
+        uses_residency = (opts["cache_route"] != "off" or
+                          (opts["expert_budget"] > 0 and opts["budget_residency"] != "none"))
+        if uses_residency:
+            name = "cache_route" if opts["cache_route"] != "off" else "budget_residency"
+            raise GlmJaxError(f"{opts.label(name)}: decisions that depend on what each process has cached would "
+                              f"differ between the {jax.process_count()} processes (use --budget_residency=none, "
+                              f"no --cache_route)")
+
+
 def declared_dtype(path: str) -> str:
     """The checkpoint's declared dtype (config.json ``dtype`` / ``torch_dtype``), "" if none."""
     import json

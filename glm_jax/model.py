@@ -180,29 +180,39 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
 
     out[t] = sum_k valid[t,k] * weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k].
     Small T*K gathers the selected slots; otherwise every slot is computed for every token and each token's K
-    outputs are picked from those (no data-dependent shapes either way); ``gather`` forces the choice."""
+    outputs are picked from those (no data-dependent shapes either way); ``gather`` forces the choice.
+    A mesh bank (``bank.mesh`` set; glm_jax/parallel.py) holds its slots sharded over the mesh's ``expert`` axis and
+    takes a slot map ``[n, E]`` (shard d's slot of each expert, -1 elsewhere) as ``slot_of``."""
+    dt = x.dtype
+    if bank.mesh is not None:
+        from . import parallel
+
+        return parallel.moe_f32(x, ids, weights, valid, bank, slot_of, gather).astype(dt)
+    return _moe_f32(x, ids, weights, valid, bank, slot_of, gather).astype(dt)
+
+
+def _moe_f32(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: Optional[bool] = None):
+    """``moe_routed`` on one device's bank, in f32 (a mesh bank's shards each run this on their own slots)."""
     T, K = ids.shape
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     dt = x.dtype
     if bank.kernel == "native":     # glm_jax/kernels: each used expert once over its tokens, summed in routing order
-        return _native(x, slots, weights, valid, bank, terms=False).astype(dt)
+        return _native(x, slots, weights, valid, bank, terms=False)
     bank = as_rows(bank)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     if (T * K <= S) if gather is None else gather:
-        out = moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
-    elif bank.fmt not in FLOAT_FORMATS:
-        out = moe_combine(_slot_terms(x, slots, valid, bank), weights, valid)
-    else:
-        gu, dn = bank_all(bank, dt)                                         # [S,2I,H], [S,H,I]
-        I = dn.shape[-1]
-        h = jnp.einsum("th,sih->tsi", x, gu)
-        a = jax.nn.silu(h[..., :I]) * h[..., I:]
-        y = jnp.einsum("tsi,shi->tsh", a, dn).astype(F32)                  # [T,S,H]
-        # summed in routing order (k), not slot order: where an expert sits depends on the cache's history, and
-        # the output must not (bitwise)
-        out = moe_combine(jnp.take_along_axis(y, slots[:, :, None], axis=1), weights, valid)
-    return out.astype(dt)
+        return moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
+    if bank.fmt not in FLOAT_FORMATS:
+        return moe_combine(_slot_terms(x, slots, valid, bank), weights, valid)
+    gu, dn = bank_all(bank, dt)                                             # [S,2I,H], [S,H,I]
+    I = dn.shape[-1]
+    h = jnp.einsum("th,sih->tsi", x, gu)
+    a = jax.nn.silu(h[..., :I]) * h[..., I:]
+    y = jnp.einsum("tsi,shi->tsh", a, dn).astype(F32)                      # [T,S,H]
+    # summed in routing order (k), not slot order: where an expert sits depends on the cache's history, and
+    # the output must not (bitwise)
+    return moe_combine(jnp.take_along_axis(y, slots[:, :, None], axis=1), weights, valid)
 
 
 def _native(x, slots, weights, valid, bank: ExpertBank, terms: bool):
@@ -241,7 +251,12 @@ def _slot_terms(x, slots, valid, bank: ExpertBank):
 def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None):
     """The gather path's per-(t, k) expert outputs y [T, K, H] f32 (unweighted; invalid entries read slot 0 and
     must be masked by the caller).  ``moe_combine(where(m, y1, y2), ...)`` over two partial computations is
-    bitwise equal to one ``moe_routed`` (the streaming loop's overlap of hits and misses relies on it)."""
+    bitwise equal to one ``moe_routed`` (the streaming loop's overlap of hits and misses relies on it).  A mesh
+    bank: ``slot_of`` is its slot map, invalid entries come out 0."""
+    if bank.mesh is not None:
+        from . import parallel
+
+        return parallel.moe_terms(x, ids, valid, bank, slot_of)
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     if bank.kernel == "native":
@@ -274,6 +289,16 @@ def moe_finish(mp, h, hn, routed, rows=None):
 
 
 # ----------------------------------------------------------------------------- one decoder layer, full model
+def _is_split(params) -> bool:
+    return hasattr(params, "merge") and hasattr(params, "graphdef")
+
+
+def as_params(params):
+    """``step`` / ``mtp_forward`` take the params pytree, or the NNX model split into one jit argument
+    (``nnx_model.Split``): merged here, inside the trace (nnx.split -> jax.jit -> nnx.merge)."""
+    return params.params() if _is_split(params) else params
+
+
 def identity_plugin(state: RoutingState) -> RoutingState:
     return state
 
@@ -297,7 +322,7 @@ def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, v
     if bank is None:        # resident experts: the layer's own bank (slot_of: where an expert store put them)
         bank, slot_of = lp["experts"], lp.get("slot_of")
     if (bank.kernel != "native" and moe_rows is not None and B == 1 and moe_rows < T and
-            T * after.ids.shape[1] <= bank.num_slots):
+            T * after.ids.shape[1] <= bank.local_slots):
         # only where the full-width forward takes the gather path too: its per-(t, k) products are row-count
         # invariant (the dense all-slots path is not, so it keeps the full width)
         R = moe_rows
@@ -328,13 +353,16 @@ def head(params, h, rows=None):
 
 def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=None,
          plugin: Callable = identity_plugin, moe_rows: Optional[int] = None, logit_rows=None):
-    """Run tokens [B, T] at positions start[b].. through every layer with resident experts.
+    """Run tokens [B, T] at positions start[b].. through every layer with resident experts (``params``: the params
+    pytree or a split NNX model, ``as_params``).
 
     lengths [B]: number of real (non-padding) tokens per row (default T).  resident [n_moe_layers, E] bool: what the
     plugins see as resident.  ``logit_rows`` [B, T] bool: positions whose logits are wanted (default: the real
     ones; a prefill needs only its last; with the native kernels the others come out 0).  Returns (logits [B,T,V]
     f32, hidden [B,T,H] post-final-norm, cache, routing) where routing is a list (one per MoE layer) of (before,
     after) RoutingState."""
+    if _is_split(params):       # the NNX model split into one jit argument: merged here, its __call__ is this
+        return params.merge()(cfg, cache, tokens, start, lengths, resident, plugin, moe_rows, logit_rows)
     B, T = tokens.shape
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
@@ -393,6 +421,7 @@ def mtp_forward(cfg: ModelConfig, params, cache, tokens, hidden, start, lengths=
     loads the checkpoint's ``shared_head.head`` / ``embed_tokens``, which GLM releases store as copies of the main
     ones) -- ``own_head=True`` uses the checkpoint's MTP copies when present.
     Returns (logits [B,T,V] f32, hn [B,T,H] (after shared_head.norm, the chained hidden), cache, routing)."""
+    params = as_params(params)
     B, T = tokens.shape
     L = cfg.num_hidden_layers
     if lengths is None:

@@ -65,6 +65,27 @@ def _writable_file(v: str) -> Optional[str]:
     return None if v == "" else writable_problem(v)
 
 
+def _mesh(v: str) -> Optional[str]:
+    """None if ``v`` is a valid --mesh value ('' = default, or axis:size pairs), else what is wrong."""
+    if v == "":
+        return None
+    seen = set()
+    for part in v.split(","):
+        m = re.fullmatch(r"\s*(expert|model)\s*:\s*(\d+)\s*", part)
+        if not m or int(m.group(2)) < 1:
+            return "expected axis:size pairs of the axes expert and model, e.g. expert:4,model:2"
+        if m.group(1) in seen:
+            return f"axis {m.group(1)} given twice"
+        seen.add(m.group(1))
+    return None
+
+
+def _coordinator(v: str) -> Optional[str]:
+    if v == "" or re.fullmatch(r"[^:\s]+:\d+", v):
+        return None
+    return "expected HOST:PORT (process 0's address, the same for every process)"
+
+
 def _dir_or_off(v: str) -> Optional[str]:
     if v in ("", "off"):
         return None
@@ -163,6 +184,20 @@ OPTIONS = [
         env=("COLI_MTP_GUARD_PCT",), lo=0.0, hi=100.0),
     Opt("mtp_guard_window", 24, "int", "Proposals in the acceptance guard's window.", env=("COLI_MTP_GUARD_WINDOW",),
         lo=1, hi=1 << 20),
+    Opt("mesh", "", "str", "Device mesh, e.g. expert:4,model:2: routed experts sharded over the expert axis (each "
+        "device holds E/n of every MoE layer's experts), attention heads and dense MLPs tensor-parallel over the "
+        "model axis (dense weights then run the XLA path), the KV cache split by heads. An axis not given takes the "
+        "devices left; default: every device (of every process) on expert. One device: the single-device engine.",
+        check=_mesh, main=True),
+    Opt("expert_comm", "auto", "enum", "How tokens reach their experts on a mesh: psum (every device computes its own "
+        "experts for every token, one all-reduce), all_to_all (tokens split over the expert axis, sent to their "
+        "experts' devices and back), auto = psum (measured faster at decode and prefill, README).",
+        ("auto", "psum", "all_to_all")),
+    Opt("coordinator", "", "str", "Multi-process: HOST:PORT of process 0 (jax.distributed; every process passes the "
+        "same value). Each process loads only its devices' expert shards; process 0 tokenizes and prints.",
+        check=_coordinator),
+    Opt("num_processes", 1, "int", "Multi-process: number of processes (with --coordinator).", lo=1, hi=1 << 16),
+    Opt("process_id", 0, "int", "Multi-process: this process's index in [0, --num_processes).", lo=0, hi=1 << 16),
     Opt("state_dir", "", "str", "Per-user runtime state (the experts' usage history behind --pin=auto), one file per "
         "model. Default: $XDG_STATE_HOME/glm-jax (~/.local/state/glm-jax); 'off': keep no history. Never the model "
         "directory or the installed package.", check=_dir_or_off, main=True),

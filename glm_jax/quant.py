@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -234,10 +234,19 @@ class ExpertBank:
     layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
     hidden: int = dataclasses.field(default=0, metadata=dict(static=True))
     inter: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # a device mesh: the slots are sharded over its "expert" axis and the seam runs in shard_map (parallel.py);
+    # ``comm`` how tokens reach their experts there ("psum" | "all_to_all")
+    mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    comm: str = dataclasses.field(default="psum", metadata=dict(static=True))
 
     @property
     def num_slots(self) -> int:
         return self.gate_up.shape[0]
+
+    @property
+    def local_slots(self) -> int:
+        """Slots each device computes on (a mesh bank: one expert shard's; the seam's path choice uses this)."""
+        return self.num_slots // (self.mesh.shape["expert"] if self.mesh is not None else 1)
 
     @property
     def dims(self) -> tuple:
@@ -453,7 +462,9 @@ def qdot(x, w: QWeight, rows=None):
         y = kernels.qlinear(x.reshape(n, in_dim).astype(jnp.float32), w.q, w.scale, w.fmt, w.group(), out_dim,
                             None if rows is None else rows.reshape(n))
         return y.reshape(*lead, out_dim)
-    dt = x.dtype if w.fmt not in FLOAT_FORMATS else w.q.dtype
+    # float weights: the wider of the two dtypes (f32 activations x bf16 weights compute in f32, as the native
+    # kernels do; bf16 x bf16 stays bf16)
+    dt = x.dtype if w.fmt not in FLOAT_FORMATS else jnp.promote_types(x.dtype, w.q.dtype)
     return jnp.einsum("...i,oi->...o", x.astype(dt), w.dequant(dt), preferred_element_type=jnp.float32)
 
 
@@ -507,11 +518,12 @@ def head_format(fmt: str) -> str:
     return "int8_row" if fmt.startswith("int4") else fmt
 
 
-def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None) -> dict:
+def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: bool = True) -> dict:
     """One decoder layer's dense matrices as QWeights for the native kernels: the GQA q/k/v projections fused into
     one ``qkv`` (+ ``qkv_b``), each MLP's gate/up into one ``gate_up`` (one kernel call each).  ``fmt``: the dense
     storage format ("native" keeps what was loaded: bf16 stays bf16, stored-quantized stays quantized).  MLA
-    attention weights are left alone (reshaped for absorption).  Expects numpy leaves / QTensors."""
+    attention weights are left alone (reshaped for absorption).  ``fuse=False`` keeps q/k/v and gate/up apart (a
+    tensor-parallel mesh splits each by heads / intermediate columns).  Expects numpy leaves / QTensors."""
     dtype = dtype or jnp.float32
 
     def qw(a):
@@ -520,11 +532,18 @@ def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None) -> dict:
     def mlp(p):
         if p is None or "gate_w" not in p:
             return p
+        if not fuse:
+            return {k: qw(p[k]) for k in ("gate_w", "up_w", "down_w")}
         return {"gate_up": qw(_concat([p["gate_w"], p["up_w"]])), "down_w": qw(p["down_w"])}
 
     lp = dict(lp)
     a = lp.get("attn")
-    if a is not None and "q_w" in a:
+    if a is not None and "q_w" in a and not fuse:
+        a = dict(a)
+        for k in ("q_w", "k_w", "v_w", "o_w"):
+            a[k] = qw(a[k])
+        lp["attn"] = a
+    elif a is not None and "q_w" in a:
         a = dict(a)
         a["qkv"] = qw(_concat([a.pop("q_w"), a.pop("k_w"), a.pop("v_w")]))
         if "q_b" in a:

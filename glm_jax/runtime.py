@@ -157,8 +157,10 @@ class Runner:
 
     def _new_cache(self, batch: int, cap: int):
         self._cache = None         # free the old one first
-        self._cache = jax.device_put(M.init_cache(self.cfg, batch, cap, self.dtype,
-                                                  with_mtp=self.params.get("mtp") is not None), self.device)
+        cache = M.init_cache(self.cfg, batch, cap, self.dtype, with_mtp=self.params.get("mtp") is not None)
+        # one device, or the mesh: the KV cache split by heads where they divide the model axis (mesh.py)
+        plan = getattr(self, "plan", None)
+        self._cache = jax.device_put(cache, self.device) if plan is None else plan.place_cache(cache)
         self._cache_len = cap
         self._cache_batch = batch
 
@@ -170,6 +172,8 @@ class Runner:
             pad = cap - self._cache_len
             self._cache = jax.jit(lambda c: [{k: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2))
                                               for k, v in e.items()} for e in c])(self._cache)
+            if getattr(self, "plan", None) is not None:
+                self._cache = self.plan.place_cache(self._cache)
             self._cache_len = cap
 
     # ------------------------------------------------------------------ jitted pieces
@@ -194,24 +198,30 @@ class Runner:
         return self._jit("step", f, donate_argnums=(1,), static_argnames=("moe_rows", "window"))
 
     def step_params(self):
-        """The params the one-jit step runs on: ``self.params``, plus, when an expert store holds every expert
-        (fetch=resident on a container), each MoE layer's store bank and slot map (aliasing the store's arenas)."""
-        if self.store is None:
-            return self.params
+        """What the one-jit step runs on: the NNX model split into one jit argument (``nnx_model.Split``, merged
+        inside the trace), with, when an expert store holds every expert (fetch=resident on a container), each MoE
+        layer's store bank and slot map (aliasing the store's arenas)."""
+        from .nnx_model import GlmModel, Split
+
         if self._view is None:
+            if self.store is None:
+                self._view = Split.of(self.model)
+                return self._view
             if not self.store.all_resident():
                 raise GlmJaxError("internal: the one-jit step needs every expert resident in the store")
             L = self.cfg.num_hidden_layers
             params = dict(self.params)
             layers = list(params["layers"])
             for i, (bank, slot_of) in self.store.resident_view().items():
-                extra = {"experts": bank, "slot_of": jax.device_put(slot_of, self.device)}
+                if getattr(self, "plan", None) is None:
+                    slot_of = jax.device_put(slot_of, self.device)
+                extra = {"experts": bank, "slot_of": slot_of}
                 if i < L:
                     layers[i] = dict(layers[i], **extra)
                 elif params.get("mtp") is not None:
                     params["mtp"] = dict(params["mtp"], layer=dict(params["mtp"]["layer"], **extra))
             params["layers"] = layers
-            self._view = params
+            self._view = Split.of(GlmModel(params))
         return self._view
 
     def resident_for(self, layer: int) -> np.ndarray:

@@ -240,7 +240,7 @@ def _then(jobs: list, fin) -> list:
 
 
 class _Layer:
-    def __init__(self, layer, source, E, slots, aliased_ok, device, kernel="xla"):
+    def __init__(self, layer, source, E, slots, aliased_ok, devices, kernel="xla"):
         import jax
         from glm_jax.quant import ExpertBank
         self.layer, self.E, self.S = layer, E, slots
@@ -251,18 +251,23 @@ class _Layer:
             self.arrays[s.name] = a
             self._mms.append(mm)
         self.slot_bytes = {n: a[0].nbytes if slots else 0 for n, a in self.arrays.items()}
-        dev = {n: jax.device_put(a, device) for n, a in self.arrays.items()}
-        self.aliased = aliased_ok and all(dev[n].unsafe_buffer_pointer() == a.ctypes.data
-                                          for n, a in self.arrays.items())
-        if not self.aliased:   # host staging + device copy updated per miss
-            dev = {n: jax.device_put(np.array(a), device) for n, a in self.arrays.items()}
         from glm_jax.quant import with_kernel
         from glm_jax.quant import FLOAT_FORMATS
         tiles = self.layout.fmt not in FLOAT_FORMATS            # container records: quantized in the tiles layout
-        self.bank = with_kernel(ExpertBank(dev["gate_up"], dev["down"], dev.get("gate_up_scale"),
-                                           dev.get("down_scale"), fmt=self.layout.fmt,
-                                           layout="tiles" if tiles else "rows", hidden=self.layout.hidden,
-                                           inter=self.layout.inter), kernel)
+        # one bank per device (a mesh shard's model-axis replicas alias the same arena on CPU)
+        self.banks, self.aliased = [], True
+        for device in devices:
+            dev = {n: jax.device_put(a, device) for n, a in self.arrays.items()}
+            aliased = aliased_ok and all(dev[n].unsafe_buffer_pointer() == a.ctypes.data
+                                         for n, a in self.arrays.items())
+            if not aliased:   # host staging + device copy updated per miss
+                dev = {n: jax.device_put(np.array(a), device) for n, a in self.arrays.items()}
+            self.aliased = self.aliased and aliased
+            self.banks.append(with_kernel(ExpertBank(dev["gate_up"], dev["down"], dev.get("gate_up_scale"),
+                                                     dev.get("down_scale"), fmt=self.layout.fmt,
+                                                     layout="tiles" if tiles else "rows", hidden=self.layout.hidden,
+                                                     inter=self.layout.inter), kernel))
+        self.devices = list(devices)
         self.slot_of = np.full(E, -1, np.int32)
         self.free = list(range(slots - 1, -1, -1))
         self.touched: set = set()
@@ -314,9 +319,13 @@ class _Layer:
         hit = np.nonzero(self.slot_of == slot)[0]
         return int(hit[0]) if len(hit) else -1
 
+    @property
+    def bank(self):
+        return self.banks[0]
+
     def close(self):
         self.arrays = {}
-        self.bank = None
+        self.banks = []
 
 
 class ExpertStore:
@@ -324,7 +333,8 @@ class ExpertStore:
 
     def __init__(self, source, cfg: ModelConfig, model_dir: str, cache_cap: int, pins: dict, policy: str,
                  io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict, alias: bool = True,
-                 read_chunk: int = 0, kernel: str = "xla"):
+                 read_chunk: int = 0, kernel: str = "xla", owned: Optional[list] = None, devices: Optional[list] = None,
+                 owns_source: bool = True, slot_limit: Optional[int] = None):
         import jax
         self.source, self.cfg, self.model_dir = source, cfg, model_dir
         self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
@@ -335,19 +345,26 @@ class ExpertStore:
         self._pool = cf.ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="glm-jax-io")
         self.io_threads = io_threads
         self.read_chunk = int(read_chunk)
-        device = jax.devices()[0]
-        on_cpu = device.platform == "cpu" and alias
+        devices = devices or [jax.devices()[0]]
+        on_cpu = all(d.platform == "cpu" for d in devices) and alias
+        self.owns_source = owns_source
         self.layers: dict = {}
         self.index: dict = {}
         self._usage: dict = {}
+        self.owned: dict = {}          # layer -> bool [E]: the experts this store serves (a mesh shard's; default all)
         for L in source.expert_layers:
             E = source.num_experts(L)
+            own = np.zeros(E, bool)
+            own[list(range(E)) if owned is None else [e for e in owned if e < E]] = True
+            n_own = int(own.sum())
             pinned = np.zeros(E, bool)
             pinned[pins.get(L, [])] = True
             P = int(pinned.sum())
-            S = min(E, P + max(cache_cap, max_working_set))
-            self.layers[L] = _Layer(L, source, E, S, on_cpu, device, kernel)
-            self.index[L] = CacheIndex(E, min(cache_cap, E - P), S - P, policy, pinned)
+            # a mesh shard: every shard the same slot count (slot_limit = experts per shard), so their arenas stack
+            S = min(n_own if slot_limit is None else slot_limit, P + max(cache_cap, max_working_set))
+            self.owned[L] = own
+            self.layers[L] = _Layer(L, source, E, S, on_cpu, devices, kernel)
+            self.index[L] = CacheIndex(E, min(cache_cap, n_own - P), S - P, policy, pinned)
             self._usage[L] = np.zeros(E, np.float64)
         self.aliased = all(lc.aliased for lc in self.layers.values())
         # fault in the retained cache's pages in the background (startup is not delayed; ~2 GB/s of page tables),
@@ -382,13 +399,18 @@ class ExpertStore:
              policy: str = "lru",
              used_bytes: int = 0, kv_bytes: int = 0, max_working_set: Optional[int] = None,
              verify: str = "first", source=None, alias: bool = True, state_dir: str = "",
-             labels: Optional[dict] = None, kernel: str = "xla") -> "ExpertStore":
+             labels: Optional[dict] = None, kernel: str = "xla", owned: Optional[list] = None, share: int = 1,
+             devices: Optional[list] = None, owns_source: bool = True,
+             slot_limit: Optional[int] = None) -> "ExpertStore":
         """``used_bytes``: what the rest of the process holds or will hold (the engine passes its resident set at
         open -- runtime + dense weights -- plus a reserve for compilation); ``kv_bytes``: the KV cache it will
         allocate.  The expert cache gets the RAM budget minus those, the I/O buffers, one layer's transient working
         set and the pins.  ``alias=False`` forces the non-CPU path (host staging + donated scatter of missed slots;
         tests).  ``state_dir``: where the usage history lives (``paths.state_root``: '' = the per-user default,
-        'off' = none).  ``labels``: option name -> where the user set it (flag / alias), for messages."""
+        'off' = none).  ``labels``: option name -> where the user set it (flag / alias), for messages.
+        A mesh shard (``ShardedStore``): ``owned`` the expert ids it serves (pins chosen among them), ``share`` the
+        number of shards this process's budget is split over, ``devices`` where its banks live (the shard's
+        model-axis replicas), ``owns_source=False`` when the shards share one open source."""
         labels = labels or {}
         if policy not in POLICIES:
             raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
@@ -398,6 +420,8 @@ class ExpertStore:
         if not layers:
             raise StoreError(f"{model_dir}: no routed expert layers to stream")
         E = max(src.num_experts(L) for L in layers)
+        if owned is not None:
+            E = len(owned)
         W = min(E, max_working_set if max_working_set else cfg.num_experts_per_tok)
         rec = {L: src.layout(L).record_len for L in layers}
         rec_sum = sum(rec.values())
@@ -420,7 +444,11 @@ class ExpertStore:
                 except StoreError:
                     src.close()
                     raise
-            pins = choose_pins(usage, rec, pin_gb * 1e9)
+            if owned is not None:       # a shard pins among its own experts, within its share of --pin_gb
+                mask = np.zeros(max(len(c) for c in usage.values()) if usage else 0, bool)
+                mask[[e for e in owned if e < len(mask)]] = True
+                usage = {L: np.where(mask[:len(c)], c, 0.0) for L, c in usage.items()}
+            pins = choose_pins(usage, rec, pin_gb * 1e9 / max(1, share))
         pin_bytes = sum(rec[L] * len(v) for L, v in pins.items())
         if ram_gb:
             budget, why = ram_gb * 1e9, "--ram_gb"
@@ -429,13 +457,15 @@ class ExpertStore:
             budget, why = default_budget()
         buffers = max(1, io_threads) * max_rec + max(0, W) * max_rec   # scratch + one layer's transient set
         avail = budget - used_bytes - kv_bytes - buffers - pin_bytes
+        if share > 1:       # this shard's part of what the process has left (the shards' buffers and pins too)
+            avail = (budget - used_bytes - kv_bytes) / share - buffers - pin_bytes
         fit = int(avail // rec_sum) if rec_sum else E
         sizing = dict(budget_bytes=int(budget), budget_from=why, used_bytes=int(used_bytes), kv_bytes=int(kv_bytes),
                       buffer_bytes=int(buffers), pin_bytes=int(pin_bytes), per_cap_bytes=int(rec_sum),
                       cap_that_fits=max(0, min(fit, E)))
         if cache_cap is None:
             if fit < 1:
-                need = (used_bytes + kv_bytes + buffers + pin_bytes + rec_sum) / 1e9
+                need = (used_bytes + kv_bytes + share * (buffers + pin_bytes + rec_sum)) / 1e9
                 src.close()
                 rlabel = (labels.get("ram_gb") or "--ram_gb") if ram_gb else why
                 raise RamBudgetError(
@@ -453,7 +483,8 @@ class ExpertStore:
             src.close()
             raise StoreError(f"--read_chunk_mb={read_chunk_mb}: must be >= 0 (0 = one read per record)")
         return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing, alias,
-                   read_chunk=int(read_chunk_mb * (1 << 20)), kernel=kernel)
+                   read_chunk=int(read_chunk_mb * (1 << 20)), kernel=kernel, owned=owned, devices=devices,
+                   owns_source=owns_source, slot_limit=slot_limit)
 
     # ------------------------------------------------------------------ I/O
     def _submit(self, L: int, experts: list, slots: list):
@@ -513,7 +544,6 @@ class ExpertStore:
         if lc.aliased or not slots:
             return
         import jax
-        import jax.numpy as jnp
         if self._scatter is None:
             def scatter(bank, idx, rows):
                 upd = {n: getattr(bank, n).at[idx].set(r) for n, r in rows.items()}
@@ -522,7 +552,8 @@ class ExpertStore:
             self._scatter = jax.jit(scatter, donate_argnums=(0,))
         idx = np.asarray(slots, np.int32)
         rows = {n: a[idx] for n, a in lc.arrays.items()}
-        lc.bank = self._scatter(lc.bank, jnp.asarray(idx), rows)
+        lc.banks = [self._scatter(b, jax.device_put(idx, d), jax.device_put(rows, d))
+                    for b, d in zip(lc.banks, lc.devices)]
 
     # ------------------------------------------------------------------ the contract
     def _layer(self, layer: int) -> _Layer:
@@ -553,6 +584,9 @@ class ExpertStore:
         if ids.size and (ids.min() < 0 or ids.max() >= lc.E):
             raise StoreError(f"layer {layer}: expert id out of range [0, {lc.E}): {ids.min()}..{ids.max()}")
         union = list(dict.fromkeys(int(e) for e in ids))
+        if union and not self.owned[layer][union].all():
+            raise StoreError(f"layer {layer}: internal: experts {[e for e in union if not self.owned[layer][e]]} "
+                             f"belong to another mesh shard")
         t1 = time.perf_counter()
         self._wait_pending(layer)
         wait_pf = time.perf_counter() - t1
@@ -599,8 +633,8 @@ class ExpertStore:
 
     def can_hold_all(self) -> bool:
         """Every expert of every layer fits in the cache (its cap is the layer's expert count)."""
-        return all(int(self.index[L].pinned.sum()) + self.index[L].cap >= lc.E and lc.S >= lc.E
-                   for L, lc in self.layers.items())
+        return all(int(self.index[L].pinned.sum()) + self.index[L].cap >= int(self.owned[L].sum())
+                   and lc.S >= int(self.owned[L].sum()) for L, lc in self.layers.items())
 
     def preload_all(self):
         """Load every expert of every layer (the model fits the RAM budget): afterwards no forward needs the store
@@ -612,7 +646,7 @@ class ExpertStore:
             for L, lc in self.layers.items():
                 self._wait_pending(L)
                 idx = self.index[L]
-                todo = [e for e in range(lc.E) if not idx.pinned[e] and e not in idx.cached]
+                todo = [e for e in np.nonzero(self.owned[L])[0].tolist() if not idx.pinned[e] and e not in idx.cached]
                 slots = [lc.free.pop() for _ in todo]
                 if todo:
                     n += self._read_many(L, todo, slots)
@@ -628,7 +662,7 @@ class ExpertStore:
 
     def all_resident(self) -> bool:
         """Every expert of every layer is in its slot arena (nothing to fetch for any routing)."""
-        return all(bool((lc.slot_of >= 0).all()) and not lc.pending for lc in self.layers.values())
+        return all(bool((lc.slot_of[self.owned[L]] >= 0).all()) and not lc.pending for L, lc in self.layers.items())
 
     def resident_view(self) -> dict:
         """{layer: (bank, slot_of int32 [E])} while ``all_resident()``: no forward can miss, so no fetch runs and
@@ -681,7 +715,8 @@ class ExpertStore:
         lc, idx = self.layers[layer], self.index[layer]
         with self._lock:
             ids = dict.fromkeys(int(e) for e in np.asarray(expert_ids).reshape(-1).tolist())
-            todo = [e for e in ids if 0 <= e < lc.E and not idx.pinned[e] and e not in idx.cached][:len(lc.free)]
+            todo = [e for e in ids if 0 <= e < lc.E and self.owned[layer][e] and not idx.pinned[e]
+                    and e not in idx.cached][:len(lc.free)]
             if not todo:
                 return 0
             slots = [lc.free.pop() for _ in todo]
@@ -761,7 +796,146 @@ class ExpertStore:
             lc.pending = []
         self._pool.shutdown(wait=True)
         self._populate.join()
-        self.source.close()
+        if self.owns_source:
+            self.source.close()
         for lc in self.layers.values():
             lc.close()
         self.layers = {}
+
+
+class ShardedStore:
+    """The expert store of a mesh process: one ``ExpertStore`` per expert shard this process holds (shard d serves
+    experts ``[d*E/n, (d+1)*E/n)`` from its own slot arena, on the devices of mesh row d), behind the same contract.
+    ``fetch`` splits the union by shard and returns the mesh bank (every shard's arena as one array sharded over
+    the ``expert`` axis, no copy) and its slot map ``[n, E]``.  In a multi-process run each process reads only its
+    own shards' experts; the union (every process computes the same routing) names experts of other processes too,
+    and those are theirs to load."""
+
+    def __init__(self, plan, stores: dict, source, E: int):
+        self.plan, self.stores, self.source, self.E = plan, stores, source, E
+        self.per = plan.experts_per_shard(E)
+        first = next(iter(stores.values()))
+        self.cache_cap, self.policy_name = first.cache_cap, first.policy_name
+        self.max_working_set, self.sizing = first.max_working_set, first.sizing
+        self._rows = dict(plan.expert_rows())
+
+    @classmethod
+    def open(cls, plan, model_dir: str, cfg: ModelConfig, source, **kw) -> "ShardedStore":
+        rows = plan.expert_rows()
+        E = max(source.num_experts(L) for L in source.expert_layers)
+        stores = {}
+        try:
+            for d, devs in rows:
+                stores[d] = ExpertStore.open(model_dir, cfg, source=source, owned=plan.owned(E, d), share=len(rows),
+                                             devices=devs, owns_source=False, slot_limit=plan.experts_per_shard(E),
+                                             **kw)
+        except BaseException:           # the caller closes the source
+            for st in stores.values():
+                st.close(save_usage=False)
+            raise
+        return cls(plan, stores, source, E)
+
+    # ------------------------------------------------------------------ the sim knobs (benchmarks)
+    @property
+    def sim_disk_gbps(self):
+        return next(iter(self.stores.values())).sim_disk_gbps
+
+    @sim_disk_gbps.setter
+    def sim_disk_gbps(self, v):
+        for st in self.stores.values():
+            st.sim_disk_gbps = v
+
+    @property
+    def sim_expert_mb(self):
+        return next(iter(self.stores.values())).sim_expert_mb
+
+    @sim_expert_mb.setter
+    def sim_expert_mb(self, v):
+        for st in self.stores.values():
+            st.sim_expert_mb = v
+
+    # ------------------------------------------------------------------ the contract
+    def _split(self, expert_ids) -> dict:
+        ids = np.asarray(expert_ids).reshape(-1).astype(np.int64)
+        return {d: ids[(ids // self.per) == d] for d in self.stores}
+
+    def _layer(self, layer: int) -> _Layer:
+        return next(iter(self.stores.values()))._layer(layer)
+
+    def call_limit(self, layer: int) -> int:
+        return min(st.call_limit(layer) for st in self.stores.values())
+
+    def _global(self, layer: int, parts: dict):
+        """(mesh bank, slot map) of ``layer`` from {d: (bank, slot_of)} of this process's shards."""
+        per_dev, rows = {}, {}
+        for d, (_, slot_of) in parts.items():
+            lc = self.stores[d]._layer(layer)
+            for dev, b in zip(lc.devices, lc.banks):
+                per_dev[dev] = b
+            rows[d] = slot_of
+        return self.plan.bank_from_devices(per_dev, self._layer(layer).bank), self.plan.slot_map(rows, self.E)
+
+    def fetch(self, layer: int, expert_ids):
+        parts = {d: (self.stores[d].fetch(layer, p) if len(p) else self.stores[d].peek(layer))
+                 for d, p in self._split(expert_ids).items()}
+        return self._global(layer, parts)
+
+    def peek(self, layer: int):
+        return self._global(layer, {d: st.peek(layer) for d, st in self.stores.items()})
+
+    def prefetch(self, layer: int, expert_ids) -> int:
+        return sum(self.stores[d].prefetch(layer, p) for d, p in self._split(expert_ids).items() if len(p))
+
+    def resident_mask(self, layer: int) -> np.ndarray:
+        return np.logical_or.reduce([st.resident_mask(layer) for st in self.stores.values()])
+
+    def pinned_mask(self, layer: int) -> np.ndarray:
+        return np.logical_or.reduce([st.pinned_mask(layer) for st in self.stores.values()])
+
+    def can_hold_all(self) -> bool:
+        return all(st.can_hold_all() for st in self.stores.values())
+
+    def preload_all(self):
+        for st in self.stores.values():
+            st.preload_all()
+
+    def all_resident(self) -> bool:
+        return all(st.all_resident() for st in self.stores.values())
+
+    def resident_view(self) -> dict:
+        views = {d: st.resident_view() for d, st in self.stores.items()}
+        return {L: self._global(L, {d: v[L] for d, v in views.items()}) for L in next(iter(views.values()))}
+
+    def drop_cache(self, page_cache: bool = True):
+        for st in self.stores.values():
+            st.drop_cache(page_cache)
+
+    @property
+    def aliased(self) -> bool:
+        return all(st.aliased for st in self.stores.values())
+
+    def stats(self) -> dict:
+        per = [st.stats() for st in self.stores.values()]
+        out = dict(per[0])
+        for k, v in per[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in (
+                    "cache_cap", "max_working_set", "io_threads", "read_chunk", "hit_rate", "read_gbps"):
+                out[k] = sum(p[k] for p in per)
+        out["loads_per_layer"] = {}
+        for p in per:
+            for L, n in p["loads_per_layer"].items():
+                out["loads_per_layer"][L] = out["loads_per_layer"].get(L, 0) + n
+        out["hit_rate"] = out["hits"] / out["requested"] if out["requested"] else 0.0
+        out["read_gbps"] = out["bytes_read"] / out["io_wait_s"] / 1e9 if out["io_wait_s"] > 0 else 0.0
+        out["aliased"] = self.aliased
+        out["expert_shards"] = len(self.stores)
+        return out
+
+    def reset_stats(self):
+        for st in self.stores.values():
+            st.reset_stats()
+
+    def close(self, save_usage: bool = True):
+        for st in self.stores.values():
+            st.close(save_usage)
+        self.source.close()

@@ -204,13 +204,18 @@ def _mlp(get, pre: str, H: int, I: int) -> dict:
             "down_w": get(pre + "down_proj.weight", (H, I))}
 
 
-def load_experts(src: TensorSource, cfg: ModelConfig, layer: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """Routed experts of one layer as fused stacks ``gate_up [E, 2I, H]``, ``down [E, H, I]``."""
+def load_experts(src: TensorSource, cfg: ModelConfig, layer: int, dtype=np.float32,
+                 ids: Optional[list] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Routed experts of one layer as fused stacks ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (``ids``: only those
+    experts, in that order: a mesh process reads its own shard; per-expert keys read only those tensors, a fused
+    checkpoint's [E, ...] tensors are read whole and sliced)."""
     E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     pre = f"model.layers.{layer}.mlp.experts."
     if pre + "gate_up_proj" in src:
         gu = src.get(pre + "gate_up_proj", (E, 2 * I, H), dtype)
         dn = src.get(pre + "down_proj", (E, H, I), dtype)
+        if ids is not None:
+            gu, dn = np.ascontiguousarray(gu[ids]), np.ascontiguousarray(dn[ids])
         return gu, dn
     for proj, shp in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):    # before allocating E of them
         k = f"{pre}0.{proj}_proj.weight"
@@ -218,12 +223,13 @@ def load_experts(src: TensorSource, cfg: ModelConfig, layer: int, dtype=np.float
             raise WeightError(f"{src.path}: missing tensor '{k}' (expected shape {list(shp)})")
         if src.shape(k) != shp:
             raise WeightError(f"{src._files[k]}: tensor '{k}' has shape {list(src.shape(k))}, expected {list(shp)}")
-    gu = np.empty((E, 2 * I, H), dtype)
-    dn = np.empty((E, H, I), dtype)
-    for e in range(E):
-        gu[e, :I] = src.get(f"{pre}{e}.gate_proj.weight", (I, H), dtype)
-        gu[e, I:] = src.get(f"{pre}{e}.up_proj.weight", (I, H), dtype)
-        dn[e] = src.get(f"{pre}{e}.down_proj.weight", (H, I), dtype)
+    ids = list(range(E)) if ids is None else list(ids)
+    gu = np.empty((len(ids), 2 * I, H), dtype)
+    dn = np.empty((len(ids), H, I), dtype)
+    for j, e in enumerate(ids):
+        gu[j, :I] = src.get(f"{pre}{e}.gate_proj.weight", (I, H), dtype)
+        gu[j, I:] = src.get(f"{pre}{e}.up_proj.weight", (I, H), dtype)
+        dn[j] = src.get(f"{pre}{e}.down_proj.weight", (H, I), dtype)
     return gu, dn
 
 
@@ -284,11 +290,16 @@ def _cast_tree(tree, dtype):
 
 def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[str] = "f32",
                 load_mtp: bool = True, src: Optional[TensorSource] = None, kernel: str = "xla",
-                dense_fmt: str = "native") -> dict:
+                dense_fmt: str = "native", fuse: bool = True, expert_kernel: Optional[str] = None,
+                expert_bank: Optional[Callable] = None, pack: Optional[bool] = None) -> dict:
     """Build the params pytree.  ``expert_fmt=None`` leaves routed experts out (they are streamed by a store);
     otherwise they are stored resident as an ExpertBank in that format (f32 / bf16 / int8_row / int4_g64 ...).
     ``kernel="native"`` (or a ``dense_fmt`` other than "native") packs the dense matrices as QWeights
-    (quant.pack_layer: fused q/k/v and gate/up, stored-quantized weights kept quantized)."""
+    (quant.pack_layer: fused q/k/v and gate/up unless ``fuse=False``, stored-quantized weights kept quantized);
+    ``pack=True`` packs for the XLA path too (a tensor-parallel mesh: stored bf16 / int8 stay so, split by rows).
+    ``expert_kernel``: who computes the experts (default ``kernel``); ``expert_bank(load, fmt, kernel)`` builds a
+    layer's bank from ``load(ids) -> (gate_up, down)`` and returns (bank, slot map): a mesh reads only its shards
+    (mesh.MeshPlan.resident_bank); default: every expert into one bank."""
     import jax.numpy as jnp
 
     from .quant import bank_from_float, head_format, pack_layer, pack_table, to_qweight
@@ -302,7 +313,15 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
         if note:
             import sys
             print(f"glm-jax: note: {note}", file=sys.stderr)
-    pack = kernel == "native" or dense_fmt != "native"
+    pack = (kernel == "native" or dense_fmt != "native") if pack is None else pack
+    ekernel = expert_kernel or kernel
+
+    def experts(layer):
+        fmt = _bank_fmt(expert_fmt, dtype)
+        if expert_bank is not None:
+            bank, smap = expert_bank(lambda ids: load_experts(src, cfg, layer, ids=ids), fmt, ekernel)
+            return {"experts": bank, "slot_of": smap}
+        return {"experts": bank_from_float(*load_experts(src, cfg, layer), fmt, ekernel)}
 
     def get(key, shape=None, dt=np.float32):
         # packed: keep the stored float dtype (a bf16 matrix stays bf16 in its QWeight; _cast_tree casts the rest)
@@ -311,7 +330,7 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     # every piece is packed and cast to device arrays as soon as it is read, so the load's peak memory is the
     # result plus one layer's temporaries (not the whole model in numpy, then packed, then cast)
     def layer(lp):
-        return _cast_tree(pack_layer(lp, kernel, dense_fmt, dtype) if pack else lp, dtype)
+        return _cast_tree(pack_layer(lp, kernel, dense_fmt, dtype, fuse) if pack else lp, dtype)
 
     def table(a):
         return pack_table(a, kernel, dense_fmt, dtype) if pack else a
@@ -330,7 +349,7 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
         moe = cfg.is_moe_layer(i)
         layers.append(layer(load_layer(get, cfg, i, moe)))
         if moe and expert_fmt is not None:
-            layers[-1]["experts"] = bank_from_float(*load_experts(src, cfg, i), _bank_fmt(expert_fmt, dtype), kernel)
+            layers[-1].update(experts(i))
     params["layers"] = layers
     params["mtp"] = None
     L = cfg.num_hidden_layers
@@ -348,20 +367,19 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
         mtp = _cast_tree(mtp, dtype)
         mtp["layer"] = layer(load_layer(get, cfg, L, True))
         if expert_fmt is not None:
-            mtp["layer"]["experts"] = bank_from_float(*load_experts(src, cfg, L), _bank_fmt(expert_fmt, dtype),
-                                                      kernel)
+            mtp["layer"].update(experts(L))
         params["mtp"] = mtp
     return params
 
 
 def load_dense_params(path: str, cfg: ModelConfig, dtype=None, file: Optional[str] = None, kernel: str = "xla",
-                      dense_fmt: str = "native") -> dict:
+                      dense_fmt: str = "native", fuse: bool = True, pack: Optional[bool] = None) -> dict:
     """Dense (non-expert) params of a glm-jax-convert container (its dense.safetensors, or ``file``)."""
     from .container import DENSE_NAME
 
     return load_params(path, cfg, dtype=dtype, expert_fmt=None,
                        src=TensorSource(path, files=[os.path.basename(file) if file else DENSE_NAME]),
-                       kernel=kernel, dense_fmt=dense_fmt)
+                       kernel=kernel, dense_fmt=dense_fmt, fuse=fuse, pack=pack)
 
 
 def _bank_fmt(expert_fmt: str, dtype) -> str:

@@ -67,6 +67,7 @@ def test_int4_container_matches_numpy_dequant_of_the_same_records(int4_dir, exp)
     cfg = ref.cfg
     import jax.numpy as jnp
 
+    params = ref.params                 # the NNX model's params pytree; assigned back below (the model is rebuilt)
     for i in cfg.moe_layers:
         lay = c.layout(i)
         gu, dn = [], []
@@ -74,7 +75,8 @@ def test_int4_container_matches_numpy_dequant_of_the_same_records(int4_dir, exp)
             d = c.load_expert(i, e)
             gu.append(quant.dequantize(d["gate_up"], d.get("gate_up_scale"), lay.fmt))
             dn.append(quant.dequantize(d["down"], d.get("down_scale"), lay.fmt))
-        ref.params["layers"][i]["experts"] = quant.ExpertBank(jnp.asarray(np.stack(gu)), jnp.asarray(np.stack(dn)))
+        params["layers"][i]["experts"] = quant.ExpertBank(jnp.asarray(np.stack(gu)), jnp.asarray(np.stack(dn)))
+    ref.params = params
     ids = exp["input_ids"][0].tolist()
     got, want = eng.logits(ids), ref.logits(ids)
     assert np.abs(got - want).max() < 1e-4
