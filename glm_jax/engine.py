@@ -314,7 +314,7 @@ class Engine(Runner):
             from .scheduler import Scheduler
 
             self._scheduler = Scheduler(self, max_batch=self.opts["max_batch"],
-                                        prefill_chunk=self.opts["prefill_chunk"])
+                                        prefill_chunk=self.opts["prefill_chunk"], dispatch_ms=self.opts["dispatch_ms"])
         return self._scheduler
 
     def request(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,

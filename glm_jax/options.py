@@ -115,6 +115,10 @@ OPTIONS = [
         "on the others; the expert store sizes its working set for this many rows.", lo=1, hi=256),
     Opt("prefill_chunk", 512, "int", "Prompt tokens per prefill forward: longer prompts are prefilled in chunks, "
         "interleaved with the other rows' decode steps.", lo=16, hi=1 << 20),
+    Opt("dispatch_ms", 50.0, "float", "Plain resident decode runs several steps per dispatch of one compiled loop; "
+        "it runs as many as fit in this many milliseconds (from the measured step time, 1 to 32 steps). It bounds "
+        "how long streamed tokens wait to be printed or sent and how long a cancelled request keeps its row; 0: "
+        "one step per dispatch.", lo=0.0, hi=60000.0),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
         "called from inside one compiled step via io_callback). auto: resident for plain HF dirs that fit, loop for "

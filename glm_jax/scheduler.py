@@ -20,7 +20,9 @@ vectorises reductions by the row count), so a near-tie may flip: compare runs at
 
 **Decode.**  With every expert resident and no speculation, a dispatch is one compiled ``lax.while_loop`` of up
 to ``FUSED_CHUNK`` decode steps of all rows with per-row on-device sampling (temperature / top-k / top-p / seed)
-and per-row stops (EOS, budget); it runs 1 step instead while a newcomer is being prefilled or waits for a free
+and per-row stops (EOS, budget), as many as fit in ``--dispatch_ms`` at the measured step time (tokens are streamed
+and cancelled rows freed between dispatches, so on a slow model a client still sees its tokens within ~50 ms of
+their sampling, and a disconnect frees its row as soon); it runs 1 step instead while a newcomer is being prefilled or waits for a free
 row, so admission and prefill interleave with the others' decode.  With an expert store (fetch=loop / callback)
 each step is one batched forward: the store reads the union of the batch's experts once.  Speculative decoding
 (``--mtp`` / ``--draft``) runs per row (``speculative.SpecRow``: draft, one verify forward on the row alone,
@@ -166,8 +168,11 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, rt, max_batch: int = 1, prefill_chunk: int = 512, max_queue: int = 0):
+    def __init__(self, rt, max_batch: int = 1, prefill_chunk: int = 512, max_queue: int = 0,
+                 dispatch_ms: float = 50.0):
         self.rt = rt
+        self.dispatch_s = float(dispatch_ms) / 1000.0   # a fused dispatch runs what fits in this (--dispatch_ms)
+        self.step_s = None                               # measured seconds per fused decode step (EMA)
         self.B = int(max_batch)
         self.chunk = int(prefill_chunk)
         self.max_queue = int(max_queue)
@@ -234,14 +239,21 @@ class Scheduler:
 
     def serve_forever(self, stop: threading.Event):
         """Drive the loop until ``stop`` is set (the server's engine thread); waits for work when idle."""
+        from .memory import trim
+
         self.serving = True
+        worked = False
         try:
             while not stop.is_set():
                 if not self.busy():
+                    if worked:             # idle again: hand the requests' freed heap back to the OS
+                        trim()
+                        worked = False
                     with self.lock:
                         self.lock.wait(0.05)
                     continue
                 self.step()
+                worked = True
         finally:
             self.serving = False
 
@@ -469,10 +481,12 @@ class Scheduler:
     def _fused(self, rows, n, W):
         rt = self.rt
         active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
-        n = int(min(n, budget.max()))
+        n = int(min(n, budget.max(), self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + n + W
         window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" else rt._cache_len
+        compiled = ("fused_decode", self.B, W, window) in rt._jits
         fn = _fused_fn(rt, self.B, W, window)
+        t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
         rt._cache, out, cnt, keys, acc = fn(rt.step_params(), rt._cache, jnp.asarray(self.tok, jnp.int32),
@@ -483,6 +497,8 @@ class Scheduler:
         cnt = np.asarray(cnt)
         finite = bool(acc.pop("_finite"))
         steps = int(acc.pop("_steps"))
+        if compiled and steps:                            # a first call's time is mostly its compilation
+            self.observe_step((time.perf_counter() - t0) / steps)
         if not finite:
             r = rows[0]
             raise nonfinite_error(rt, int(self.pos[r.row]), int(self.pos[r.row]) + int(cnt[r.row]) - 1)
@@ -500,6 +516,17 @@ class Scheduler:
                 self.pos[i] += c
                 self.tok[i] = toks[-1]
                 self._deliver(r, toks)
+
+    def steps_per_dispatch(self) -> int:
+        """Decode steps the next fused dispatch may run: as many as fit in ``--dispatch_ms`` at the measured step
+        time (1 until a step has been timed), at most ``FUSED_CHUNK``.  Tokens reach their streams and cancelled
+        rows are freed between dispatches, so this bounds both."""
+        if self.dispatch_s <= 0 or self.step_s is None:
+            return 1
+        return max(1, min(FUSED_CHUNK, int(self.dispatch_s / self.step_s)))
+
+    def observe_step(self, seconds: float):
+        self.step_s = seconds if self.step_s is None else 0.5 * self.step_s + 0.5 * seconds
 
     def _one_step(self, rows, W):
         """One decode step of every row: one batched forward (the expert store reads the batch's union once)."""

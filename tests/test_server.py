@@ -220,6 +220,29 @@ def test_batch_invariance_of_greedy_output(eng):
     assert (reqs[1].row, reqs[3].row) == (1, 3)                # alone, they ran in row 0
 
 
+def test_a_dispatch_runs_what_fits_in_dispatch_ms(eng, monkeypatch):
+    """Resident decode runs several steps per compiled dispatch; tokens reach the stream (and a cancel lands) only
+    between dispatches, so a dispatch runs what fits in --dispatch_ms at the measured step time: on a model whose
+    step takes 20 ms, 2 steps of 50 ms, not 32 (a client would see 640 ms bursts, a disconnect would hold its row
+    as long).  Same greedy tokens as one long dispatch."""
+    ref = _alone(eng, ROMEO, 24)
+    sched = eng.scheduler
+    assert sched.dispatch_s == 0.05 and SCH.FUSED_CHUNK == 32
+    monkeypatch.setattr(sched, "step_s", 0.02)                 # as if each decode step took 20 ms ...
+    monkeypatch.setattr(sched, "observe_step", lambda s: None)  # ... and kept taking it
+    sizes = []
+    req = eng.request(ROMEO, max_new_tokens=24, on_event=lambda r, text, toks, done: sizes.append(len(toks)))
+    sched.submit(req)
+    sched.run([req])
+    assert req.out == ref.tokens
+    assert max(sizes) == 2 and sum(sizes) == len(ref.tokens) == 24
+    assert sched.steps_per_dispatch() == 2
+    monkeypatch.setattr(sched, "step_s", 0.0001)
+    assert sched.steps_per_dispatch() == SCH.FUSED_CHUNK
+    monkeypatch.setattr(sched, "dispatch_s", 0.0)
+    assert sched.steps_per_dispatch() == 1
+
+
 def test_context_limit(eng):
     limit = eng.context_limit
     assert limit == eng.cfg.max_position_embeddings == 256
