@@ -300,7 +300,7 @@ def test_cli_streams_and_ctrl_c(monkeypatch, capsys):
 
     def step(self):
         calls[0] += 1
-        if calls[0] == 4:
+        if calls[0] == 6:      # admit + prefill, 2 one-step dispatches (timing the step), then dispatches of many
             raise KeyboardInterrupt
         return real(self)
     monkeypatch.setattr(SCH.Scheduler, "step", step)
