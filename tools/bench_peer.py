@@ -770,7 +770,8 @@ def run_peer(models: list, formats: list, dense_formats: list, llamacpp: str, wo
     head = (f"batch 1, greedy, prompt {prompt_tokens} tokens, {new_tokens} decode forwards per run (glm-jax: "
             f"{new_tokens + 1} new tokens, the first from the prefill; llama-bench: -p {prompt_tokens} -n 0 for "
             f"prefill and -p 0 -n {new_tokens} -d {prompt_tokens} for decode, -r {LLAMA_REPS} per round (the median "
-            "of its samples), its own warmup), "
+            "of its samples), its own warmup; glm-jax the same: a 2-token warmup run, then "
+            f"{LLAMA_REPS} runs per round, the median of each rate; transformers: one run per round), "
             f"{threads} threads (every process pinned to the same {threads} CPUs), median of {reps} interleaved "
             "rounds; every weight in RAM (glm-jax: warmed up, all experts cached; llama.cpp: mmap'd file in the page "
             "cache). Greedy tokens: each engine's first tokens after the same prompt ids vs llama.cpp's of the same "
@@ -1109,9 +1110,14 @@ def _glmjax_worker(spec: dict):
            "sizing": getattr(st, "sizing", None), "cache_cap": getattr(st, "cache_cap", None)})
 
     def one():
-        r = eng.generate(prompt, max_new_tokens=n, stop_on_eos=False)
-        s = r.stats
-        return {"decode_tok_s": s["decode_tok_s"], "prefill_tok_s": s["prefill_tokens"] / max(s["prefill_s"], 1e-9),
+        # like llama-bench in the same round: a warmup run, then LLAMA_REPS runs, the median of each rate
+        # (a single run right after the other engines' turns measures this process's caches refilling)
+        eng.generate(prompt, max_new_tokens=2, stop_on_eos=False)
+        rs = [eng.generate(prompt, max_new_tokens=n, stop_on_eos=False) for _ in range(LLAMA_REPS)]
+        dec = sorted(x.stats["decode_tok_s"] for x in rs)
+        pre = sorted(x.stats["prefill_tokens"] / max(x.stats["prefill_s"], 1e-9) for x in rs)
+        r, s = rs[-1], rs[-1].stats
+        return {"decode_tok_s": dec[len(dec) // 2], "prefill_tok_s": pre[len(pre) // 2],
                 "tokens": r.tokens, "hit_rate": s.get("hit_rate"), "cache_cap": getattr(st, "cache_cap", None),
                 "peak_rss_mb": _vmhwm_mb()}
     _serve(one)
