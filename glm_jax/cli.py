@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 
 from absl import app, flags
 
@@ -61,33 +60,19 @@ MAIN_FLAGS = ("model", "prompt", "prompt_ids", "max_new_tokens", "temperature", 
 
 def help_text() -> str:
     """What `glm-jax --help` prints: usage, this command's flags and the main engine options."""
-    names = list(MAIN_FLAGS) + [o.name for o in O.OPTIONS if o.main]
-    out = ["glm-jax: generate text with a GLM MoE model (default: the embedded Shakespeare model).", "",
-           "usage: glm-jax [--model=DIR] [--prompt=TEXT] [--max_new_tokens=N] [--temperature=T] [flags]", "",
-           "main flags:"]
-    for n in names:
-        fl = FLAGS[n]
-        default = repr(fl.default) if isinstance(fl.default, str) else fl.default
-        out.append(f"  --{n}  (default: {default})")
-        out += textwrap.wrap(fl.help, width=100, initial_indent="      ", subsequent_indent="      ")
-    out += ["", "glm-jax --helpfull documents every flag (expert store, routing plugins, speculative decoding, ...)."]
-    return "\n".join(out)
+    return O.command_help(
+        FLAGS, ["glm-jax: generate text with a GLM MoE model (default: the embedded Shakespeare model).", "",
+                "usage: glm-jax [--model=DIR] [--prompt=TEXT] [--max_new_tokens=N] [--temperature=T] [flags]", ""],
+        O.main_flag_names(MAIN_FLAGS),
+        "glm-jax --helpfull documents every flag (expert store, routing plugins, speculative decoding, ...).")
 
 
-def _one_line(e) -> str:
-    return " ".join(str(e).split())
+_one_line = O.one_line
 
 
 def parse_flags(argv):
     """absl flag parsing, with `--help` answered here and a bad flag as one `glm-jax: error:` line (exit 2)."""
-    if any(a in ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort") for a in argv[1:]):
-        print(help_text())
-        sys.exit(0)
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        print(f"glm-jax: error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(2)
+    return O.parse_command_flags(FLAGS, argv, "glm-jax", help_text)
 
 
 def main(argv):

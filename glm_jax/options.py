@@ -480,6 +480,50 @@ def define_once(define, name: str, *args, **kw):
         define(name, *args, **kw)
 
 
+def one_line(e) -> str:
+    """An error's text on one line (what every command prints after ``PROG: error:``)."""
+    return " ".join(str(e).split())
+
+
+HELP_ARGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+
+
+def command_help(flag_values, head: list, names, tail: str) -> str:
+    """A command's ``--help``: ``head`` lines, then each flag of ``names`` with its default and help, then ``tail``
+    (the commands' own main flags first, then the table's main options)."""
+    import textwrap
+
+    out = list(head) + ["main flags:"]
+    for n in names:
+        fl = flag_values[n]
+        default = repr(fl.default) if isinstance(fl.default, str) else fl.default
+        out.append(f"  --{n}  (default: {default})")
+        out += textwrap.wrap(fl.help, width=100, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(out + ["", tail])
+
+
+def main_flag_names(command_flags) -> list:
+    """A command's own main flags, then the option table's main options not among them."""
+    return list(command_flags) + [o.name for o in OPTIONS if o.main and o.name not in command_flags]
+
+
+def parse_command_flags(flag_values, argv, prog: str, help_text):
+    """absl flag parsing for a command: ``--help`` prints ``help_text()`` (exit 0), a bad flag is one
+    ``PROG: error:`` line (exit 2)."""
+    import sys
+
+    from absl import flags
+
+    if any(a in HELP_ARGS for a in argv[1:]):
+        print(help_text())
+        sys.exit(0)
+    try:
+        return flag_values(argv)
+    except flags.Error as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
 def define_flags(flags_module=None):
     """Define one absl flag per option (idempotent).  Ranges are checked by ``resolve`` (one error text for flags,
     aliases and keywords), not by absl."""

@@ -52,8 +52,7 @@ class HTTPError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _one_line(e) -> str:
-    return " ".join(str(e).split())
+_one_line = O.one_line
 
 
 # ----------------------------------------------------------------------------- request parameters
@@ -442,30 +441,15 @@ def _default_name(path: str) -> str:
 
 # ----------------------------------------------------------------------------- the command
 def help_text() -> str:
-    import textwrap
-
-    out = ["glm-jax-serve: an OpenAI-compatible server (chat and text completions, streaming, /metrics) with "
-           "continuous batching.", "",
-           "usage: glm-jax-serve [--model=DIR] [--host=127.0.0.1] [--port=8000] [--max_batch=8] [flags]", "",
-           "main flags:"]
-    for n in list(MAIN_FLAGS) + [o.name for o in O.OPTIONS if o.main and o.name not in MAIN_FLAGS]:
-        fl = FLAGS[n]
-        default = repr(fl.default) if isinstance(fl.default, str) else fl.default
-        out.append(f"  --{n}  (default: {default})")
-        out += textwrap.wrap(fl.help, width=100, initial_indent="      ", subsequent_indent="      ")
-    out += ["", "glm-jax-serve --helpfull documents every flag (the engine options are glm-jax's)."]
-    return "\n".join(out)
+    return O.command_help(
+        FLAGS, ["glm-jax-serve: an OpenAI-compatible server (chat and text completions, streaming, /metrics) with "
+                "continuous batching.", "",
+                "usage: glm-jax-serve [--model=DIR] [--host=127.0.0.1] [--port=8000] [--max_batch=8] [flags]", ""],
+        O.main_flag_names(MAIN_FLAGS), "glm-jax-serve --helpfull documents every flag (the engine options are glm-jax's).")
 
 
 def parse_flags(argv):
-    if any(a in ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort") for a in argv[1:]):
-        print(help_text())
-        sys.exit(0)
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        print(f"glm-jax-serve: error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(2)
+    return O.parse_command_flags(FLAGS, argv, "glm-jax-serve", help_text)
 
 
 def main(argv):

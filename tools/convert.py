@@ -33,6 +33,7 @@ import numpy as np
 
 from glm_jax import quant
 from glm_jax.config import GlmJaxError, load_config
+from glm_jax.options import one_line
 from glm_jax.container import (ALIGN, CONVERT_MARKER, DENSE_NAME, DENSE_SCALE_SUFFIX, EXPERT_DIR, FORMAT_VERSION,
                                MANIFEST_NAME, ContainerError, HFExperts, RecordLayout, SafeTensorsDir, SourceError,
                                config_fields, config_hash, done_file_name, expert_layers, file_crc,
@@ -534,8 +535,7 @@ def verify(dst: str) -> str:
     return f"{dst}: OK (all record and dense checksums verified)"
 
 
-def _one_line(e) -> str:
-    return " ".join(str(e).split())
+_one_line = one_line
 
 
 def main(argv, F=None) -> int:
