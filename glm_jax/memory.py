@@ -46,6 +46,21 @@ def trim():
         pass
 
 
+def evict_page_cache(paths) -> None:
+    """Ask the kernel to drop these files' pages from the page cache (``posix_fadvise(DONTNEED)``; dirty pages and
+    other processes' mappings stay).  Best effort: a file that can't be opened, or a platform without fadvise, is
+    skipped."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except (AttributeError, OSError):
+            pass
+
+
 def mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:

@@ -686,15 +686,9 @@ class ExpertStore:
                 idx.cached.clear()
                 lc.prefetched.clear()
         if page_cache:
-            for path in self.source.files():
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-                except (AttributeError, OSError):
-                    pass
+            from glm_jax.memory import evict_page_cache
+
+            evict_page_cache(self.source.files())
 
     def resident_mask(self, layer: int) -> np.ndarray:
         idx = self.index[self._layer(layer).layer]

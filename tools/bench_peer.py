@@ -792,15 +792,9 @@ def drop_caches(files: list) -> str:
             f.write("3\n")
     except OSError as e:
         note = f"drop_caches failed ({e.strerror}); only posix_fadvise(DONTNEED) on the model files"
-    for p in files:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+    from glm_jax.memory import evict_page_cache      # here, not at import: the workers stay stdlib-only
+
+    evict_page_cache(files)
     return note
 
 
