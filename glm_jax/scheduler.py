@@ -484,7 +484,7 @@ class Scheduler:
         n = int(min(n, budget.max(), self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + n + W
         window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" else rt._cache_len
-        compiled = ("fused_decode", self.B, W, window) in rt._jits
+        compiled = _fused_key(self.B, W, window) in rt._jits
         fn = _fused_fn(rt, self.B, W, window)
         t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
@@ -589,11 +589,15 @@ def _sample_one(rt, logits, key, s: Sampling):
     return int(tok[0]), np.asarray(keys[0], np.uint32)
 
 
+def _fused_key(B: int, W: int, window: int):
+    return ("fused_decode", B, W, window)
+
+
 def _fused_fn(rt, B: int, W: int, window: int):
     """jit: up to ``n`` decode steps of every active row, on the device: step at [B, W] (row b's pending token at
     column 0, the rest padding) over the cache window [:window] -> per-row sampling -> per-row stop (EOS when the
     row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats)."""
-    key_ = ("fused_decode", B, W, window)
+    key_ = _fused_key(B, W, window)
     f = rt._jits.get(key_)
     if f is not None:
         return f
