@@ -11,7 +11,7 @@ import json
 import os
 from typing import Optional
 
-from .config import GlmJaxError
+from .errors import GlmJaxError
 
 GLM_TOKENS = ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
 ROLES = ("system", "user", "assistant")

@@ -9,6 +9,7 @@ import sys
 from absl import app, flags
 
 from . import options as O
+from .errors import GlmJaxError
 
 FLAGS = flags.FLAGS
 
@@ -80,8 +81,6 @@ def main(argv):
 
     if not FLAGS["verbosity"].present:       # keep jax's backend-probe INFO lines off the terminal
         logging.set_verbosity(logging.WARNING)
-    from .config import GlmJaxError
-
     engine = None
     try:
         if len(argv) > 1:

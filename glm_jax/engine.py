@@ -18,16 +18,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import glm_jax_plugins as P
+from glm_jax_plugins import contract
+
+from . import chat, kernels, paths
 from . import memory as MEM
 from . import model as M
 from . import options as O
-from . import paths
-from .config import GlmJaxError, ModelConfig, NonFiniteError, load_config  # noqa: F401  (re-exported)
-from .runtime import GenerationResult, Runner  # noqa: F401  (re-exported)
-from .runtime import bucket as _bucket  # noqa: F401  (tests, tools)
-from .store import RamBudgetError
-
-
+from .errors import GlmJaxError, NonFiniteError  # noqa: F401  (re-exported)
+from .experts import container as C
+from .experts import store as S
+from .experts import weights as W
+from .experts.store import RamBudgetError
+from .model.config import ModelConfig, load_config
+from .model.modules import GlmModel
+from .runtime import mesh as MESH
+from .runtime.mesh import broadcast_ids
+from .runtime.runner import GenerationResult, Runner  # noqa: F401  (re-exported)
+from .runtime.runner import bucket as _bucket  # noqa: F401  (tests, tools)
+from .runtime.scheduler import Request, Sampling, Scheduler
 
 _COMPILE_S = [0.0]
 
@@ -59,8 +68,6 @@ class Tokenizer:
             self.tok = HFTok.from_file(path)
         except Exception as e:
             raise GlmJaxError(f"{path}: cannot load tokenizer ({e})") from None
-        from . import chat
-
         self.template = chat.load_template(os.path.dirname(path))
 
     def encode(self, text: str) -> list:
@@ -78,8 +85,6 @@ class Tokenizer:
 
     def chat_ids(self, prompt) -> list:
         """A chat prompt: text (one user message) or a list of {"role", "content"} messages (glm_jax/chat.py)."""
-        from . import chat
-
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         return chat.chat_ids(self, self.template, msgs)
 
@@ -122,8 +127,6 @@ class Engine(Runner):
     def params(self, params: dict):
         """Wrap a params pytree into the NNX model and place it (one device, or the mesh by the modules' logical
         axes); the compiled step then runs on its split state."""
-        from .nnx_model import GlmModel
-
         if self.plan is None:
             model = GlmModel(jax.device_put(params, self.device))
         else:
@@ -148,15 +151,10 @@ class Engine(Runner):
         if not os.path.isdir(path):
             raise GlmJaxError(f"{path}: model directory not found" if not os.path.exists(path)
                               else f"{path}: not a directory (expected a model directory)")
-        from . import mesh as MESH
-
         # before anything touches a backend: join the cluster (a no-op for one process)
         MESH.init_distributed(opts["coordinator"], opts["num_processes"], opts["process_id"],
                               {k: opts.label(k) for k in ("coordinator", "num_processes", "process_id")})
         set_compile_cache(opts["compile_cache"], opts.label("compile_cache"))
-        from . import container as C
-        from . import weights as W
-
         container = C.is_container(path)
         if not container:
             C.check_not_partial(path)
@@ -181,8 +179,6 @@ class Engine(Runner):
                                    expert_bank=None if plan is None else
                                    (lambda load, fmt, k: plan.resident_bank(cfg.n_routed_experts, load, fmt, k)))
         else:
-            from . import store as S
-
             src = None
             try:
                 if container:     # manifest, config and sizes checked at open; the dense file's crc before use
@@ -294,8 +290,6 @@ class Engine(Runner):
         if self.tokenizer is None:
             raise GlmJaxError(f"{self.path}: no tokenizer.json; pass token ids instead of text")
         if jax.process_count() > 1:         # process 0 tokenizes; every process must call this (a collective)
-            from .mesh import broadcast_ids
-
             return broadcast_ids(lambda: self.tokenizer.chat_ids(text) if chat else self.tokenizer.encode(text))
         return self.tokenizer.chat_ids(text) if chat else self.tokenizer.encode(text)
 
@@ -311,8 +305,6 @@ class Engine(Runner):
     def scheduler(self):
         """The engine's continuous-batching scheduler (``--max_batch`` rows, ``--prefill_chunk``)."""
         if self._scheduler is None:
-            from .scheduler import Scheduler
-
             self._scheduler = Scheduler(self, max_batch=self.opts["max_batch"],
                                         prefill_chunk=self.opts["prefill_chunk"], dispatch_ms=self.opts["dispatch_ms"])
         return self._scheduler
@@ -322,8 +314,6 @@ class Engine(Runner):
                 on_event=None, where: str = "generate"):
         """A checked ``scheduler.Request`` (not yet submitted): prompt = text, token ids, or with ``chat`` a list
         of messages; ``stop``: stop strings (str or list of str)."""
-        from .scheduler import Request, Sampling
-
         self._check_open()
         for name, v in (("chat", chat), ("stop_on_eos", stop_on_eos)):
             if not isinstance(v, (bool, np.bool_)):
@@ -593,8 +583,6 @@ def _pick_kernel(mode: str) -> str:
     """--kernels: "native" where the C++ kernels build (or are cached) here, else "xla"."""
     if mode == "xla":
         return "xla"
-    from . import kernels
-
     try:
         if kernels.load(required=(mode == "native")):
             return "native"
@@ -616,8 +604,6 @@ def _build_plugin(opts: dict):
     Order: cache_route -> topp -> the user plugins (option ``plugins``, in the given order) -> expert_budget.  Each
     user plugin is wrapped in ``glm_jax_plugins.contract.checked``: structure checked at trace time, values in-jit
     (reported through the routing summary, ``Runner._check_routing``)."""
-    import glm_jax_plugins as P
-
     topp = opts["expert_topp"] if opts["expert_topp"] < 1.0 else None
     budget = opts["expert_budget"] if opts["expert_budget"] > 0 else None
     cr = None if opts["cache_route"] == "off" else opts["cache_route"]
@@ -635,8 +621,6 @@ def _build_plugin(opts: dict):
 def _preflight(plugin, cfg: ModelConfig):
     """Trace the composed plugin once on an abstract state (layer index traced, as in the engine): a user plugin
     that breaks the contract's structure, or branches in Python on a traced value, fails here, at load."""
-    from glm_jax_plugins import contract
-
     st = contract.abstract_state(4, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.norm_topk_prob,
                                  cfg.routed_scaling_factor, cfg.num_hidden_layers)
     try:

@@ -19,15 +19,13 @@ import os
 import re
 from typing import Any, Callable, Optional
 
-from .config import GlmJaxError
+from glm_jax_plugins import Plugin
+
+from .errors import GlmJaxError, PluginError  # noqa: F401  (PluginError re-exported)
 
 
 class OptionError(GlmJaxError):
     pass
-
-
-class PluginError(GlmJaxError):
-    """A user routing plugin could not be loaded or broke the plugin contract (glm_jax_plugins.contract)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +150,7 @@ OPTIONS = [
     Opt("sim_expert_mb", 19.0, "float", "Simulated expert size for --sim_disk_gbps (GLM-5.2 int4: ~19 MB).",
         lo=0.0, lo_open=True),
     Opt("route_trace", "", "str", "Append the routing of every streamed forward to this jsonl file (one forward per "
-        "line: [[layer, [expert ids]], ...]); tools/cache_sim.py replays it.", env=("ROUTE_TRACE",),
+        "line: [[layer, [expert ids]], ...]); tools/bench/cache_sim.py replays it.", env=("ROUTE_TRACE",),
         check=_writable_file),
     Opt("expert_topp", 1.0, "float", "TOPP: per position keep the shortest prefix of experts (by gate weight) whose "
         "cumulative weight >= p x total; 1.0 = off. Lossy.", env=("TOPP",), lo=0.0, hi=1.0, lo_open=True, main=True),
@@ -432,8 +430,6 @@ def _parse_plugins(v, where: str) -> tuple:
 def load_plugins(items) -> list:
     """Resolve the ``plugins`` option: [(callable, name)].  A spec is imported (``module:factory`` -> factory(**kw));
     an attribute that is already a glm_jax_plugins.Plugin is used as it is.  Errors name the flag / plugin."""
-    from glm_jax_plugins import Plugin
-
     out = []
     for item in items:
         if not isinstance(item, PluginSpec):

@@ -5,8 +5,8 @@ import importlib
 
 
 def define_all():
+    from glm_jax import evaluate as ev
     from glm_jax import options as O
-    from glm_jax_tools import evaluate as ev
 
     importlib.import_module("glm_jax.cli")          # defines glm-jax's flags at import
     ev.define_flags()
@@ -26,7 +26,7 @@ def run(argv, capsys):
 
             rc = cli.main([argv[0]])
         else:
-            from glm_jax_tools import evaluate as ev
+            from glm_jax import evaluate as ev
 
             rc = ev.main([argv[0]])
     finally:

@@ -28,8 +28,8 @@ def main(out_path, work):
     import jax
 
     import glm_jax
-    from glm_jax import mesh as MESH
-    from glm_jax_tools.convert import convert
+    from glm_jax.experts.convert import convert
+    from glm_jax.runtime import mesh as MESH
 
     assert len(jax.devices()) == 8, jax.devices()
     results = []
@@ -82,7 +82,7 @@ def main(out_path, work):
                 eng.close()
             for ref, _, _ in refs.values():
                 ref.close()
-    # the other communication scheme (parallel.py: all_to_all), against the same one-device references
+    # the other communication scheme (model/moe.py: all_to_all), against the same one-device references
     for mtype, mesh in (("glm4_moe", "expert:8,model:1"),):
         src = os.path.join(GOLDEN, MODELS[mtype])
         exp = dict(np.load(os.path.join(src, "expected.npz")))

@@ -7,7 +7,7 @@ import numpy as np
 def padded_forward(eng):
     """fwd(tokens, pos) -> logits [len(tokens), V]: tokens at positions pos.. on the engine's cache, the forward
     padded to ``speculative.decode_width`` (or to len(tokens) when longer, e.g. a prefill)."""
-    from glm_jax import speculative as S
+    from glm_jax.runtime import speculative as S
 
     W = S.decode_width(eng, 3)
     eng._ensure_cache(1, 64)

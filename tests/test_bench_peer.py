@@ -1,10 +1,10 @@
-"""Pure logic of the peer benchmarks (tools/bench_peer.py): no engine, no llama.cpp, no cgroup is touched."""
+"""Pure logic of the peer benchmarks (tools/bench/peer.py): no engine, no llama.cpp, no cgroup is touched."""
 
 import os
 
 import pytest
 
-from glm_jax_tools import bench_peer as P
+from tools.bench import peer as P
 
 LLAMA_BENCH_JSONL = """\
 {"build_commit": "unknown", "model_type": "glm4moe ?B all F32", "n_threads": 2, "n_prompt": 16, "n_gen": 0, "n_depth": 0, "avg_ns": 1248045, "stddev_ns": 0, "avg_ts": 12820.050559, "stddev_ts": 0.0, "samples_ns": [1248045, 1300000, 1200000], "samples_ts": [12820.1, 11000.0, 13000.0]}

@@ -10,12 +10,22 @@ import sys
 import numpy as np
 import pytest
 
-from glm_jax import quant
-from glm_jax.config import GlmJaxError, load_config
-from glm_jax.container import (ChecksumError, ConfigMismatchError, SafeTensorsDir, TruncatedError,
-                               UnknownVersionError, layer_file_name, open_container, open_expert_source, verify_dense)
-from glm_jax_tools.convert import convert
-from glm_jax_tools.synth_model import tiny_config, write_hf_checkpoint
+from glm_jax.errors import GlmJaxError
+from glm_jax.experts.container import (
+    ChecksumError,
+    ConfigMismatchError,
+    SafeTensorsDir,
+    TruncatedError,
+    UnknownVersionError,
+    layer_file_name,
+    open_container,
+    open_expert_source,
+    verify_dense,
+)
+from glm_jax.experts.convert import convert
+from glm_jax.kernels import formats as quant
+from glm_jax.model.config import load_config
+from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
 
 G = 32   # group size < hidden (64) so int4_g32 differs from int4_row
 
@@ -106,7 +116,7 @@ def test_sources(tmp_path, kind):
     np.testing.assert_allclose(dests["gate_up"].astype(np.float32), gu, rtol=1e-6, atol=1e-6)
     s.close()
     if kind.endswith("fp8"):    # the resident loader dequantizes the same way (fused: [E, out/128, in/128] scales)
-        from glm_jax import weights as W
+        from glm_jax.experts import weights as W
         gu_all, dn_all = W.load_experts(W.TensorSource(src), cfg, 1)
         np.testing.assert_allclose(gu_all[5], gu, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(dn_all[5], ref["model.layers.1.mlp.experts.5.down_proj.weight"], rtol=1e-6, atol=1e-6)
@@ -204,7 +214,7 @@ def test_error_bad_checksum(good):
     with pytest.raises(ChecksumError, match="layer 1 expert 5"):
         open_container(dst, cfg, verify="all")
     # and the store surfaces the same one-line error
-    from glm_jax.store import ExpertStore
+    from glm_jax.experts.store import ExpertStore
     for chunk_mb in (1.0, 4096 / (1 << 20)):    # whole-record reads, and 4 KiB ranges (checksum on an I/O thread)
         st = ExpertStore.open(dst, cfg, cache_cap=2, io_threads=2, read_chunk_mb=chunk_mb)
         with pytest.raises(GlmJaxError, match="layer 1 expert 5"):
@@ -290,7 +300,7 @@ def test_dst_file_readonly_and_same_as_src(hf, tmp_path, monkeypatch):
 
 
 def test_enospc_leaves_no_partial_file_and_resumes(hf, tmp_path, monkeypatch):
-    from glm_jax_tools import convert as C
+    from glm_jax.experts import convert as C
     dst = str(tmp_path / "c")
     real_open = open
 
@@ -331,7 +341,7 @@ def test_enospc_leaves_no_partial_file_and_resumes(hf, tmp_path, monkeypatch):
 
 
 def test_free_space_is_checked_up_front(hf, tmp_path, monkeypatch):
-    from glm_jax_tools import convert as C
+    from glm_jax.experts import convert as C
     monkeypatch.setattr(C.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 20, 10 << 20, 100_000))
     dst = str(tmp_path / "c")
     with pytest.raises(GlmJaxError, match="not enough free space"):
@@ -340,7 +350,7 @@ def test_free_space_is_checked_up_front(hf, tmp_path, monkeypatch):
 
 
 def test_cli_errors_are_one_line(hf, tmp_path, capsys):
-    from glm_jax_tools.convert import cli_main
+    from glm_jax.experts.convert import cli_main
     dst = str(tmp_path / "c")
     bad = [[f"--expert_format={f}"] for f in ("int3", "int4_g0", "int4_g7")] + [
         ["--mtp_format=bogus"], ["--dense_format=int2"], ["--expert_format=int4_g64", "--group_size=32"],
@@ -377,7 +387,7 @@ def test_group_size_is_recorded_as_used(hf, tmp_path):
 
 
 def test_malformed_index_is_one_line(tmp_path):
-    from glm_jax.weights import WeightError
+    from glm_jax.experts.weights import WeightError
     src = str(tmp_path / "hf")
     write_hf_checkpoint(src, tiny_config(), seed=2, shards=2)
     idx = os.path.join(src, "model.safetensors.index.json")

@@ -1,4 +1,4 @@
-"""Engine vs transformers (golden fixtures written by tools/make_golden.py; no torch needed here)."""
+"""Engine vs transformers (golden fixtures written by tools/fixtures/make_golden.py; no torch needed here)."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import glm_jax
-from glm_jax.config import ConfigError, load_config
-from glm_jax.weights import WeightError
+from glm_jax.experts.weights import WeightError
+from glm_jax.model.config import ConfigError, load_config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 NAMES = ["glm4moe_full", "glm4moe_plain", "glm4moe_fused", "dsa_dense", "dsa_sparse"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import glm_jax
-from glm_jax_tools import evaluate as ev
+from glm_jax import evaluate as ev
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "glm4moe_full")
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import glm_jax
-from glm_jax.config import GlmJaxError
+from glm_jax.errors import GlmJaxError
 
 CASES = int(os.environ.get("GLM_JAX_FUZZ_CASES", "120"))
 SEED = int(os.environ.get("GLM_JAX_FUZZ_SEED", "15"))
@@ -32,8 +32,8 @@ VALUES = [None, True, False, 0, -1, 1, 2, 3, 7, 64, 10 ** 12, -(10 ** 12), 0.5, 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    from glm_jax_tools.convert import convert
-    from glm_jax_tools.synth_model import tiny_config, write_hf_checkpoint
+    from glm_jax.experts.convert import convert
+    from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
     root = tmp_path_factory.mktemp("fuzz")
     cfg = tiny_config(num_hidden_layers=2, num_nextn_predict_layers=0, hidden_size=96, moe_intermediate_size=80)
     hf = str(root / "hf")

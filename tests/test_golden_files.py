@@ -1,4 +1,4 @@
-"""Sanity checks of the golden fixtures written by tools/make_golden.py (torch-free: numpy + safetensors only).
+"""Sanity checks of the golden fixtures written by tools/fixtures/make_golden.py (torch-free: numpy + safetensors only).
 
 These check that the files are complete and self-consistent; engine parity against them lives elsewhere.
 """

@@ -18,8 +18,9 @@ import pytest
 
 import glm_jax
 from glm_jax import options as O
-from glm_jax.config import ConfigError, GlmJaxError, load_config
 from glm_jax.engine import default_model_path
+from glm_jax.errors import GlmJaxError
+from glm_jax.model.config import ConfigError, load_config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 PLAIN = os.path.join(GOLDEN, "glm4moe_plain")
@@ -213,7 +214,7 @@ def _flip(path, offset, data=b"\xff\xff\xff\xff"):
 
 
 def _data_offset(path, key):
-    from glm_jax.container import SafeTensorsDir
+    from glm_jax.experts.container import SafeTensorsDir
     return SafeTensorsDir(os.path.dirname(path)).info(key).start
 
 
@@ -223,14 +224,14 @@ def test_nan_in_hf_weights_is_refused_naming_the_tensor(tmp_path):
     st = str(d / "model.safetensors")
     key = "model.layers.1.mlp.experts.3.down_proj.weight"
     _flip(st, _data_offset(st, key) + 40)                         # four 0xff bytes: an f32 NaN
-    from glm_jax.weights import WeightError
+    from glm_jax.experts.weights import WeightError
     for fetch in ("resident", "loop"):
         with pytest.raises(GlmJaxError) as e:
             eng = glm_jax.Engine.load(str(d), fetch=fetch)
             eng.store.fetch(1, np.arange(8)) if eng.store else None
         assert key in _one_line(e) and "NaN/Inf" in str(e.value)
     # the converter refuses it too
-    from glm_jax_tools.convert import convert
+    from glm_jax.experts.convert import convert
     with pytest.raises(WeightError, match=key.replace(".", r"\.")):
         convert(str(d), str(tmp_path / "c"), progress=False)
 
@@ -263,7 +264,7 @@ def shipped(tmp_path):
 def test_flipped_dense_bytes_are_caught_at_load(shipped):
     dense = os.path.join(shipped, "dense.safetensors")
     _flip(dense, os.path.getsize(dense) // 2)
-    from glm_jax.container import ChecksumError
+    from glm_jax.experts.container import ChecksumError
     with pytest.raises(ChecksumError) as e:
         glm_jax.Engine.load(shipped)
     assert "dense.safetensors" in _one_line(e) and "checksum" in str(e.value)
@@ -278,8 +279,8 @@ def test_a_container_without_its_manifest_is_an_incomplete_conversion(shipped):
 
 
 def test_a_half_converted_container_is_an_incomplete_conversion(tmp_path):
-    from glm_jax_tools.convert import convert
-    from glm_jax_tools.synth_model import tiny_config, write_hf_checkpoint
+    from glm_jax.experts.convert import convert
+    from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
     write_hf_checkpoint(str(tmp_path / "hf"), tiny_config(), seed=1)
     with pytest.raises(RuntimeError):
         convert(str(tmp_path / "hf"), str(tmp_path / "c"), progress=False, fail_after_layers=1)
@@ -297,7 +298,7 @@ def test_missing_dense_file_is_named(shipped):
 
 
 def test_ram_refusal_names_the_setting_the_user_made(shipped, monkeypatch):
-    from glm_jax.store import RamBudgetError
+    from glm_jax.experts.store import RamBudgetError
     monkeypatch.setenv("RAM_GB", "0.001")
     with pytest.raises(RamBudgetError) as e:
         glm_jax.Engine.load(shipped)
@@ -310,8 +311,8 @@ def test_ram_refusal_names_the_setting_the_user_made(shipped, monkeypatch):
 def test_config_fields_cover_every_model_config_field():
     import dataclasses
 
-    from glm_jax.config import ModelConfig
-    from glm_jax.container import CONFIG_FIELDS, CONFIG_FIELDS_IGNORED
+    from glm_jax.experts.container import CONFIG_FIELDS, CONFIG_FIELDS_IGNORED
+    from glm_jax.model.config import ModelConfig
     assert set(CONFIG_FIELDS) | set(CONFIG_FIELDS_IGNORED) == {f.name for f in dataclasses.fields(ModelConfig)}
 
 
@@ -326,11 +327,11 @@ def test_an_edited_container_config_is_refused(shipped, field, value):
     else:
         raw[field] = value
     json.dump(raw, open(p, "w"))
-    from glm_jax.container import ConfigMismatchError
+    from glm_jax.experts.container import ConfigMismatchError
     with pytest.raises(ConfigMismatchError) as e:
         glm_jax.Engine.load(shipped)
     assert f"'{field}'" in _one_line(e)
-    from glm_jax.container import open_container
+    from glm_jax.experts.container import open_container
     with pytest.raises(ConfigMismatchError):                       # what glm-jax-convert --verify runs: no longer OK
         open_container(shipped, load_config(shipped), verify="all")
 
@@ -338,7 +339,7 @@ def test_an_edited_container_config_is_refused(shipped, field, value):
 # ----------------------------------------------------------------------------- item 1: state in per-user dirs
 def test_usage_history_never_goes_into_the_model_dir(tmp_path):
     from glm_jax import paths
-    from glm_jax.store import ExpertStore
+    from glm_jax.experts.store import ExpertStore
     model = default_model_path()                                   # the installed package's own model
     before = sorted(os.listdir(model))
     cfg = load_config(model)
@@ -356,8 +357,8 @@ def test_usage_history_never_goes_into_the_model_dir(tmp_path):
 
 
 def _save_many(path, n, cfg_json):
-    from glm_jax.config import config_from_dict
-    from glm_jax.store import ExpertStore
+    from glm_jax.experts.store import ExpertStore
+    from glm_jax.model.config import config_from_dict
     fake = types.SimpleNamespace(usage_path=path, cfg=config_from_dict(cfg_json),
                                  _usage={1: np.ones(8), 2: np.arange(8, dtype=np.float64)})
     for _ in range(n):
@@ -367,7 +368,7 @@ def _save_many(path, n, cfg_json):
 @pytest.mark.filterwarnings("ignore:os.fork")     # the children run only json/numpy code, never JAX
 def test_concurrent_usage_saves_lose_no_counts(tmp_path):
     """Processes merging into one history at once: every count survives (the read-modify-write is locked)."""
-    from glm_jax_tools.synth_model import tiny_config
+    from tools.fixtures.synth_model import tiny_config
     path = str(tmp_path / "usage" / "m.json")
     os.makedirs(os.path.dirname(path))
     ctx = multiprocessing.get_context("fork")
@@ -383,7 +384,7 @@ def test_concurrent_usage_saves_lose_no_counts(tmp_path):
 
 
 def test_a_garbage_pin_file_is_an_error(tmp_path):
-    from glm_jax.store import ExpertStore, StoreError
+    from glm_jax.experts.store import ExpertStore, StoreError
     model = default_model_path()
     cfg = load_config(model)
     for content in ("not json", json.dumps({"version": 1, "layers": {"1": "x"}}), json.dumps([1, 2])):
@@ -437,7 +438,7 @@ def test_nan_logits_in_the_fused_decode_loop_are_refused():
     stops the generation with NonFiniteError instead of sampling garbage."""
     import jax.numpy as jnp
 
-    from glm_jax.config import NonFiniteError
+    from glm_jax.errors import NonFiniteError
 
     eng = glm_jax.Engine.load(None)
     assert eng.opts["fetch"] == "resident"

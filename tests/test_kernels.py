@@ -12,7 +12,7 @@ import pytest
 
 from glm_jax import kernels
 from glm_jax import model as M
-from glm_jax import quant
+from glm_jax.kernels import formats as quant
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"native kernels unavailable: {kernels.last_error()}")
 

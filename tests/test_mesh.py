@@ -1,4 +1,4 @@
-"""Expert- and tensor-parallel meshes (glm_jax/mesh.py, parallel.py, store.ShardedStore) against one device.
+"""Expert- and tensor-parallel meshes (glm_jax/runtime/mesh.py, model/moe.py, experts/store.ShardedStore) against one device.
 
 One subprocess with 8 simulated CPU devices (XLA_FLAGS set before jax is imported there; tests/mesh_worker.py) runs
 every mesh shape in {2x1, 4x2, 8x1, 1x8} (expert x model) next to the one-device engine, for glm4_moe and
@@ -97,9 +97,10 @@ def test_one_device_mesh_flags():
 def test_sharding_rules():
     """The rules on a 4x2 (and 1x8) mesh: experts over expert, heads / MLP columns over model where the count
     divides, the rest replicated."""
-    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
 
-    from glm_jax.mesh import CACHE_AXES, MeshPlan
+    from glm_jax.runtime.mesh import CACHE_AXES, MeshPlan
 
     def plan(e, m, heads=4, kv=2):
         return MeshPlan(AbstractMesh((e, m), ("expert", "model")), "psum", (("heads", heads), ("kv_heads", kv)))
@@ -128,7 +129,7 @@ def test_nnx_model_holds_every_parameter_with_its_axes(name):
     import jax
     from flax import nnx
 
-    from glm_jax.nnx_model import GlmModel, Split
+    from glm_jax.model.modules import GlmModel, Split
 
     eng = glm_jax.Engine.load(os.path.join(GOLDEN, name))
     model = GlmModel(eng.params)

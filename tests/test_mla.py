@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from glm_jax import mla
-from glm_jax.config import config_from_dict, load_config
+from glm_jax.model import mla
+from glm_jax.model.config import config_from_dict, load_config
 
 jax.config.update("jax_enable_x64", False)
 

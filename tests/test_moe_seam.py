@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from glm_jax import model as M
-from glm_jax import quant
+from glm_jax.kernels import formats as quant
 
 E, H, I, T, K = 8, 128, 64, 12, 3
 

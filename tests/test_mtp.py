@@ -9,7 +9,7 @@ import pytest
 
 import glm_jax
 from glm_jax import model as M
-from glm_jax import speculative as S
+from glm_jax.runtime import speculative as S
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 NAMES = ["glm4moe_full", "glm4moe_plain"]     # glm4moe_fused has glm4moe_full's weights (a loader fixture)
@@ -220,7 +220,7 @@ def test_budget_union_scope_is_lossy_but_reports_acceptance():
 def test_rejection_sampling_returns_the_target_distribution(k, temp, top_k, top_p):
     """Draft d_1 ~ q, accept/reject against p: the first emitted token is distributed exactly as p (the FILTERED
     target).  Exact enumeration over d_1 of the accept probabilities, plus a Monte Carlo run of _accept itself."""
-    from glm_jax.generate import filtered_probs
+    from glm_jax.runtime.sampling import filtered_probs
 
     V = 6
     rng = np.random.default_rng(k)
@@ -251,7 +251,7 @@ def test_rejection_sampling_returns_the_target_distribution(k, temp, top_k, top_
 
 def test_deterministic_drafts_sampling_distribution():
     """n-gram drafts (q one-hot): accept d w.p. p(d), else sample p with d removed -> p exactly."""
-    from glm_jax.generate import filtered_probs
+    from glm_jax.runtime.sampling import filtered_probs
 
     V = 5
     z = jnp.asarray([[1.0, 0.5, 0.0, -0.5, 2.0], [0.0] * 5], jnp.float32)

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm_jax import quant
-from glm_jax.container import make_layout
+from glm_jax.experts.container import make_layout
+from glm_jax.kernels import formats as quant
+from glm_jax.model import moe
 
 O, N, G = 12, 96, 64
 
@@ -47,13 +48,13 @@ def test_in_jit_paths_agree_with_numpy():
     w = _w(2, (3, O, N))                                   # [S, out, in] like a bank
     q, s = quant.quantize(w, "int4_g64")
     ref = quant.dequantize(q, s, "int4_g64")
-    got = np.asarray(jax.jit(lambda a, b: quant._dequant_jax(a, b, "int4_g64", jnp.float32))(q, s))
+    got = np.asarray(jax.jit(lambda a, b: quant.dequant_jax(a, b, "int4_g64", jnp.float32))(q, s))
     np.testing.assert_array_equal(got, ref)
     bank = quant.ExpertBank(jnp.asarray(q), jnp.asarray(q[:, :, :N // 2]), jnp.asarray(s), jnp.asarray(s),
                             fmt="int4_g64")
     slots = jnp.asarray([[0, 2], [1, 0]], jnp.int32)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 1, N)).astype(np.float32))
-    out = np.asarray(jax.jit(lambda b, sl, xx: quant.take_dot(b, "gate_up", sl, xx))(bank, slots, x))
+    out = np.asarray(jax.jit(lambda b, sl, xx: moe.take_dot(b, "gate_up", sl, xx))(bank, slots, x))
     want = np.einsum("tkoh,th->tko", ref[np.asarray(slots)], np.asarray(x)[:, 0])
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
@@ -92,10 +93,10 @@ def test_the_moe_seam_on_shorter_groups_matches_numpy():
 
 
 def test_a_hidden_96_checkpoint_converts_to_int4_g64(tmp_path):
-    from glm_jax.container import open_container
-    from glm_jax.config import load_config
-    from glm_jax_tools.convert import convert
-    from glm_jax_tools.synth_model import tiny_config, write_hf_checkpoint
+    from glm_jax.experts.container import open_container
+    from glm_jax.experts.convert import convert
+    from glm_jax.model.config import load_config
+    from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
     cfg = tiny_config(hidden_size=96, moe_intermediate_size=80, num_nextn_predict_layers=0, num_hidden_layers=2)
     src = str(tmp_path / "hf")
     ref = write_hf_checkpoint(src, cfg, seed=4)

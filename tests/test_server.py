@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 import glm_jax
-from glm_jax import scheduler as SCH
-from glm_jax.scheduler import Request, Sampling, TextStream
+from glm_jax.runtime import scheduler as SCH
+from glm_jax.runtime.scheduler import Request, Sampling, TextStream
 
 KEY = "test-key"
 ROMEO = "ROMEO:\n"
@@ -28,7 +28,7 @@ def eng():
 def server(eng):
     import uvicorn
 
-    from glm_jax.server import Server
+    from glm_jax.serve.app import Server
 
     srv = Server(eng, api_key=KEY, max_queue=16)
     sock = socket.socket()
@@ -328,7 +328,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     import sys
 
     p = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv[0] = 'glm-jax-serve'; "
-                          "from glm_jax.server import run; run()", "--port=0", "--max_batch=2"],
+                          "from glm_jax.serve.app import run; run()", "--port=0", "--max_batch=2"],
                          stderr=subprocess.PIPE, text=True)
     try:
         port = None

@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm_jax import quant
-from glm_jax.config import load_config
-from glm_jax.container import open_container
-from glm_jax.store import CacheIndex, ExpertStore, RamBudgetError, StoreError
-from glm_jax_tools.convert import convert
-from glm_jax_tools.synth_model import tiny_config, write_hf_checkpoint
+from glm_jax.experts.container import open_container
+from glm_jax.experts.convert import convert
+from glm_jax.experts.store import CacheIndex, ExpertStore, RamBudgetError, StoreError
+from glm_jax.kernels import formats as quant
+from glm_jax.model import moe
+from glm_jax.model.config import load_config
+from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
 
 E = 8
 
@@ -47,7 +48,7 @@ def _reference(c, L, e):
             quant.dequantize(r["down"], r.get("down_scale"), f))
 
 
-_take = jax.jit(lambda bank, slots: quant.bank_take(bank, slots, jnp.float32))
+_take = jax.jit(lambda bank, slots: moe.bank_take(bank, slots, jnp.float32))
 
 
 def _check(bank, slot_of, ids, c, L):
@@ -259,7 +260,7 @@ def test_plain_hf_dir_through_store(model):
     assert st.layers[1].layout.fmt == "f32"
     bank, so = st.fetch(1, np.array([4, 6]))
     gu, dn = _take(bank, jnp.asarray(so[[4, 6]]))
-    from glm_jax.container import SafeTensorsDir
+    from glm_jax.experts.container import SafeTensorsDir
     sd = SafeTensorsDir(d)
     np.testing.assert_array_equal(np.asarray(dn[1]), sd.read("model.layers.1.mlp.experts.6.down_proj.weight"))
     assert st.stats()["bytes_read"] == 2 * 3 * 64 * 64 * 4
@@ -303,7 +304,7 @@ def test_chunked_reads_match_whole_record_reads(cont, tmp_path, direct):
 
 def test_balanced_chunk_splits_a_record_evenly_over_the_threads():
     """Each record is read as a multiple of io_threads near-equal ranges of at most read_chunk bytes."""
-    from glm_jax.container import balanced_chunk
+    from glm_jax.experts.container import balanced_chunk
     MB = 1 << 20
     for length in (3_540_000, 19_000_000, 4096 * 3, 7 * MB):
         for threads in (1, 2, 4, 8):
@@ -334,7 +335,7 @@ def test_populate_keeps_slot_contents(cont, tmp_path):
 
 def test_populate_stays_within_the_ram_budget(cont, tmp_path, monkeypatch):
     """An explicit --cache_cap beyond the RAM budget: only the slots the budget holds are faulted in at open."""
-    from glm_jax import store as S
+    from glm_jax.experts import store as S
     d, cfg = _fresh(cont, tmp_path)
     c = open_container(d, cfg)
     recs = [c.layout(L).record_len for L in c.expert_layers]
@@ -351,9 +352,9 @@ def test_populate_stays_within_the_ram_budget(cont, tmp_path, monkeypatch):
 
 
 def test_stream_bench_counts_what_the_store_read(cont, tmp_path):
-    """tools/bench_stream on a tiny container: bytes per token are the store's misses x record length, and the
+    """tools/bench/stream.py on a tiny container: bytes per token are the store's misses x record length, and the
     disk limit was sampled during (every 3rd fetch call) and after the run."""
-    from glm_jax_tools.bench_stream import bench
+    from tools.bench.stream import bench
     d, cfg = _fresh(cont, tmp_path)
     c = open_container(d, cfg)
     rec, layers = {L: c.layout(L).record_len for L in c.expert_layers}, len(c.expert_layers)

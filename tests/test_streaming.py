@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import glm_jax
-from glm_jax import quant
-from glm_jax.container import open_container
+from glm_jax.experts.container import open_container
+from glm_jax.kernels import formats as quant
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 SRC = os.path.join(GOLDEN, "glm4moe_full")
@@ -21,7 +21,7 @@ def exp():
 
 @pytest.fixture(scope="module")
 def int4_dir(tmp_path_factory):
-    from glm_jax_tools.convert import convert
+    from glm_jax.experts.convert import convert
 
     dst = str(tmp_path_factory.mktemp("c") / "int4")
     convert(SRC, dst, expert_format="int4_g64", mtp_format="int8_row", dense_format="f32", progress=False)
@@ -127,7 +127,7 @@ def _payload(c, i):
 
 def test_glm5_dsa_layout_converts_and_streams(tmp_path):
     """GLM-5 layout (MLA + DSA indexer, sparse top-k): converter + store + both fetch modes."""
-    from glm_jax_tools.convert import convert
+    from glm_jax.experts.convert import convert
 
     src = os.path.join(GOLDEN, "dsa_sparse")
     exp = dict(np.load(os.path.join(src, "expected.npz")))
@@ -282,7 +282,7 @@ def test_int4_prefill_then_decode_equals_full_forward(int4_dir, exp, fetch):
 def test_int4_dense_container_keeps_quantized_dense_weights(tmp_path, exp):
     """--dense_format=int4_g64: dense matrices stay int4 in memory (the output head int8), the model still tracks
     the f32 oracle (this fixture's rows are 64 wide: one group per row)."""
-    from glm_jax_tools.convert import convert
+    from glm_jax.experts.convert import convert
 
     d = str(tmp_path / "d4")
     man = convert(SRC, d, expert_format="int4_g64", dense_format="int4_g64", progress=False)

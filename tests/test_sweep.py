@@ -1,4 +1,4 @@
-"""tools/sweep.py's logic on fake results: the per-configuration cache (keys, resume, refresh), the Pareto frontier,
+"""tools/bench/sweep.py's logic on fake results: the per-configuration cache (keys, resume, refresh), the Pareto frontier,
 the best setting inside the window, the grid.  The sweep itself (minutes of measuring) never runs in the suite."""
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from glm_jax import options as O
-from glm_jax_tools import sweep as S
+from tools.bench import sweep as S
 
 SETTINGS = {"quality": {"windows": 16}, "speed": {"reps": 2, "new_tokens": 32}}
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 
+import cli_inprocess
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import cli_inprocess
 import glm_jax
 import glm_jax_plugins as gp
 from glm_jax import options as O
@@ -205,7 +206,7 @@ def test_classify_tells_routing_only_from_cache_dependent_and_cross_row():
     assert not union["row_independent"]
     # an engine whose residency never changes (--budget_residency none / pinned) makes a resident-reading plugin
     # routing-only after all
-    from glm_jax_tools import evaluate as ev
+    from glm_jax import evaluate as ev
 
     dep = contract.classify(gp.expert_budget(2, "position"), **kw)
     assert dep["cache_dependent"]
@@ -291,7 +292,7 @@ def test_check_contract_passes_for_routing_only_plugin(capsys):
 
 
 def test_check_contract_fails_for_cache_dependent_plugin(monkeypatch):
-    from glm_jax_tools import evaluate as ev
+    from glm_jax import evaluate as ev
 
     monkeypatch.syspath_prepend(EXAMPLES)
     r = ev.check_contract(None, dict(cache_cap=1, plugins=["my_plugins:prefer_resident"]), "ROMEO:\n", 16)

@@ -5,7 +5,7 @@
 #   python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' 'jax[cuda12]' && tools/device_check.sh
 # On a CPU-only machine it runs the same rows on the CPU (how it was tested: 85 s on 2 cores).  The native kernels
 # are CPU kernels: on an accelerator --kernels=auto runs the XLA path (the table says which kernels ran).
-#   tools/device_check.sh [extra args for python -m glm_jax_tools.device_check, e.g. --budget_s=150]
+#   tools/device_check.sh [extra args for python -m tools.bench.device_check, e.g. --budget_s=150]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -15,7 +15,7 @@ python -c "import jax; print('devices:', jax.devices())"
 # products through TF32, which is not what the 1e-4 parity bound is about)
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 python -m pytest -q -p no:cacheprovider \
   tests/test_engine_golden.py tests/test_mla.py -k "transformers or oracle or golden or greedy" 2>&1 | tee "$log" | tail -n 5
-python -m glm_jax_tools.device_check --parity_log="$log" "$@"
+python -m tools.bench.device_check --parity_log="$log" "$@"
 rc=$?
 echo "device_check: $(( $(date +%s) - start )) s wall"
 exit $rc

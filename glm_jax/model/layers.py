@@ -1,0 +1,68 @@
+"""The model's basic pieces (glm4_moe and glm_moe_dsa alike): RMSNorm, linear (float or a packed QWeight: the
+native kernels), half-split RoPE, the dense/shared MLP, token embedding and the output head.
+
+Plain functions over the params pytree (WORKSPACE.md).  Shapes: B batch, T query tokens, H hidden.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..kernels.formats import QWeight, qdot, qtake
+
+F32 = jnp.float32
+
+
+def rms_norm(x, w, eps):
+    """transformers numerics: f32 statistics, cast back to the input dtype *before* the weight multiply."""
+    x32 = x.astype(F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+def linear(x, w, b=None, rows=None):
+    """x [..., in] @ w[out, in].T (+ b); ``w`` a float array or a QWeight (quant.py: native kernels).  ``rows``
+    (bool, x's leading shape): the rows that matter (the native kernels skip padding rows)."""
+    y = qdot(x, w, rows).astype(x.dtype) if isinstance(w, QWeight) else jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
+
+def rope_cos_sin(positions, rot_dim: int, theta: float, dtype):
+    """cos/sin tables [..., rot_dim] for half-split ("NeoX") RoPE, as transformers computes them (f32)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.int64).astype(np.float32) / rot_dim))
+    freqs = positions.astype(F32)[..., None] * jnp.asarray(inv_freq, F32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+def apply_rope_half(x, cos, sin):
+    """Half-split RoPE on the first cos.shape[-1] dims of x [B, T, heads, hd]; cos/sin [B, T, rot]."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([xr * c + rotated * s, xp], axis=-1)
+
+def mlp(p, x, rows=None):
+    if "gate_up" in p:       # gate and up fused into one matrix (quant.pack_layer)
+        h = linear(x, p["gate_up"], rows=rows)
+        I = h.shape[-1] // 2
+        return linear(jax.nn.silu(h[..., :I]) * h[..., I:], p["down_w"], rows=rows)
+    return linear(jax.nn.silu(linear(x, p["gate_w"])) * linear(x, p["up_w"]), p["down_w"])
+
+def positions_of(start, T):
+    return start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+def embed(params, tokens):
+    e = qtake(params["embed"], tokens)
+    return e if not isinstance(params["embed"], QWeight) else e.astype(params["norm"].dtype)
+
+def head_logits(h, w, rows=None):
+    """h [..., H] @ w[V, H].T -> logits f32 (w a float array or a QWeight; ``rows``: see linear)."""
+    if isinstance(w, QWeight):
+        return qdot(h, w, rows)
+    return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=F32)
+
+def head(params, h, rows=None):
+    """Final norm is applied by the caller; logits in f32."""
+    return head_logits(h, params["lm_head"], rows)

@@ -1,0 +1,639 @@
+"""The generation loop: a continuous-batching scheduler over a fixed-width batch of KV rows.
+
+One loop serves everything: ``Engine.generate`` (one prompt or a list), ``Engine.stream`` and the HTTP server
+(``glm_jax.serve.app``) submit ``Request``s to a ``Scheduler`` and drive (or let a thread drive) ``Scheduler.step``.
+
+**Rows.**  The cache has ``max_batch`` rows (``--max_batch``), one per running request, each with its own KV
+positions.  A request is admitted into a free row between decode dispatches, prefilled in chunks of at most
+``--prefill_chunk`` tokens (one chunk per loop iteration, on its row alone: a width-1 program, so the prompt's
+numbers do not depend on who else is running), then decodes together with the other rows.  A row that finishes
+(EOS, a stop string, ``max_new_tokens``, the context limit, or a cancelled request) is freed at once.
+
+**Batch invariance.**  Every decode runs at the one width (``max_batch`` rows x ``speculative.decode_width``
+positions; free rows are padding), so the compiled program is always the same and a row's result is bitwise
+independent of what the other rows hold (XLA's per-row arithmetic and the native kernels' rows alike).  A request's
+greedy output is therefore the same alone or beside others (``tests/test_server.py``).  The attention reads a
+window of the cache, ``[:S]`` with S the power-of-two bucket (>= 64) covering every active row's positions: measured
+bitwise identical to the full cache on the shipped model (the masked tail adds exact zeros), and the attention's
+cost is B x S.  Across *different* widths (``max_batch`` 1 vs 8) the logits can differ in the last bits (XLA
+vectorises reductions by the row count), so a near-tie may flip: compare runs at one width.
+
+**Decode.**  With every expert resident and no speculation, a dispatch is one compiled ``lax.while_loop`` of up
+to ``FUSED_CHUNK`` decode steps of all rows with per-row on-device sampling (temperature / top-k / top-p / seed)
+and per-row stops (EOS, budget), as many as fit in ``--dispatch_ms`` at the measured step time (tokens are streamed
+and cancelled rows freed between dispatches, so on a slow model a client still sees its tokens within ~50 ms of
+their sampling, and a disconnect frees its row as soon); it runs 1 step instead while a newcomer is being prefilled or waits for a free
+row, so admission and prefill interleave with the others' decode.  With an expert store (fetch=loop / callback)
+each step is one batched forward: the store reads the union of the batch's experts once.  Speculative decoding
+(``--mtp`` / ``--draft``) runs per row (``speculative.SpecRow``: draft, one verify forward on the row alone,
+accept); at ``max_batch`` 1 it is the former loop, greedy output identical to plain decode.
+
+**Context.**  A sequence (prompt + output) holds at most ``Runner.context_limit`` tokens (``max_position_embeddings``,
+lowered by ``--max_seq_len``): a longer prompt is refused at submit naming both numbers, and generation stops there
+with finish_reason "length".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import model as M
+from ..errors import GlmJaxError
+from ..memory import trim
+from .runner import BIG_POS, GenerationResult, bucket, nonfinite_error, window_cache, write_back
+from .sampling import sample_rows
+from .speculative import SpecRow, decode_width, draft_plan
+from .stats import route_stats, routing_summary, store_stats
+
+FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
+MIN_WINDOW = 64       # smallest attention window (cache positions)
+
+
+class QueueFull(GlmJaxError):
+    """The scheduler's queue holds --max_queue requests already."""
+
+
+class ContextLengthError(GlmJaxError):
+    """A prompt that does not fit the context."""
+
+
+@dataclasses.dataclass
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_on_eos: bool = True
+    stop: tuple = ()           # stop strings (found across token boundaries; the text ends before them)
+
+
+class TextStream:
+    """Incremental detokenization, UTF-8 safe across token boundaries (a character split over tokens is held until
+    complete), with stop strings: the text delivered never contains (a prefix of) a stop string."""
+
+    def __init__(self, decode: Optional[Callable], stop: tuple = ()):
+        self.decode = decode
+        self.stop = tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.toks = []
+        self.prefix = self.read = 0
+        self.text = ""           # stable decoded text (after a stop: cut before it)
+        self.sent = 0            # characters of text delivered
+        self.stopped = False
+
+    def _decode_new(self):
+        d = self.decode
+        prev = d(self.toks[self.prefix:self.read])
+        new = d(self.toks[self.prefix:])
+        if len(new) > len(prev) and not new.endswith("\ufffd"):
+            self.text += new[len(prev):]
+            self.prefix, self.read = self.read, len(self.toks)
+
+    def add(self, tokens) -> int:
+        """Append tokens; returns how many of them count (all, or up to the one that completed a stop string)."""
+        if self.decode is None:
+            self.toks.extend(tokens)
+            return len(tokens)
+        if not self.stop:
+            self.toks.extend(tokens)
+            self._decode_new()
+            return len(tokens)
+        for i, t in enumerate(tokens):
+            self.toks.append(t)
+            before = len(self.text)
+            self._decode_new()
+            if len(self.text) > before:
+                lo = max(0, before - self.hold)
+                hits = [j for j in (self.text.find(s, lo) for s in self.stop) if j >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    self.stopped = True
+                    return i + 1
+        return len(tokens)
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet delivered (holding back a possible stop-string prefix unless final)."""
+        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One generation.  ``on_event(req, text_delta, tokens_delta, done)`` (optional) is called from the thread that
+    drives the scheduler whenever tokens arrive and once at the end (``done`` True)."""
+
+    def __init__(self, prompt_ids: list, sampling: Sampling, on_event: Optional[Callable] = None,
+                 decode: Optional[Callable] = None):
+        self.id = next(_ids)
+        self.prompt = list(prompt_ids)
+        self.sampling = sampling
+        self.on_event = on_event
+        self.out = []
+        self.stream = TextStream(decode, sampling.stop)
+        self.finish_reason = None
+        self.error = None
+        self.cancelled = False
+        self.state = "queued"
+        self.row = None
+        self.t_submit = time.perf_counter()
+        self.t_admit = self.t_first = self.t_done = None
+        self.prefill_s = self.decode_s = 0.0
+        self.forwards = 0
+        self.pf_done = 0
+        self.done_event = threading.Event()
+        self.spec = None
+        self.spec_stats = {}
+        self.store_prefill = None
+        self.route_prefill = {}      # the routing counters when its prefill ended: its stats cover decode only
+        self.hidden = []
+
+    @property
+    def done(self) -> bool:
+        return self.done_event.is_set()
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+
+class Scheduler:
+    def __init__(self, rt, max_batch: int = 1, prefill_chunk: int = 512, max_queue: int = 0,
+                 dispatch_ms: float = 50.0):
+        self.rt = rt
+        self.dispatch_s = float(dispatch_ms) / 1000.0   # a fused dispatch runs what fits in this (--dispatch_ms)
+        self.step_s = None                               # measured seconds per fused decode step (EMA)
+        self.B = int(max_batch)
+        self.chunk = int(prefill_chunk)
+        self.max_queue = int(max_queue)
+        self.rows = [None] * self.B
+        self.queue = collections.deque()
+        self.lock = threading.Condition()
+        self.keys = np.zeros((self.B, 2), np.uint32)
+        self.pos = np.zeros(self.B, np.int64)        # where each row's pending token goes
+        self.tok = np.zeros(self.B, np.int64)        # each row's pending token (sampled, not yet in the cache)
+        self.counters = collections.Counter()        # requests / tokens / dispatches, for /metrics
+        self.W = None
+        self.step_lock = threading.Lock()            # one driver at a time
+        self.serving = False                         # a thread runs serve_forever: others wait instead of stepping
+
+    # ------------------------------------------------------------------ submitting (any thread)
+    def check(self, prompt_ids: list, sampling: Sampling):
+        lim = self.rt.context_limit
+        if len(prompt_ids) >= lim:
+            raise ContextLengthError(f"the prompt is {len(prompt_ids)} tokens but the context limit is {lim} tokens "
+                                     f"({self._limit_source()}), leaving no room to generate")
+
+    def _limit_source(self) -> str:
+        rt = self.rt
+        if rt.opts["max_seq_len"] and rt.opts["max_seq_len"] < rt.cfg.max_position_embeddings:
+            return f"{rt.opts.label('max_seq_len') if hasattr(rt.opts, 'label') else '--max_seq_len'}"
+        return "max_position_embeddings in config.json"
+
+    def submit(self, req: Request) -> Request:
+        self.check(req.prompt, req.sampling)
+        with self.lock:
+            if self.max_queue and len(self.queue) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting; --max_queue)")
+            self.queue.append(req)
+            self.counters["submitted"] += 1
+            self.lock.notify_all()
+        return req
+
+    def cancel(self, req: Request):
+        with self.lock:
+            req.cancelled = True
+            self.lock.notify_all()
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def busy(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.rows)
+
+    # ------------------------------------------------------------------ driving
+    def run(self, reqs: list):
+        """Until every request in ``reqs`` is done: drive the loop in this thread, or wait for the thread that
+        serves (``serve_forever``)."""
+        while not all(r.done for r in reqs):
+            if self.serving:
+                for r in reqs:
+                    r.done_event.wait()
+            else:
+                self.step()
+
+    def serve_forever(self, stop: threading.Event):
+        """Drive the loop until ``stop`` is set (the server's engine thread); waits for work when idle."""
+        self.serving = True
+        worked = False
+        try:
+            while not stop.is_set():
+                if not self.busy():
+                    if worked:             # idle again: hand the requests' freed heap back to the OS
+                        trim()
+                        worked = False
+                    with self.lock:
+                        self.lock.wait(0.05)
+                    continue
+                self.step()
+                worked = True
+        finally:
+            self.serving = False
+
+    def step(self):
+        """One iteration: free cancelled rows, admit, one prefill chunk, one decode dispatch."""
+        with self.step_lock:
+            self._step()
+
+    def _step(self):
+        self._reap()
+        self._admit()
+        pf = [r for r in self.rows if r is not None and r.state == "prefill"]
+        if pf:
+            req = min(pf, key=lambda r: r.t_admit)
+            try:
+                self._prefill_chunk(req)
+            except Exception as e:
+                self._fail(req, e)
+        dec = [r for r in self.rows if r is not None and r.state == "decode"]
+        if dec:
+            others_wait = any(r is not None and r.state == "prefill" for r in self.rows) or (
+                bool(self.queue) and any(r is None for r in self.rows))
+            try:
+                self._decode(dec, 1 if others_wait else FUSED_CHUNK)
+            except Exception as e:
+                for r in dec:
+                    if not r.done:
+                        self._fail(r, e)
+
+    # ------------------------------------------------------------------ rows
+    def _reap(self):
+        for i, r in enumerate(self.rows):
+            if r is not None and r.cancelled and not r.done:
+                self._finish(r, "cancelled")
+        with self.lock:
+            if any(r.cancelled for r in self.queue):
+                keep = collections.deque()
+                for r in self.queue:
+                    if r.cancelled:
+                        self._finish(r, "cancelled")
+                    else:
+                        keep.append(r)
+                self.queue = keep
+
+    def _admit(self):
+        while True:
+            with self.lock:
+                free = [i for i, r in enumerate(self.rows) if r is None]
+                if not free or not self.queue:
+                    return
+                req = self.queue.popleft()
+            i = free[0]
+            s = req.sampling
+            req.row, req.state, req.t_admit = i, "prefill", time.perf_counter()
+            self.rows[i] = req
+            self.counters["admitted"] += 1
+            self.keys[i] = np.asarray(jax.random.PRNGKey(s.seed), np.uint32)
+            if s.max_new_tokens == 0:
+                self._finish(req, "length")
+                continue
+            try:
+                self._make_room(len(req.prompt) + s.max_new_tokens)
+            except Exception as e:
+                self._fail(req, e)
+
+    def _make_room(self, need: int):
+        rt = self.rt
+        lim = rt.context_limit
+        need = min(need, lim)
+        if rt.opts["max_seq_len"]:
+            cap = rt.opts["max_seq_len"]
+        else:
+            cap = min(bucket(need, 256), max(lim, 256))
+        if rt._cache is None or rt._cache_batch != self.B:
+            if any(r is not None and r.state != "prefill" for r in self.rows):
+                raise GlmJaxError("internal: the batch cache was replaced while rows were running")
+            rt._new_cache(self.B, max(cap, rt._cache_len if rt._cache_batch == self.B else 0))
+        elif cap > rt._cache_len:
+            rt.grow_cache(self.B, cap)
+
+    def _window(self, end: int) -> int:
+        return min(self.rt._cache_len, bucket(end, MIN_WINDOW))
+
+    def _prefill_chunk(self, req: Request):
+        rt = self.rt
+        P = len(req.prompt)
+        n = min(self.chunk, P - req.pf_done)
+        T = min(bucket(n), max(self.chunk, n))
+        last = req.pf_done + n == P
+        toks = np.zeros((1, T), np.int32)
+        toks[0, :n] = req.prompt[req.pf_done:req.pf_done + n]
+        lr = np.zeros((1, T), bool)
+        if last:
+            lr[0, n - 1] = True
+        c0, t0 = rt.compile_s, time.perf_counter()
+        if req.pf_done == 0:
+            req.plan = draft_plan(rt)
+        logits, hidden = rt.forward(toks, np.array([req.pf_done], np.int32), np.array([n], np.int32), logit_rows=lr,
+                                    row=req.row if self.B > 1 else None, window=self._window(req.pf_done + T))
+        if req.plan is not None and req.plan.source == "mtp":
+            req.hidden.append(hidden[0, :n])
+        req.pf_done += n
+        if last:
+            i = req.row
+            tok, key = _sample_one(rt, logits[0, n - 1], self.keys[i], req.sampling)
+            self.keys[i] = key
+            req.prefill_s += time.perf_counter() - t0 - (rt.compile_s - c0)
+            req.store_prefill = rt.store.stats() if rt.store is not None else None
+            req.route_prefill = dict(rt._route_acc)
+            req.t_first = time.perf_counter()
+            req.state = "decode"
+            self.pos[i], self.tok[i] = P, tok
+            if self._deliver(req, [tok]):
+                return
+            if req.plan is not None:
+                s = req.sampling
+                samp = dict(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p))
+                prompt_hidden = jnp.concatenate(req.hidden, 0) if req.hidden else None
+                req.hidden = []
+                req.spec = SpecRow(req.plan, rt, req.prompt, req.out, prompt_hidden,
+                                   jnp.asarray(self.keys[i]), samp, self._eos(req))
+        else:
+            req.prefill_s += time.perf_counter() - t0 - (rt.compile_s - c0)
+
+    def _eos(self, req) -> set:
+        return set(self.rt.cfg.eos_token_ids) if req.sampling.stop_on_eos else set()
+
+    def _budget(self, req) -> int:
+        """Tokens this row may still generate (max_new_tokens, and the context limit)."""
+        return min(req.sampling.max_new_tokens - len(req.out), self.rt.context_limit - (len(req.prompt) + len(req.out)))
+
+    def _deliver(self, req: Request, toks: list) -> bool:
+        """New tokens of a row: text, stop strings, stop conditions.  Returns True when the row finished."""
+        n = req.stream.add(toks)
+        toks = toks[:n]
+        req.out.extend(toks)
+        self.counters["tokens"] += len(toks)
+        eos = self._eos(req)
+        reason = None
+        if req.stream.stopped or (toks and toks[-1] in eos):
+            reason = "stop"
+        elif self._budget(req) <= 0:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason, toks)
+            return True
+        if req.on_event is not None:
+            req.on_event(req, req.stream.delta(), toks, False)
+        return False
+
+    def _finish(self, req: Request, reason: str, toks=()):
+        if req.done:
+            return
+        req.finish_reason = reason
+        req.state = "done"
+        req.t_done = time.perf_counter()
+        if req.row is not None and self.rows[req.row] is req:
+            self.rows[req.row] = None
+        if req.spec is not None:
+            req.spec_stats = req.spec.stats()
+            self.counters["drafts_proposed"] += req.spec_stats["drafts_proposed"]
+            self.counters["drafts_accepted"] += req.spec_stats["drafts_accepted"]
+        req.spec = None
+        self.counters["finished_" + reason] += 1
+        if req.on_event is not None:
+            try:
+                req.on_event(req, req.stream.delta(final=True), list(toks), True)
+            except Exception:
+                pass
+        req.done_event.set()
+
+    def _fail(self, req: Request, e: Exception):
+        req.error = e
+        self._finish(req, "error")
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, dec: list, n: int):
+        rt = self.rt
+        self.W = W = decode_width(rt)
+        plain = [r for r in dec if r.spec is None]
+        spec = [r for r in dec if r.spec is not None]
+        c0, t0 = rt.compile_s, time.perf_counter()
+        if plain:
+            if rt.opts["fetch"] == "resident":
+                self._fused(plain, n, W)
+            else:
+                self._one_step(plain, W)
+        dt = time.perf_counter() - t0 - (rt.compile_s - c0)
+        for r in plain:
+            r.decode_s += dt
+        for r in spec:
+            c0, t0 = rt.compile_s, time.perf_counter()
+            budget = self._budget(r)
+            if self.B > 1:
+                with rt.row_view(r.row):
+                    new, fw = r.spec.step(budget)
+            else:
+                new, fw = r.spec.step(budget)
+            r.forwards += fw
+            r.decode_s += time.perf_counter() - t0 - (rt.compile_s - c0)
+            self._deliver(r, new)
+
+    def _rows_arrays(self, rows):
+        B = self.B
+        active = np.zeros(B, bool)
+        temp = np.zeros(B, np.float32)
+        topk = np.zeros(B, np.int32)
+        topp = np.ones(B, np.float32)
+        eos_on = np.zeros(B, bool)
+        budget = np.zeros(B, np.int32)
+        for r in rows:
+            i = r.row
+            s = r.sampling
+            active[i] = True
+            temp[i], topk[i], topp[i], eos_on[i] = s.temperature, s.top_k, s.top_p, s.stop_on_eos
+            budget[i] = self._budget(r)
+        return active, temp, topk, topp, eos_on, budget
+
+    def _fused(self, rows, n, W):
+        rt = self.rt
+        active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
+        n = int(min(n, budget.max(), self.steps_per_dispatch()))
+        end = int(max(self.pos[r.row] for r in rows)) + n + W
+        window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" else rt._cache_len
+        compiled = _fused_key(self.B, W, window) in rt._jits
+        fn = _fused_fn(rt, self.B, W, window)
+        t0 = time.perf_counter()
+        eos = sorted(rt.cfg.eos_token_ids) or [-1]
+        pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
+        rt._cache, out, cnt, keys, acc = fn(rt.step_params(), rt._cache, jnp.asarray(self.tok, jnp.int32),
+                                            jnp.asarray(pos), jnp.asarray(self.keys), jnp.asarray(temp),
+                                            jnp.asarray(topk), jnp.asarray(topp), jnp.asarray(eos_on),
+                                            jnp.asarray(budget), jnp.int32(n), jnp.asarray(eos, jnp.int32),
+                                            rt._resident_masks())
+        cnt = np.asarray(cnt)
+        finite = bool(acc.pop("_finite"))
+        steps = int(acc.pop("_steps"))
+        if compiled and steps:                            # a first call's time is mostly its compilation
+            self.observe_step((time.perf_counter() - t0) / steps)
+        if not finite:
+            r = rows[0]
+            raise nonfinite_error(rt, int(self.pos[r.row]), int(self.pos[r.row]) + int(cnt[r.row]) - 1)
+        rt._accumulate(acc)
+        out = np.asarray(out)
+        self.keys = np.array(keys, np.uint32)
+        self.counters["dispatches"] += 1
+        self.counters["decode_steps"] += steps
+        for r in rows:
+            i = r.row
+            c = int(cnt[i])
+            toks = [int(t) for t in out[:c, i]]
+            r.forwards += c
+            if c:
+                self.pos[i] += c
+                self.tok[i] = toks[-1]
+                self._deliver(r, toks)
+
+    def steps_per_dispatch(self) -> int:
+        """Decode steps the next fused dispatch may run: as many as fit in ``--dispatch_ms`` at the measured step
+        time (1 until a step has been timed), at most ``FUSED_CHUNK``.  Tokens reach their streams and cancelled
+        rows are freed between dispatches, so this bounds both."""
+        if self.dispatch_s <= 0 or self.step_s is None:
+            return 1
+        return max(1, min(FUSED_CHUNK, int(self.dispatch_s / self.step_s)))
+
+    def observe_step(self, seconds: float):
+        self.step_s = seconds if self.step_s is None else 0.5 * self.step_s + 0.5 * seconds
+
+    def _one_step(self, rows, W):
+        """One decode step of every row: one batched forward (the expert store reads the batch's union once)."""
+        rt = self.rt
+        active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
+        toks = np.zeros((self.B, W), np.int32)
+        toks[:, 0] = np.where(active, self.tok, 0)
+        start = np.where(active, self.pos, BIG_POS).astype(np.int32)
+        logits, _ = rt.forward(toks, start, active.astype(np.int32))
+        samp = rt._jit("sample_rows", sample_rows)
+        nxt, keys = samp(logits[:, 0], jnp.asarray(self.keys), jnp.asarray(temp), jnp.asarray(topk),
+                         jnp.asarray(topp))
+        nxt = np.asarray(nxt)
+        keys = np.array(keys, np.uint32)
+        self.keys[active] = keys[active]
+        self.counters["dispatches"] += 1
+        self.counters["decode_steps"] += 1
+        for r in rows:
+            i = r.row
+            r.forwards += 1
+            self.pos[i] += 1
+            self.tok[i] = int(nxt[i])
+            self._deliver(r, [int(nxt[i])])
+
+    # ------------------------------------------------------------------ results
+    def result(self, req: Request, compile0: float = 0.0):
+        """The ``GenerationResult`` of a finished request (stats as the one-prompt loop reported them)."""
+        rt = self.rt
+        if req.error is not None:
+            raise req.error
+        n_dec = max(len(req.out) - 1, 0)
+        stats = {
+            "prefill_tokens": len(req.prompt), "prefill_s": req.prefill_s,
+            "decode_tokens": n_dec, "decode_s": req.decode_s,
+            "decode_tok_s": (n_dec / req.decode_s) if req.decode_s > 0 and n_dec else 0.0,
+            "new_tokens": len(req.out), "forwards": req.forwards,
+            "tokens_per_forward": (n_dec / req.forwards) if req.forwards else 0.0,
+            "fetch": rt.opts["fetch"], "compile_s": rt.compile_s - compile0,
+            "dtype": jnp.dtype(rt.dtype).name, "checkpoint_dtype": rt.checkpoint_dtype, "kernels": rt.kernel,
+            "max_batch": self.B, "finish_reason": req.finish_reason,
+            "ttft_s": (req.t_first - req.t_submit) if req.t_first else 0.0,
+        }
+        stats.update(req.spec_stats)
+        stats.update(route_stats({k: v - req.route_prefill.get(k, 0.0) for k, v in rt._route_acc.items()}))
+        if rt.store is not None:
+            stats.update(store_stats(rt.store.stats(), req.store_prefill, n_dec))
+        text = req.stream.text if rt.tokenizer is not None else ""
+        return GenerationResult(tokens=list(req.out), text=text, stats=stats, prompt_tokens=list(req.prompt),
+                                finish_reason=req.finish_reason)
+
+
+# ----------------------------------------------------------------------------- compiled pieces
+def _sample_one(rt, logits, key, s: Sampling):
+    """The first token of a row (from its prefill's last logits), with the row's key.  Returns (token, key)."""
+    f = rt._jit("sample_rows", sample_rows)
+    tok, keys = f(logits[None], jnp.asarray(key)[None], jnp.asarray([s.temperature], jnp.float32),
+                  jnp.asarray([s.top_k], jnp.int32), jnp.asarray([s.top_p], jnp.float32))
+    return int(tok[0]), np.asarray(keys[0], np.uint32)
+
+
+def _fused_key(B: int, W: int, window: int):
+    return ("fused_decode", B, W, window)
+
+
+def _fused_fn(rt, B: int, W: int, window: int):
+    """jit: up to ``n`` decode steps of every active row, on the device: step at [B, W] (row b's pending token at
+    column 0, the rest padding) over the cache window [:window] -> per-row sampling -> per-row stop (EOS when the
+    row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats)."""
+    key_ = _fused_key(B, W, window)
+    f = rt._jits.get(key_)
+    if f is not None:
+        return f
+    cfg = rt.cfg
+    plugin = rt.plugin or M.identity_plugin
+    want_stats = rt.plugin is not None
+    full_window = window >= rt._cache_len
+
+    def one(params, part, tok, pos, active, resident):
+        toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
+        start = jnp.where(active, pos, BIG_POS)
+        logits, _, part, routing = M.step(cfg, params, part, toks, start, active.astype(jnp.int32), resident,
+                                          plugin, moe_rows=1 if B == 1 else None)
+        summ = dict(routing_summary(routing, want_stats))
+        return logits[:, 0], part, summ
+
+    def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident):
+        part = cache if full_window else window_cache(cache, None, window)
+        active = budget > 0
+        shapes = jax.eval_shape(one, params, part, tok, pos, active, resident)[2]
+        acc0 = {k: jnp.zeros(a.shape, a.dtype) for k, a in shapes.items()}
+        acc0["_finite"] = jnp.bool_(True)
+        acc0["_steps"] = jnp.int32(0)
+
+        def body(c):
+            lg, part, summ = one(params, c["part"], c["tok"], c["pos"], c["active"], resident)
+            act = c["active"]
+            nxt, nkeys = sample_rows(lg, c["keys"], temp, topk, topp)
+            cnt = c["cnt"] + act
+            stop = (eos_on & jnp.any(nxt[:, None] == eos[None, :], -1)) | (cnt >= budget)
+            acc = {k: c["acc"][k] + v for k, v in summ.items()}
+            acc["_finite"] = c["acc"]["_finite"] & jnp.all(jnp.where(act[:, None], jnp.isfinite(lg), True))
+            acc["_steps"] = c["acc"]["_steps"] + 1
+            return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
+                        keys=jnp.where(act[:, None], nkeys, c["keys"]), active=act & ~stop, cnt=cnt, i=c["i"] + 1,
+                        out=c["out"].at[c["i"]].set(jnp.where(act, nxt, -1)), acc=acc)
+
+        c = jax.lax.while_loop(
+            lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"], body,
+            dict(part=part, tok=tok, pos=pos, keys=keys, active=active, cnt=jnp.zeros((B,), jnp.int32),
+                 i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0))
+        cache = c["part"] if full_window else write_back(cache, c["part"], None)
+        return cache, c["out"], c["cnt"], c["keys"], c["acc"]
+
+    f = rt._jits[key_] = jax.jit(f, donate_argnums=(1,))
+    return f

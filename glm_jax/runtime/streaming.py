@@ -1,0 +1,342 @@
+"""Forward passes whose routed experts come from an ExpertStore (glm_jax/store.py).
+
+Two fetch modes, same math (tested to give identical outputs):
+
+* ``loop``: a Python layer loop.  Per MoE layer: jit(attention + router + plugins) -> the routing decision is read
+  back to the host -> ``store.fetch(layer, union)`` reads the misses straight into the layer's slot arena (aliased by
+  the jax arrays on CPU, so hits cost nothing) -> jit(MoE seam + shared expert).  Dense layers are one jit each.
+  All jits are shared by every layer of the same kind (one compile).
+* ``callback``: the whole step is one jit; each MoE layer calls the store through an ordered ``io_callback``, which
+  gathers the union's slots into a compact [W, ...] buffer (W = min(E, K x T)); XLA copies that buffer once more.
+
+Every byte moved is counted by the store; this module only adds routing-side numbers (union sizes, prefetch recall).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import model as M
+from ..kernels.formats import ExpertBank
+from .stats import routing_summary as _routing_summary
+
+
+def _layer_key(cfg, i):
+    # GQA layers are interchangeable (one compile); DSA layers differ by indexer type
+    return i if cfg.model_type == "glm_moe_dsa" else 0
+
+
+def _fns(engine):
+    fns = getattr(engine, "_stream_fns", None)
+    if fns is not None:
+        return fns
+    cfg = engine.cfg
+    plugin = engine.plugin or M.identity_plugin
+    want_stats = engine.plugin is not None
+    @jax.jit
+    def embed(params, tokens):
+        return M.embed(params, tokens)
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+    def dense(layer, lp, x, cache, start, prev_sel, valid_bt):
+        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+        return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps), valid_bt), cache, sel
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+    def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router, layer_id):
+        """``layer`` (static) picks the compiled variant (_layer_key); ``layer_id`` (traced) is the true index the
+        plugins see."""
+        B, T, H = x.shape
+        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+        hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+        flat = hn.reshape(B * T, H)
+        before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident, layer_id, M.positions_of(start, T))
+        after = plugin(before)
+        pred = None
+        if next_router is not None:   # router lookahead: layer L+1's router on layer L's post-attention state
+            pred = M.route(cfg, next_router, flat, valid_bt.reshape(B * T), resident).ids
+        summ = _routing_summary([(before, after)], want_stats)
+        return h, hn, cache, sel, after.ids, after.weights, after.valid, pred, summ
+
+    def routed_rows(rows, h, hn, ids, w, valid, bank, slot_of):
+        """The seam; with static ``rows`` only rows [:rows] can be real (a padded decode / verify, see
+        model.layer_forward's moe_rows: same gather-path products, one row's experts instead of T)."""
+        B, T, H = h.shape
+        flat = hn.reshape(B * T, H)
+        if rows is None:
+            return M.moe_routed(flat, ids, w, valid, bank, slot_of).reshape(B, T, H)
+        part = M.moe_routed(flat[:rows], ids[:rows], w[:rows], valid[:rows], bank, slot_of, gather=True)
+        return jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, H)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_part(rows, mp, h, hn, ids, w, valid, bank, slot_of):
+        """The seam + shared expert: the layer's output."""
+        real = valid.any(-1).reshape(h.shape[:2])   # a real position routes to >= 1 expert (plugins never empty one)
+        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of), real)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_early(rows, mp, hn, ids, hit, bank, slot_of):
+        """--overlap, dispatched before the misses are read: the resident (hit) experts' per-(t, k) terms and the
+        shared expert."""
+        B, T, H = hn.shape
+        r = B * T if rows is None else rows
+        flat = hn.reshape(B * T, H)[:r]
+        return M.moe_terms(flat, ids[:r], hit[:r], bank, slot_of), M.mlp(mp["shared"], hn)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_late(rows, h, hn, ids, w, valid, hit, y_hit, shared, bank, slot_of):
+        """--overlap, after the misses are read: their terms, merged per (t, k) with the early ones and combined in
+        the same order as moe_part -- bitwise the same output whatever the hit/miss split was."""
+        B, T, H = h.shape
+        r = B * T if rows is None else rows
+        flat = hn.reshape(B * T, H)
+        y = jnp.where(hit[:r, :, None], y_hit, M.moe_terms(flat[:r], ids[:r], valid[:r] & ~hit[:r], bank, slot_of))
+        part = M.moe_combine(y, w[:r], valid[:r]).astype(flat.dtype)
+        routed = part if rows is None else jnp.zeros_like(flat).at[:r].set(part)
+        return h + routed.reshape(B, T, H) + shared
+
+    @jax.jit
+    def terms_merge(y, hn, ids, m, bank, slot_of):
+        """A chunk of a large union (prefill): the per-(t, k) terms of the entries ``m`` routed to it, merged."""
+        B, T, H = hn.shape
+        yc = M.moe_terms(hn.reshape(B * T, H), ids, m, bank, slot_of)
+        return jnp.where(m[..., None], yc, y)
+
+    @jax.jit
+    def combine_finish(mp, h, hn, y, w, valid):
+        """After the last chunk: the terms summed in routing order + the shared expert."""
+        routed = M.moe_combine(y, w, valid).astype(h.dtype).reshape(h.shape)
+        return M.moe_finish(mp, h, hn, routed, valid.any(-1).reshape(h.shape[:2]))
+
+    @jax.jit
+    def head(norm, lm_head, x, rows):
+        hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
+        return M.head_logits(hidden, lm_head, rows), hidden
+
+    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part,
+                                    moe_early=moe_early, moe_late=moe_late, head=head, terms_merge=terms_merge,
+                                    combine_finish=combine_finish)
+    return fns
+
+
+def _acc(engine, key, v):
+    engine._route_acc[key] = engine._route_acc.get(key, 0.0) + float(v)
+
+
+def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
+    """A union larger than one fetch can hold (a prefill within a small RAM budget): fetch it in chunks of
+    ``store.call_limit`` experts; each chunk's per-(t, k) terms are computed and merged before the next fetch (which
+    may reuse its slots, so each chunk is waited for), then summed in routing order with the shared expert.  Peak
+    memory stays at one chunk; every entry's term is the one the unchunked seam computes."""
+    store = engine.store
+    lim = store.call_limit(layer)
+    y = jnp.zeros(ids.shape + (h.shape[-1],), jnp.float32)
+    for c0 in range(0, len(union), lim):
+        part = union[c0:c0 + lim]
+        bank, slot_of = store.fetch(layer, part)
+        m = valid & jnp.asarray(np.isin(ids_np, part))
+        y = f["terms_merge"](y, hn, ids, m, bank, jnp.asarray(slot_of))
+        y.block_until_ready()
+    _acc(engine, "chunked_unions", 1)
+    return f["combine_finish"](mp, h, hn, y, w, valid)
+
+
+def stream_step(engine, tokens, start, lengths, logit_rows=None):
+    """engine.forward for fetch=loop|callback.  Returns (logits, hidden, cache)."""
+    if engine.opts["fetch"] == "callback":
+        return _callback_step(engine, tokens, start, lengths, logit_rows)
+    cfg, params, store = engine.cfg, engine.params, engine.store
+    f = _fns(engine)
+    B, T = tokens.shape
+    valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+    valid_np = np.asarray(valid_bt)
+    x = f["embed"]({"embed": params["embed"], "norm": params["norm"]}, tokens)
+    cache = engine._cache
+    n_real = int(np.max(np.asarray(lengths)))
+    short = B == 1 and T <= 16 and n_real < T       # a padded decode / verify: experts for the real rows only
+    sel = None
+    layers = params["layers"]
+    moe_idx = [i for i, lp in enumerate(layers) if "moe" in lp]
+    pending_pred = None
+    trace = [] if engine.opts["route_trace"] else None
+    for i, lp in enumerate(layers):
+        k = _layer_key(cfg, i)
+        if "moe" not in lp:
+            x, cache[i], sel = f["dense"](k, lp, x, cache[i], start, sel, valid_bt)
+            continue
+        nxt = None
+        if engine.opts["prefetch"]:
+            later = [j for j in moe_idx if j > i]
+            nxt = layers[later[0]]["moe"] if later else None
+        h, hn, cache[i], sel, ids, w, valid, pred, summ = f["attn_route"](
+            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(engine.resident_for(i)), nxt, np.int32(i))
+        ids_np, valid_np_k = np.asarray(ids), np.asarray(valid)       # the one host sync per MoE layer
+        union = np.unique(ids_np[valid_np_k])
+        if pending_pred is not None:
+            _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pending_pred, union)))
+            _acc(engine, "prefetch_recall_total", len(union))
+            pending_pred = None
+        if len(union) > store.call_limit(i):
+            if trace is not None:
+                trace.append([i, union.tolist()])
+            _acc(engine, "union_experts", len(union))
+            _acc(engine, "moe_layer_forwards", 1)
+            engine._accumulate(summ)
+            x = _chunked_moe(engine, f, i, lp["moe"], h, hn, ids, ids_np, w, valid, union)
+            continue
+        rows = n_real if short and ids_np.size <= store._layer(i).S else None
+        early = None
+        if engine.opts["overlap"] and ids_np.size <= store._layer(i).S:   # the gather path reads only its slots
+            res_now = store.resident_mask(i)
+            hit = res_now[union]
+            if hit.any() and not hit.all():
+                # dispatch the hits (+ shared expert) now; XLA runs it while the misses are read below
+                b0, s0 = store.peek(i)
+                hit = valid & jnp.asarray(res_now)[ids]
+                early = (hit,) + f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, jnp.asarray(s0))
+        bank, slot_of = store.fetch(i, union)
+        if trace is not None:
+            trace.append([i, union.tolist()])
+        if pred is not None:
+            pn = np.asarray(pred)[valid_np.reshape(-1)]
+            pending_pred = np.unique(pn)
+            store.prefetch(later[0], pending_pred)      # background loads while this layer computes
+        _acc(engine, "union_experts", len(union))
+        _acc(engine, "moe_layer_forwards", 1)
+        engine._accumulate(summ)
+        if early is None:
+            x = f["moe_part"](rows, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+        else:
+            x = f["moe_late"](rows, h, hn, ids, w, valid, early[0], early[1], early[2], bank, jnp.asarray(slot_of))
+    logits, hidden = f["head"](params["norm"], params["lm_head"], x, valid_bt if logit_rows is None else logit_rows)
+    if trace:
+        import json
+
+        with open(engine.opts["route_trace"], "a") as fh:
+            fh.write(json.dumps(trace) + "\n")
+    return logits, hidden, cache
+
+
+# ----------------------------------------------------------------------------- the MTP layer, streamed
+def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
+    """model.mtp_forward with the MTP layer's routed experts from the store (layer index num_hidden_layers), in the
+    loop style: jit(input + attention + router + plugins) -> host union -> store.fetch -> jit(seam + shared) ->
+    jit(shared_head).  Uses and updates the engine's MTP cache entry.  Returns (logits [B,T,V], hn [B,T,H])."""
+    cfg, params, store = engine.cfg, engine.params, engine.store
+    f = _fns(engine)
+    L = cfg.num_hidden_layers
+    key = ("mtp_io", own_head)
+    io = engine._jits.get(key)
+    if io is None:
+        io = engine._jits[key] = (jax.jit(functools.partial(M.mtp_input, cfg, own_embed=own_head)),
+                                  jax.jit(functools.partial(M.mtp_output, cfg, own_head=own_head)))
+    B, T = tokens.shape
+    valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+    u = io[0](params, tokens, hidden)
+    lp = params["mtp"]["layer"]
+    cache = engine._cache
+    h, hn, cache[L], _, ids, w, valid, _, summ = f["attn_route"](
+        _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(engine.resident_for(L)), None,
+        np.int32(L))
+    engine._check_routing(summ)
+    ids_np = np.asarray(ids)
+    union = np.unique(ids_np[np.asarray(valid)])
+    _acc(engine, "mtp_union_experts", len(union))
+    if len(union) > store.call_limit(L):
+        g = _chunked_moe(engine, f, L, lp["moe"], h, hn, ids, ids_np, w, valid, union)
+    else:
+        bank, slot_of = store.fetch(L, union)
+        g = f["moe_part"](None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+    return io[1](params, g)
+
+
+# ----------------------------------------------------------------------------- callback mode
+def _callback_step(engine, tokens, start, lengths, logit_rows=None):
+    cfg = engine.cfg
+    B, T = tokens.shape
+    n_real = int(np.max(np.asarray(lengths)))
+    # a padded decode / verify: routed experts (and the fetched buffer) for the real rows only, as fetch=loop does
+    rows = n_real if (B == 1 and T <= 16 and n_real < T) else None
+    key = ("cb_step", B, T, engine._cache_len, rows)
+    fn = engine._jits.get(key)
+    if fn is None:
+        fn = engine._jits[key] = _build_callback_step(engine, B * T, rows)
+    resident = jnp.asarray(np.stack([engine.resident_for(i) for i in cfg.moe_layers]))
+    logits, hidden, engine._cache, summ, unions = fn(engine.params, engine._cache, tokens, start, lengths, resident)
+    engine._accumulate(summ)
+    _acc(engine, "union_experts", float(np.asarray(unions).sum()))
+    _acc(engine, "moe_layer_forwards", len(cfg.moe_layers))
+    return logits, hidden, engine._cache
+
+
+def _build_callback_step(engine, n_pos, rows=None):
+    cfg, store = engine.cfg, engine.store
+    plugin = engine.plugin or M.identity_plugin
+    want_stats = engine.plugin is not None
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    W = min(E, K * (rows if rows is not None else n_pos))
+    specs = {}
+    for i in cfg.moe_layers:
+        arrs = store._layer(i).arrays
+        specs[i] = {n: jax.ShapeDtypeStruct((W,) + a.shape[1:], a.dtype) for n, a in arrs.items()}
+
+    def host_fetch(layer, ids, valid):
+        ids, valid = np.asarray(ids), np.asarray(valid)
+        union = np.unique(ids[valid])
+        arrs = store._layer(layer).arrays
+        out = {n: np.zeros((W,) + a.shape[1:], a.dtype) for n, a in arrs.items()}
+        lim = store.call_limit(layer)      # a union beyond the store's slots (a prefill): fetched chunk by chunk,
+        for c0 in range(0, len(union), lim):   # each copied into the compact buffer before the next fetch
+            part = union[c0:c0 + lim]
+            _, slot_of = store.fetch(layer, part)
+            for n, a in arrs.items():
+                out[n][c0:c0 + len(part)] = a[slot_of[part]]
+        compact = np.full(E, -1, np.int32)
+        compact[union] = np.arange(len(union), dtype=np.int32)
+        return out, compact, np.int32(len(union))
+
+    def f(params, cache, tokens, start, lengths, resident):
+        from jax.experimental import io_callback
+
+        B, T = tokens.shape
+        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+        x = M.embed(params, tokens)
+        sel = None
+        new_cache = list(cache)
+        summs, unions = [], []
+        mi = 0
+        for i, lp in enumerate(params["layers"]):
+            h, new_cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, i, sel)
+            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+            if "moe" not in lp:
+                x = h + M.mlp(lp["mlp"], hn)
+                continue
+            flat = hn.reshape(B * T, -1)
+            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident[mi], i, M.positions_of(start, T))
+            mi += 1
+            after = plugin(before)
+            r = B * T if rows is None else rows
+            shapes = (specs[i], jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, i), shapes, after.ids[:r],
+                                                 after.valid[:r], ordered=True)
+            fmt = store._layer(i).layout.fmt
+            b0 = store._layer(i).bank
+            bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
+                              fmt=fmt, kernel=b0.kernel, layout=b0.layout, hidden=b0.hidden, inter=b0.inter)
+            if rows is None:
+                routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
+            else:   # same gather-path products as fetch=loop's real-row path
+                part = M.moe_routed(flat[:r], after.ids[:r], after.weights[:r], after.valid[:r], bank, slot_of,
+                                    gather=True)
+                routed = jnp.zeros_like(flat).at[:r].set(part)
+            x = M.moe_finish(lp["moe"], h, hn, routed.reshape(h.shape))
+            summs.append((before, after))
+            unions.append(n_union)
+        hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        return M.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats), jnp.stack(unions)
+
+    return jax.jit(f, donate_argnums=(1,))

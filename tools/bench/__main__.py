@@ -1,0 +1,374 @@
+"""Benchmarks (never timed unit tests).  Every table compares against a baseline run in the same process.
+
+    python -m tools.bench --mode=hf [--model=DIR] [--new_tokens=64] [--reps=3]
+        decode tok/s of glm-jax vs transformers eager on the same model, batch 1, and the ratio (goal >= 5x).
+    python -m tools.bench --mode=fetch [--model=DIR]
+        the same model through fetch=resident | loop | callback (experts via the store for loop/callback).
+    python -m tools.bench --mode=plugins [--model=CONTAINER] [--cache_cap=8]
+        bytes read per token (store-measured) with and without each routing plugin, route agreement / KL.
+    python -m tools.bench --mode=formats [--model=HF_DIR]
+        quality of each expert storage format: the model converted to int4_g64 / int4_row / int8_row / bf16 experts
+        (dense f32) vs the HF checkpoint run resident in f32, teacher forced: KL, top-1 agreement, max |dlogit|,
+        perplexity (default: the shipped model's HF original on its held-out text; a golden fixture is compared
+        with transformers' logits in expected.npz).
+    python -m tools.bench --mode=stream ...      -> tools/bench/stream.py (cold-cache streaming vs disk bandwidth)
+    python -m tools.bench --mode=cold --model=CONTAINER [--cache_cap=2] [--prefetch=0,1]
+        cold streaming end to end vs read alone and compute alone (tools/bench/cold.py): max(read, compute) or sum?
+    python -m tools.bench --mode=defaults [--model=CONTAINER]
+        the tables behind the defaults: MTP / draft K, fetch mode, kernels (shipped model), I/O threads (a container
+        streamed cold, when --model is given)
+    python -m tools.bench --mode=peer --model=HF_DIR[,b,...] --llamacpp=PREFIX [--formats=f32,int8_row,int4_g64]
+                          [--dense_formats=f32,int8,int8] [--new_tokens=64] [--prompt_tokens=16] [--reps=3] [--threads=2]
+        model x format x engine: decode and prefill tok/s of glm-jax, llama.cpp and (f32) transformers, ratios to
+        llama.cpp, same greedy tokens; interleaved rounds, medians, same pinned threads (tools/bench/peer.py).
+    python -m tools.bench --mode=lowram --model=HF_DIR|stream --llamacpp=PREFIX --limits=4000,1400,1000,700
+        decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64, --ram_gb from the limit,
+        --direct_io) in memory cgroups of each limit, cold file cache before every run (tools/bench/peer.py).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from absl import app, flags
+
+from tools.bench.tables import markdown
+
+FLAGS = flags.FLAGS
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults", "peer", "lowram"],
+                  "Which benchmark.")
+flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
+flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
+flags.DEFINE_integer("cache_cap", 8, "--mode=plugins: expert cache cap per layer.")
+flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe_full for hf, the default model "
+                    "otherwise). --mode=peer: a comma-separated list of HF dirs, 'shipped' (models/tiny_shakespeare_hf, "
+                    "the default) or 'b' (the b-shaped 335 M model, made in --workdir); --mode=lowram: an HF dir or "
+                    "'stream' (the default: the synthetic streaming model, made in --workdir).")
+flags.DEFINE_integer("new_tokens", 64, "Tokens to decode per run (--mode=lowram: 32 unless given).")
+flags.DEFINE_integer("reps", 3, "Repetitions per configuration (interleaved; the median is reported; --mode=lowram: "
+                     "1 unless given).")
+flags.DEFINE_string("llamacpp", "", "--mode=peer|lowram: llama.cpp prefix (bin/llama-bench, llama-quantize, "
+                    "llama-server, venv/ with the converter; ../shared/tools/build-llamacpp.sh PREFIX builds one). "
+                    "Empty: glm-jax (and transformers) only.")
+flags.DEFINE_string("formats", "f32,int8_row,int4_g64", "--mode=peer: glm-jax formats; each is compared with a GGUF "
+                    "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0.")
+flags.DEFINE_string("dense_formats", "f32,int8,int8", "--mode=peer: glm-jax-convert --dense_format per entry of "
+                    "--formats (one value: the same for all; the f32 row always runs the HF dir, f32; not given: "
+                    "int8 for every quantized format).")
+flags.DEFINE_integer("prompt_tokens", 16, "--mode=peer|lowram: prompt length in tokens.")
+flags.DEFINE_integer("threads", 2, "--mode=peer|lowram: threads (CPUs) for every engine.")
+flags.DEFINE_string("workdir", os.path.join(os.path.expanduser("~"), ".cache", "glm-jax-bench"),
+                    "--mode=peer|lowram: converted models, GGUFs, generated checkpoints and logs (never the repo).")
+flags.DEFINE_string("glmjax_options", "mtp=false", "--mode=peer|lowram: extra glm-jax engine options, name=value,... "
+                    "(Engine.load keywords = glm-jax flags). Default: no MTP drafts (llama-bench decodes one token "
+                    "per forward).")
+flags.DEFINE_string("hf_python", "", "--mode=peer: Python with torch + transformers for the transformers rows "
+                    "(default: PREFIX/venv/bin/python, then this Python; skipped with a note where neither has them).")
+flags.DEFINE_string("limits", "4000,1400,1000,700", "--mode=lowram: memory limits in MB (1e6 bytes).")
+flags.DEFINE_string("lowram_dense_format", "bf16", "--mode=lowram: glm-jax-convert --dense_format of the container.")
+flags.DEFINE_float("runtime_mb", -1.0, "--mode=lowram: -1 (default): no --ram_gb, the engine sizes itself from the "
+                   "memory cgroup's limit (its RAM budget is the whole process's); 0: --ram_gb = (limit - runtime - "
+                   "margin) / 1000 with the runtime RSS measured in the run (unconstrained, --cache_cap=1); > 0: that "
+                   "runtime in MB.")
+flags.DEFINE_float("margin_mb", 100.0, "--mode=lowram: --ram_gb = (limit - runtime - margin) / 1000.")
+flags.DEFINE_float("run_timeout", 1800.0, "--mode=lowram: seconds before one run is killed (reported as timeout).")
+flags.DEFINE_string("out", "", "Also write the markdown table here.")
+flags.DEFINE_string("kernels", "native,xla", "--mode=formats: expert kernels to score (comma-separated).")
+
+
+def bench_hf(model_dir, n_new, reps):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import glm_jax
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    eng = glm_jax.Engine.load(model_dir, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = list(range(3, 13))
+    ids = torch.tensor([prompt])
+
+    def hf_run(n):
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        return time.perf_counter() - t, out[0, len(prompt):].tolist()
+
+    eng.generate(prompt, max_new_tokens=n_new, stop_on_eos=False)        # compile outside the timing
+    hf_run(4)                                                           # warm up
+    e_tps, h_tps = [], []
+    same = True
+    for _ in range(reps):                                               # interleaved A B A B
+        r = eng.generate(prompt, max_new_tokens=n_new, stop_on_eos=False)
+        e_tps.append(r.stats["decode_tok_s"])
+        t1, _ = hf_run(1)
+        tn, toks = hf_run(n_new)
+        h_tps.append((n_new - 1) / max(tn - t1, 1e-9))
+        same &= toks == r.tokens
+    e, h = statistics.median(e_tps), statistics.median(h_tps)
+    rows = [{"engine": "glm-jax (jit, donated cache)", "decode tok/s": e, "ratio": e / h},
+            {"engine": "transformers eager (torch CPU)", "decode tok/s": h, "ratio": 1.0}]
+    table = markdown(rows, ["engine", "decode tok/s", "ratio"])
+    note = (f"model {model_dir}, batch 1, {n_new} new tokens, median of {reps} interleaved reps, "
+            f"{os.cpu_count()} CPU threads; greedy tokens identical: {same}")
+    return table + "\n\n" + note
+
+
+def bench_fetch(model_dir, n_new, reps):
+    import glm_jax
+
+    prompt_text = "ROMEO:\n"
+    container = os.path.exists(os.path.join(model_dir, "manifest.json"))
+    modes = ("loop", "callback") if container else ("resident", "loop", "callback")
+    engines = {m: glm_jax.Engine.load(model_dir, fetch=m, cache_cap=0 if m == "resident" else 10 ** 6)
+               for m in modes}
+    res = {m: [] for m in engines}
+    toks = {}
+    for m, e in engines.items():
+        e.generate(prompt_text, max_new_tokens=n_new, stop_on_eos=False)     # compile
+    for _ in range(reps):
+        for m, e in engines.items():
+            r = e.generate(prompt_text, max_new_tokens=n_new, stop_on_eos=False)
+            res[m].append(r.stats["decode_tok_s"])
+            toks[m] = r.tokens
+    first = modes[0]
+    base = statistics.median(res[first])
+    rows = [{"fetch": m, "decode tok/s": statistics.median(v), f"vs {first}": statistics.median(v) / base,
+             "same tokens": toks[m] == toks[first]} for m, v in res.items()]
+    return markdown(rows, ["fetch", "decode tok/s", f"vs {first}", "same tokens"]) + \
+        f"\n\nmodel {model_dir}, warm cache (cap = all experts), {n_new} new tokens, median of {reps}"
+
+
+def bench_plugins(model_dir, n_new, cap):
+    """Bytes read per decoded token (measured by the store) with and without each routing plugin, cold start,
+    cache cap ``cap``, MTP off, greedy; plus the routing-level cost (route agreement, routing KL)."""
+    import glm_jax
+
+    cfg = glm_jax.load_config(model_dir)
+    K = cfg.num_experts_per_tok
+    confs = {"baseline": {}, "topp0.7": dict(expert_topp=0.7),
+             f"budget{K // 2}_union_cache": dict(expert_budget=K // 2),
+             f"budget{K // 2}_position_none": dict(expert_budget=K // 2, budget_scope="position",
+                                                   budget_residency="none"),
+             "cache_route_maxrank": dict(cache_route="max_rank", route_j=max(1, K // 4), route_m=min(3 * K,
+                                                                                                   cfg.n_routed_experts))}
+    prompt = [1 + (7 * i) % (cfg.vocab_size - 1) for i in range(8)]
+    rows = []
+    for name, o in confs.items():
+        e = glm_jax.Engine.load(model_dir, fetch="loop", cache_cap=cap, draft=0, **o)
+        e.generate(prompt, max_new_tokens=2, stop_on_eos=False)          # compile
+        e.store.drop_cache()
+        r = e.generate(prompt, max_new_tokens=n_new, stop_on_eos=False)
+        s = r.stats
+        rows.append({"config": name, "MB read/token": s["bytes_read_per_token"] / 1e6, "hit rate": s["hit_rate"],
+                     "union/layer": s.get("union_per_layer", 0.0), "dropped/token": s["experts_dropped"] /
+                     max(s["decode_tokens"], 1), "route agreement": s.get("route_agreement", 1.0),
+                     "routing KL": s.get("route_kl", 0.0), "decode tok/s": s["decode_tok_s"]})
+        e.close()
+    base = rows[0]["MB read/token"]
+    for r in rows:
+        r["bytes vs baseline"] = r["MB read/token"] / base if base else float("nan")
+    cols = ["config", "MB read/token", "bytes vs baseline", "hit rate", "union/layer", "dropped/token",
+            "route agreement", "routing KL", "decode tok/s"]
+    return markdown(rows, cols) + (f"\n\nmodel {model_dir}, cold start, cache cap {cap}/layer, {n_new} greedy tokens, "
+                              "MTP off; bytes counted by the store at the read")
+
+
+def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_windows=8, length=128):
+    """Each expert format vs the f32 resident reference on the same token windows (teacher forced)."""
+    import tempfile
+
+    import numpy as np
+
+    import glm_jax
+    from glm_jax import evaluate as ev
+    from glm_jax.experts.convert import convert
+
+    exp_path = os.path.join(hf_dir, "expected.npz")
+    heldout = os.path.join(hf_dir, "heldout.txt")
+    if not os.path.exists(heldout):
+        heldout = os.path.join(glm_jax.default_model_path(), "heldout.txt")
+    ref_eng = glm_jax.Engine.load(hf_dir, fetch="resident", dtype="float32")
+    if os.path.exists(exp_path):            # a golden fixture: transformers' f32 logits are the reference
+        exp = dict(np.load(exp_path))
+        wins = [r.tolist() for r in exp["input_ids"]]
+        refs = [exp["logits"][i].astype(np.float32) for i in range(len(wins))]
+        ref_name = "transformers f32 (expected.npz)"
+    else:
+        wins = ev.make_windows(ref_eng.tokenizer, ev.read_plays(heldout), n_windows, length, 1234)
+        refs = [ref_eng.logits(w) for w in wins]
+        ref_name = "glm-jax resident f32 on the HF checkpoint"
+    rows = []
+
+    def score(name, eng, size_mb=None):
+        kls, agree, dmax, nll = [], [], [], []
+        for w, r in zip(wins, refs):
+            lg = eng.logits(w)
+            kls.append(ev.kl_divergence(r, lg))
+            agree.append(lg.argmax(-1) == r.argmax(-1))
+            dmax.append(np.abs(lg - r).max())
+            t = np.asarray(w[1:])
+            nll.append(-ev.log_softmax(lg[:-1])[np.arange(len(t)), t])
+        rows.append({"experts": name, "expert MB (MTP int8)": size_mb, "KL(ref‖fmt)/token": float(np.concatenate(kls).mean()),
+                     "top-1 agreement": float(np.concatenate(agree).mean()), "max |Δlogit|": float(max(dmax)),
+                     "PPL": float(np.exp(np.concatenate(nll).mean()))})
+
+    if not os.path.exists(exp_path):
+        score("reference (" + ref_name + ")", ref_eng)
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in fmts:
+            d = os.path.join(tmp, f)
+            man = convert(hf_dir, d, expert_format=f, dense_format="f32", progress=False)
+            mb = sum(e["length"] for e in man["experts"]) / 1e6
+            for kern in FLAGS.kernels.split(","):
+                # native: int8 activations x quantized weights (VNNI); xla: f32 activations x dequantized weights
+                eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32", kernels=kern)
+                score(f"{f} ({kern})", eng, mb)
+                eng.close()
+    cols = ["experts", "expert MB (MTP int8)", "KL(ref‖fmt)/token", "top-1 agreement", "max |Δlogit|", "PPL"]
+    return markdown(rows, cols) + (f"\n\nmodel {hf_dir}; reference: {ref_name}; {len(wins)} windows of "
+                                   f"{len(wins[0])} tokens, teacher forced; dense weights f32 in every conversion")
+
+
+def _interleaved(engines: dict, prompt, n_new: int, reps: int, warm: int = 8) -> dict:
+    """{name: (median decode tok/s, median prefill tok/s, last stats)} over interleaved reps."""
+    for e in engines.values():
+        e.generate(prompt, max_new_tokens=warm, stop_on_eos=False)
+    res = {k: ([], []) for k in engines}
+    last = {}
+    for _ in range(reps):
+        for k, e in engines.items():
+            r = e.generate(prompt, max_new_tokens=n_new, stop_on_eos=False)
+            res[k][0].append(r.stats["decode_tok_s"])
+            res[k][1].append(r.stats["prefill_tokens"] / max(r.stats["prefill_s"], 1e-9))
+            last[k] = r
+    return {k: (statistics.median(d), statistics.median(p), last[k]) for k, (d, p) in res.items()}
+
+
+def bench_defaults(container, n_new, reps):
+    """The measured tables behind the defaults: MTP and draft K, fetch mode, kernels, I/O threads."""
+    import glm_jax
+
+    out = []
+    shipped = glm_jax.default_model_path()
+    prompt = list(range(40, 56))
+    # 1. speculative decoding (the shipped model has the only trained MTP head)
+    engs = {"--nomtp (default)": glm_jax.Engine.load(None, mtp=False)}
+    for k in (1, 2, 3, 4):
+        engs[f"--mtp --draft={k}"] = glm_jax.Engine.load(None, mtp=True, draft=k)
+    r = _interleaved(engs, prompt, n_new, reps)
+    ref = r["--nomtp (default)"][2].tokens
+    rows = [{"config": k, "decode tok/s": d, "x default": d / r["--nomtp (default)"][0],
+             "MTP acceptance": v.stats.get("mtp_acceptance", float("nan")),
+             "tokens / forward": v.stats.get("tokens_per_forward", 1.0), "same tokens": v.tokens == ref}
+            for k, (d, p, v) in r.items()]
+    out.append("### MTP and draft K (shipped model, experts resident)\n\n" + markdown(rows, list(rows[0])))
+    for e in engs.values():
+        e.close()
+    # 2. fetch mode and kernels on the shipped container (every expert fits: auto = resident)
+    engs = {"auto -> resident, native kernels (default)": glm_jax.Engine.load(None),
+            "loop, native": glm_jax.Engine.load(None, fetch="loop"),
+            "callback, native": glm_jax.Engine.load(None, fetch="callback"),
+            "auto -> resident, xla kernels": glm_jax.Engine.load(None, kernels="xla")}
+    r = _interleaved(engs, prompt, n_new, reps)
+    d0 = r["auto -> resident, native kernels (default)"][0]
+    rows = [{"config": k, "decode tok/s": d, "prefill tok/s": p, "x default": d / d0} for k, (d, p, v) in r.items()]
+    out.append("### fetch mode and kernels (shipped int4 container, every expert in RAM)\n\n"
+               + markdown(rows, list(rows[0])))
+    for e in engs.values():
+        e.close()
+    # 3. I/O threads, cold streaming (a container larger than its cache)
+    if container:
+        engs = {t: glm_jax.Engine.load(container, fetch="loop", cache_cap=FLAGS.cache_cap, io_threads=t)
+                for t in (1, 2, 4, 8)}
+        res = {t: [] for t in engs}
+        for _ in range(reps):
+            for t, e in engs.items():
+                e.store.drop_cache(page_cache=True)
+                x = e.generate(prompt, max_new_tokens=min(n_new, 32), stop_on_eos=False)
+                res[t].append(x.stats["decode_tok_s"])
+        rows = [{"io_threads": t, "decode tok/s (cold, cap %d)" % FLAGS.cache_cap: statistics.median(v)}
+                for t, v in res.items()]
+        out.append(f"### I/O threads, cold streaming ({container})\n\n" + markdown(rows, list(rows[0])))
+        for e in engs.values():
+            e.close()
+    return "\n\n".join(out) + (f"\n\n{n_new} greedy tokens after a {len(prompt)}-token prompt, medians of {reps} "
+                                f"interleaved reps, {os.cpu_count()} CPU threads")
+
+
+def peer_main(argv):
+    import sys
+
+    from tools.bench import peer as P
+
+    try:
+        if len(argv) > 1:
+            raise P.BenchError(f"unexpected arguments: {' '.join(argv[1:])}")
+        opts = P.parse_options(FLAGS.glmjax_options)
+        if FLAGS.mode == "peer":
+            out = P.run_peer(P.parse_list(FLAGS.model or "shipped", "model"), P.parse_list(FLAGS.formats, "formats"),
+                             P.parse_list(FLAGS.dense_formats, "dense_formats") if FLAGS["dense_formats"].present
+                             else None, FLAGS.llamacpp, FLAGS.workdir,
+                             FLAGS.new_tokens, FLAGS.prompt_tokens, FLAGS.reps, FLAGS.threads, opts,
+                             FLAGS.hf_python, log=lambda m: print(m, file=sys.stderr, flush=True))
+        else:
+            limits = P.parse_list(FLAGS.limits, "limits", float)
+            if any(L <= 0 for L in limits):
+                raise P.BenchError(f"--limits: every limit must be > 0 MB, got {FLAGS.limits!r}")
+            out = P.run_lowram(FLAGS.model or "stream", limits, FLAGS.llamacpp, FLAGS.workdir, FLAGS.threads,
+                               FLAGS.new_tokens if FLAGS["new_tokens"].present else 32, FLAGS.prompt_tokens,
+                               FLAGS.reps if FLAGS["reps"].present else 1, opts, FLAGS.lowram_dense_format,
+                               FLAGS.runtime_mb, FLAGS.margin_mb, FLAGS.run_timeout,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+    except P.BenchError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            f.write(out + "\n")
+    return 0
+
+
+def main(argv):
+    if FLAGS.mode in ("peer", "lowram"):
+        return peer_main(argv)
+    if FLAGS.mode == "stream":
+        from tools.bench import stream as bench_stream
+
+        return bench_stream.main(argv)
+    import glm_jax
+
+    hf_model = os.path.join(ROOT, "models", "tiny_shakespeare_hf")
+    if FLAGS.mode == "formats":
+        out = bench_formats(FLAGS.model or hf_model)
+    elif FLAGS.mode == "plugins":
+        out = bench_plugins(FLAGS.model or glm_jax.default_model_path(), FLAGS.new_tokens, FLAGS.cache_cap)
+    elif FLAGS.mode == "defaults":
+        out = bench_defaults(FLAGS.model, FLAGS.new_tokens, FLAGS.reps)
+    elif FLAGS.mode == "cold":
+        from tools.bench import cold as bench_cold
+
+        if not FLAGS.model:
+            raise app.UsageError("--mode=cold needs --model=CONTAINER (a converted model larger than its cache)")
+        out = bench_cold.bench(FLAGS.model, cache_cap=FLAGS.cache_cap, new_tokens=FLAGS.new_tokens, reps=FLAGS.reps,
+                               prefetch=tuple(int(x) for x in FLAGS.prefetch.split(",")), direct_io=FLAGS.direct_io)
+    elif FLAGS.mode == "hf":
+        out = bench_hf(FLAGS.model or os.path.join(ROOT, "tests", "golden", "glm4moe_full"), FLAGS.new_tokens,
+                       FLAGS.reps)
+    else:
+        out = bench_fetch(FLAGS.model or hf_model, FLAGS.new_tokens, FLAGS.reps)
+    print(out)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            f.write(out + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
