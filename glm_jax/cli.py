@@ -133,15 +133,7 @@ def main(argv):
         if interrupted:
             return 130
         if FLAGS.output_json:
-            tmp = FLAGS.output_json + f".{os.getpid()}.tmp"
-            try:
-                with open(tmp, "w") as f:
-                    json.dump(res.to_json(), f, indent=1)
-                os.replace(tmp, FLAGS.output_json)
-            except OSError as e:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise GlmJaxError(f"--output_json={FLAGS.output_json}: cannot write ({e.strerror or e})") from None
+            O.write_json_output(FLAGS.output_json, res.to_json())
     except GlmJaxError as e:
         print(f"glm-jax: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -126,3 +126,107 @@ def test_a_relative_xdg_cache_home_is_ignored_for_kernels(monkeypatch, tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setitem(kernels._state, "dir", None)
     assert kernels.build_dir() == os.path.join(str(tmp_path), ".cache", "glm-jax", "kernels")
+
+
+# ----------------------------------------------------------------------------- item 2: outputs written through
+@pytest.fixture
+def cli():
+    from absl import flags
+
+    from glm_jax import cli as C
+    yield C
+    flags.FLAGS.unparse_flags()
+
+
+def _run_cli(cli, capsys, *args):
+    cli.parse_flags(["glm-jax", "--max_new_tokens=2", *args])
+    try:
+        rc = cli.main(["glm-jax"])
+    finally:
+        cli.FLAGS.unparse_flags()
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_output_json_through_a_symlink_keeps_the_link(cli, capsys, tmp_path):
+    """Before: the temp file was renamed over the link: the link became a regular file, its target kept the old
+    content.  After: the target is replaced (temp file in the target's directory), the link stays a link."""
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "out.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    rc, out, err = _run_cli(cli, capsys, f"--output_json={link}")
+    assert rc == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert "tokens" in json.loads(target.read_text())
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "real"] and os.listdir(tmp_path / "real") == ["out.json"]
+
+
+def test_output_json_through_a_dangling_symlink_creates_its_target(cli, capsys, tmp_path):
+    """Before: a dangling link was replaced by a stray regular file.  After: the link's target is created."""
+    (tmp_path / "d").mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "d" / "new.json")
+    rc, out, err = _run_cli(cli, capsys, f"--output_json={link}")
+    assert rc == 0, err
+    assert link.is_symlink() and "tokens" in json.loads((tmp_path / "d" / "new.json").read_text())
+    assert os.listdir(tmp_path / "d") == ["new.json"]
+
+
+def test_a_device_as_output_is_written_not_replaced(tmp_path):
+    """Before: as root, --output_json=/dev/stdout replaced the device node with a regular file.  After: a character
+    device (here a private copy of /dev/null's node) is written through and stays a device."""
+    if os.getuid() != 0:
+        pytest.skip("mknod needs root")
+    node = tmp_path / "null"
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    assert fileio.output_problem(str(node)) is None
+    fileio.write_output(str(node), '{"a": 1}')
+    assert stat.S_ISCHR(os.lstat(node).st_mode) and os.listdir(tmp_path) == ["null"]
+    with pytest.raises(OSError) as e:                    # /dev/full: the write's ENOSPC reaches the caller
+        fileio.write_output("/dev/full", "x" * 10)
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode) and "space" in str(e.value)
+
+
+def test_a_fifo_as_output_never_hangs(tmp_path):
+    """Before: the writability check opened a FIFO with no reader for appending: a hang before any work.  After:
+    the check opens nothing; the final write waits a bounded time for a reader, then fails; with one it writes."""
+    import threading
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", __import__("glm_jax.options").options
+                                                        .writable_problem(fifo)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the writability check of a FIFO without a reader hangs"
+    assert box["r"] is None
+    with pytest.raises(OSError, match="no reader"):
+        fileio.write_output(fifo, "x", fifo_wait_s=0.2)
+    got = {}
+    rd = threading.Thread(target=lambda: got.setdefault("d", open(fifo).read()), daemon=True)
+    rd.start()
+    fileio.write_output(fifo, '{"ok": 1}', fifo_wait_s=10)
+    rd.join(10)
+    assert got["d"] == '{"ok": 1}' and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_a_hard_linked_output_is_written_in_place(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text("old")
+    os.link(a, b)
+    fileio.write_output(str(b), "new")
+    assert a.read_text() == "new" and os.stat(a).st_ino == os.stat(b).st_ino
+
+
+# ----------------------------------------------------------------------------- item 6: full disk, closed pipes
+def test_route_trace_on_a_full_disk_warns_once_and_generation_continues(cli, capsys):
+    """Before: --route_trace=/dev/full (ENOSPC on every write) -> OSError traceback, the generation aborted.
+    After: one warning line, the trace off, the generation finishes (exit 0)."""
+    rc, out, err = _run_cli(cli, capsys, "--fetch=loop", "--route_trace=/dev/full", "--max_new_tokens=4")
+    assert rc == 0, err
+    warn = [ln for ln in err.splitlines() if "--route_trace" in ln]
+    assert len(warn) == 1 and "warning" in warn[0] and "space" in warn[0], err
+    assert "decode 4 tokens" in err or "decode 3 tokens" in err, err

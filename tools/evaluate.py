@@ -393,8 +393,11 @@ def main(argv):
             return 2
         print(contract_report(r))
         if FLAGS.output_json:
-            with open(FLAGS.output_json, "w") as f:
-                json.dump(r, f, indent=1)
+            try:
+                O.write_json_output(FLAGS.output_json, r)
+            except GlmJaxError as e:
+                print(f"glm-jax-eval: error: {e}", file=sys.stderr)
+                return 2
         return 0 if r["identical"] else 1
     try:
         opts = O.from_flags()
@@ -430,8 +433,11 @@ def main(argv):
         print(f"| next-line MC acc_pmi | {r['mc_acc_pmi']:.3f} | {r['mc_acc_pmi_ref']:.3f} |")
     print(f"| experts dropped | {int(r['experts_dropped'])} | 0 |")
     if FLAGS.output_json:
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(r, f, indent=1)
+        try:
+            O.write_json_output(FLAGS.output_json, r)
+        except GlmJaxError as e:
+            print(f"glm-jax-eval: error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
