@@ -11,7 +11,9 @@
     output_problem(path)         None, or why ``write_output`` would fail (checked before long work; creates and
                                  opens nothing: a FIFO is not opened, a device is not touched)
     exclusive_lock(path)         an flock on ``path`` (created if needed) held for a ``with`` block; blocking, or
-                                 raising LockBusy at once with ``blocking=False``
+                                 raising LockBusy at once with ``blocking=False``; ``remove=True`` unlinks it at the
+                                 end, safely (the inode is re-checked after locking)
+    directory_lock(path)         the same on a directory itself
 """
 
 from __future__ import annotations
@@ -142,10 +144,39 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: str, blocking: bool = True):
-    """flock(LOCK_EX) on ``path`` for the ``with`` block (the file is created, and left: removing a lock file
-    races with its next user).  ``blocking=False``: LockBusy if another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def exclusive_lock(path: str, blocking: bool = True, remove: bool = False):
+    """flock(LOCK_EX) on the file ``path`` (created if needed) for the ``with`` block.  ``blocking=False``: LockBusy
+    at once if another process (or another open of it in this one) holds it.  ``remove``: the file is unlinked when
+    the block ends (while still held); a lock taken on a file that was unlinked meanwhile is retaken on the new one,
+    so two holders can never both believe they have it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise LockBusy(errno.EWOULDBLOCK, "held by another process", path) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield fd
+    finally:
+        if remove:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def directory_lock(path: str, blocking: bool = True):
+    """flock(LOCK_EX) on the directory ``path`` itself (no file created: for a directory whose parent is not
+    writable); LockBusy as ``exclusive_lock``."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

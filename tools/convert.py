@@ -10,9 +10,11 @@ name then renamed.  Each finished layer leaves a done record with per-record crc
 if its done record matches the requested format/source AND every record's checksum re-verifies (a corrupted or
 truncated finished layer is redone).  ``--verify`` re-checks an existing container (all checksums) and exits.
 
-``--dst`` must be empty (or absent) or hold this conversion's own resumable state (same source); anything else is
-refused unless ``--overwrite``, which converts into a sibling work directory and swaps it in only when complete (the
-old directory stays valid until then).  Free space is checked up front (the output size is known), and a failed
+``--dst`` must be empty (or absent) or hold this conversion's own resumable (unfinished) state (same source);
+anything else, a finished container included, is refused unless ``--overwrite``, which converts into a sibling work
+directory (beside a symlinked --dst's target) and swaps it in only when complete (the old directory stays valid
+until then).  One conversion per --dst at a time: a lock file beside it (fileio.exclusive_lock), a second run is
+refused at once.  --dst inside --src (or --src inside --dst) is refused.  Free space is checked up front (the output size is known), and a failed
 write (ENOSPC, EIO) leaves no partial file behind.  Every problem is one ``glm-jax-convert: error:`` line, exit 2.
 """
 
@@ -33,6 +35,7 @@ import numpy as np
 
 from glm_jax import quant
 from glm_jax.config import GlmJaxError, load_config
+from glm_jax.fileio import LockBusy, directory_lock, exclusive_lock
 from glm_jax.options import one_line
 from glm_jax.container import (ALIGN, CONVERT_MARKER, DENSE_NAME, DENSE_SCALE_SUFFIX, EXPERT_DIR, FORMAT_VERSION,
                                MANIFEST_NAME, ContainerError, HFExperts, RecordLayout, SafeTensorsDir, SourceError,
@@ -393,25 +396,77 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
         fp = source_fingerprint(st, src)
         if os.path.exists(dst) and not os.path.isdir(dst):
             raise ConvertError(f"--dst={dst}: is a file, not a directory")
-        if os.path.realpath(dst) == os.path.realpath(src):
+        real, rsrc = os.path.realpath(dst), os.path.realpath(src)
+        if real == rsrc:
             raise ConvertError(f"--dst={dst}: is the source directory (the converter never writes into --src)")
-        fresh = not os.path.isdir(dst) or not os.listdir(dst)
-        if fresh or _dst_is_ours(dst, fp):
-            return _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
-        if not overwrite:
-            names = sorted(os.listdir(dst))
-            raise ConvertError(f"--dst={dst}: not empty and not a conversion of --src={src} (holds "
-                               f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use an empty directory, "
-                               f"or --overwrite to replace it (the old content stays until the new one is complete)")
-        work = _work_dir(dst)
-        if os.path.isdir(work) and os.listdir(work) and not _dst_is_ours(work, fp):
-            shutil.rmtree(work)            # a stale work dir of another source: ours to remove
-        man = _convert_into(st, cfg, src, work, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
-        _exchange(work, dst)
-        shutil.rmtree(work, ignore_errors=True)     # now the old content
-        return man
+        if os.path.commonpath([real, rsrc]) == rsrc:
+            raise ConvertError(f"--dst={dst}: is inside --src={src} (the converter never writes into --src)")
+        if os.path.commonpath([real, rsrc]) == real:
+            raise ConvertError(f"--src={src}: is inside --dst={dst} (converting would replace the source)")
+        with _dst_lock(dst, real):
+            return _convert_locked(st, cfg, src, dst, real, fp, fmt, mfmt, gsize, dense_format, progress,
+                                   fail_after_layers, overwrite)
     finally:
         st.close()
+
+
+def _finished(d: str) -> bool:
+    """``d`` holds a finished container: its manifest, and no start marker of a conversion under way."""
+    return os.path.exists(os.path.join(d, MANIFEST_NAME)) and not os.path.exists(os.path.join(d, CONVERT_MARKER))
+
+
+def _lock_path(real: str) -> str:
+    return os.path.join(os.path.dirname(real), f".{os.path.basename(real)}.glm-jax-convert.lock")
+
+
+@contextlib.contextmanager
+def _dst_lock(dst: str, real: str):
+    """One conversion per destination at a time: a lock file beside the (resolved) ``--dst`` (removed at the end),
+    or, where its parent is not writable, a lock on ``--dst`` itself.  A second conversion is refused at once."""
+    busy = (f"--dst={dst}: another glm-jax-convert is writing it right now; wait for it to finish (or stop it), "
+            f"then re-run")
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive_lock(_lock_path(real), blocking=False, remove=True))
+        except LockBusy:
+            raise ConvertError(busy) from None
+        except OSError:
+            if not os.path.isdir(real):
+                raise ConvertError(f"--dst={dst}: cannot create it (directory {os.path.dirname(real)} is not "
+                                   "writable)") from None
+            try:
+                stack.enter_context(directory_lock(real, blocking=False))
+            except LockBusy:
+                raise ConvertError(busy) from None
+        yield
+
+
+def _convert_locked(st, cfg, src, dst, real, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers,
+                    overwrite) -> dict:
+    """``convert`` under the destination's lock; ``real`` is ``dst`` resolved (a symlinked --dst: its target is
+    converted into, or swapped with the new container; the link stays a link)."""
+    fresh = not os.path.isdir(real) or not os.listdir(real)
+    finished = not fresh and _finished(real)
+    if fresh or (not finished and _dst_is_ours(real, fp)):
+        return _convert_into(st, cfg, src, real, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
+    if not overwrite:
+        if finished:
+            same = ("a finished conversion of --src" if _dst_is_ours(real, fp)
+                    else f"a finished container, not a conversion of --src={src}")
+            raise ConvertError(f"--dst={dst}: holds {same} (manifest.json), which is never replaced without "
+                               f"--overwrite (the old container stays valid until the new one is complete); "
+                               f"glm-jax-convert --verify --dst={dst} checks it")
+        names = sorted(os.listdir(real))
+        raise ConvertError(f"--dst={dst}: not empty and not a conversion of --src={src} (holds "
+                           f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use an empty directory, "
+                           f"or --overwrite to replace it (the old content stays until the new one is complete)")
+    work = _work_dir(real)
+    if os.path.isdir(work) and os.listdir(work) and not _dst_is_ours(work, fp):
+        shutil.rmtree(work)            # a stale work dir of another source: ours to remove
+    man = _convert_into(st, cfg, src, work, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
+    _exchange(work, real)
+    shutil.rmtree(work, ignore_errors=True)     # now the old content
+    return man
 
 
 def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers) -> dict:
