@@ -335,6 +335,10 @@ class Engine(Runner):
                 raise GlmJaxError(f"{where}: chat=True needs a text prompt or a list of messages")
             ids = self._token_ids(prompt, where)
         if not ids:
+            if isinstance(prompt, str) and prompt:
+                shown = prompt if len(prompt) <= 40 else prompt[:40] + "..."
+                raise GlmJaxError(f"{where}: the prompt text {shown!r} encodes to no tokens (the tokenizer maps it "
+                                  f"to nothing); give other text or token ids")
             raise GlmJaxError(f"{where}: empty prompt")
         V = self.cfg.vocab_size
         s = Sampling(max_new_tokens=_arg_int("max_new_tokens", max_new_tokens, 0, None, where=where),
@@ -388,9 +392,10 @@ class Engine(Runner):
         """Like ``generate`` for one prompt, as an iterator of text pieces as they are generated (UTF-8 safe:
         a character split over tokens comes out whole).  After the last piece, ``.result`` is the
         GenerationResult.  Closing the iterator early (``break``) cancels the request and frees its row."""
-        return _Stream(self, self.request(prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_k=top_k, top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos,
-                                          stop=stop, where="stream"))
+        req = self.request(prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos, stop=stop, where="stream")
+        self.scheduler.check(req.prompt, req.sampling)     # now, not at the first next(): as generate() does
+        return _Stream(self, req)
 
     @property
     def compile_s(self) -> float:
@@ -476,6 +481,14 @@ class _Stream:
         self._started = False
 
     def __iter__(self):
+        return self._drive(False)
+
+    def _each_token(self):
+        """Like iterating, but also yields None after every scheduler step (a model without a tokenizer has no
+        text pieces: its caller shows ``tokens`` as they grow)."""
+        return self._drive(True)
+
+    def _drive(self, every_step: bool):
         e, req = self.engine, self.req
         sched = e.scheduler
         e._route_acc = {}
@@ -489,11 +502,16 @@ class _Stream:
                     req.done_event.wait(0.05)
                 else:
                     sched.step()
+                if every_step:
+                    yield None
                 while self._pieces:
                     yield self._pieces.pop(0)
             while self._pieces:
                 yield self._pieces.pop(0)
             self.result = sched.result(req, compile0)
+            if e.plan is not None:           # the mesh line, as generate() gives it
+                self.result.stats.update(mesh=e.plan.describe(), processes=jax.process_count(),
+                                         expert_comm=e.plan.comm)
         finally:
             if not req.done:
                 sched.cancel(req)

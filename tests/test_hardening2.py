@@ -230,3 +230,129 @@ def test_route_trace_on_a_full_disk_warns_once_and_generation_continues(cli, cap
     warn = [ln for ln in err.splitlines() if "--route_trace" in ln]
     assert len(warn) == 1 and "warning" in warn[0] and "space" in warn[0], err
     assert "decode 4 tokens" in err or "decode 3 tokens" in err, err
+
+
+def _exe(name):
+    return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
+
+
+def test_a_closed_pipe_ends_cleanly_and_output_json_is_still_written(tmp_path):
+    """Before: glm-jax ... | head -c 10 -> BrokenPipeError traceback, exit 1, --output_json never written.
+    After: the generation goes on into --output_json (all 48 tokens), exit 0, no traceback."""
+    out = tmp_path / "o.json"
+    r = subprocess.run(["bash", "-c", f'set -o pipefail; "{_exe("glm-jax")}" --max_new_tokens=48 --ignore_eos '
+                        f'--output_json={out} | head -c 10'], capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-3000:]
+    assert len(json.loads(out.read_text())["tokens"]) == 48
+
+
+def test_a_closed_stdout_is_not_an_error(tmp_path):
+    """Before: glm-jax >&- -> AttributeError ('NoneType' has no attribute 'write').  After: exit 0, the JSON written."""
+    out = tmp_path / "o.json"
+    r = subprocess.run(["bash", "-c", f'"{_exe("glm-jax")}" --max_new_tokens=3 --output_json={out} >&-'],
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert json.loads(out.read_text())["tokens"]
+
+
+def test_a_non_utf8_prompt_is_one_line(cli, capsys):
+    """Before: --prompt=$'\\xff\\xfe...' -> TypeError: TextInputSequence must be str (a traceback).  Bytes that are
+    not UTF-8 reach Python as lone surrogates (surrogateescape)."""
+    rc, out, err = _run_cli(cli, capsys, "--prompt=ab\udcff\udcfecd")
+    assert rc == 2 and err.startswith("glm-jax: error: flag --prompt: not valid UTF-8 (byte 0xff at position 2)")
+    _one_line(err)
+
+
+PLAIN = os.path.join(ROOT, "tests", "golden", "glm4moe_plain")
+
+
+def test_ctrl_c_on_a_model_without_tokenizer_keeps_the_ids(cli, capsys, monkeypatch, tmp_path):
+    """Before: an empty line, the generated ids lost.  After: the ids generated so far are printed (as they come)
+    and kept in --output_json; exit 130."""
+    from glm_jax.scheduler import Scheduler
+    real, n = Scheduler.step, {"k": 0}
+
+    def step(self, *a, **k):
+        n["k"] += 1
+        if n["k"] == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(Scheduler, "step", step)
+    out = tmp_path / "o.json"
+    rc, so, err = _run_cli(cli, capsys, f"--model={PLAIN}", "--prompt_ids=1,2,3", "--max_new_tokens=20",
+                           "--ignore_eos", f"--output_json={out}")
+    assert rc == 130 and "interrupted" in err, err
+    toks = json.loads(out.read_text())["tokens"]
+    assert toks and so.split() == [str(t) for t in toks], (so, toks)
+
+
+def test_prompt_beside_prompt_ids_is_an_error(cli, capsys):
+    """Before: --prompt silently ignored beside --prompt_ids."""
+    rc, out, err = _run_cli(cli, capsys, "--prompt=hello", "--prompt_ids=1,2")
+    assert rc == 2 and "--prompt and --prompt_ids" in err
+    _one_line(err)
+
+
+def test_a_too_long_prompt_is_not_echoed_before_its_error(cli, capsys):
+    """Before: the whole prompt was printed, then the context-limit error.  After: only the one error line."""
+    long = "To be or not to be " * 200
+    rc, out, err = _run_cli(cli, capsys, f"--prompt={long}")
+    assert rc == 2 and "context limit" in err and long[:50] not in out and long[:50] not in err, (out[:200], err)
+    _one_line(err)
+
+
+def test_text_the_tokenizer_maps_to_nothing_is_named(monkeypatch):
+    """Before: 'empty prompt' for a non-empty text that encodes to no tokens."""
+    import glm_jax
+    eng = glm_jax.Engine.load(None)
+    try:
+        monkeypatch.setattr(eng.tokenizer, "encode", lambda text: [])
+        with pytest.raises(glm_jax.GlmJaxError) as e:
+            eng.generate("\u200b\u200b", max_new_tokens=1)
+        assert "encodes to no tokens" in str(e.value) and "empty prompt" not in str(e.value)
+    finally:
+        eng.close()
+
+
+def test_one_seed_rule_no_seed_means_a_fresh_random_seed(cli, capsys, tmp_path):
+    """Before: the CLI's default seed was a fixed 0 (README's --temperature=0.8 command printed the same text every
+    run) while the server seeded randomly.  After: both draw a fresh seed when none is given (the CLI prints it
+    with the stats and writes it to --output_json); --seed=N reproduces."""
+    got = []
+    for i, extra in enumerate(([], [], ["--seed=5"], ["--seed=5"])):
+        out = tmp_path / f"o{i}.json"
+        rc, so, err = _run_cli(cli, capsys, "--temperature=0.8", "--max_new_tokens=8", f"--output_json={out}",
+                               *extra)
+        assert rc == 0, err
+        got.append(json.loads(out.read_text()))
+        assert ("| seed " in err) == (not extra), err
+    assert got[0]["seed"] != got[1]["seed"]
+    assert got[2]["seed"] == got[3]["seed"] == 5 and got[2]["tokens"] == got[3]["tokens"]
+
+
+def test_stream_gives_the_mesh_line_as_generate_does():
+    """Before: Engine.stream (the CLI's path) skipped the mesh / processes stats, so the line README promises was
+    never printed.  A stand-in plan (the mesh itself is tested in test_mesh.py) shows the stats are filled in."""
+    import glm_jax
+    from glm_jax.cli import format_stats
+
+    class Plan:
+        comm = "psum"
+
+        def describe(self):
+            return "data=1,expert=2"
+
+        def place_cache(self, c):
+            return c
+    eng = glm_jax.Engine.load(PLAIN)
+    try:
+        eng.plan = Plan()
+        st = eng.stream([1, 2, 3], max_new_tokens=2)
+        for _ in st:
+            pass
+        assert st.result.stats["mesh"] == "data=1,expert=2"
+        assert "mesh data=1,expert=2" in format_stats(st.result.stats)
+    finally:
+        eng.close()
