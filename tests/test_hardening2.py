@@ -356,3 +356,33 @@ def test_stream_gives_the_mesh_line_as_generate_does():
         assert "mesh data=1,expert=2" in format_stats(st.result.stats)
     finally:
         eng.close()
+
+
+# ----------------------------------------------------------------------------- item 7: top_p below f32's normals
+@pytest.mark.parametrize("top_p", [1e-300, 1e-40, 1e-45])
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    """Before: --top_p=1e-300 (anything below float32's smallest normal: 0 on the device) masked every token: the
+    distribution was 0/0 and the first sample EOS.  After: the limit of top_p -> 0, the top token."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from glm_jax.generate import filtered_probs, filtered_probs_rows
+    z = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
+    want = np.eye(50)[np.asarray(jnp.argmax(z, -1))]
+    np.testing.assert_array_equal(np.asarray(filtered_probs(z, 1.0, 0, top_p)), want)
+    rows = filtered_probs_rows(z, jnp.ones(3), jnp.zeros(3, jnp.int32), jnp.asarray([top_p, 1.0, top_p], jnp.float32))
+    rows = np.asarray(rows)
+    np.testing.assert_array_equal(rows[[0, 2]], want[[0, 2]])
+    assert np.isfinite(rows).all() and abs(rows[1].sum() - 1) < 1e-5
+
+
+def test_generate_with_a_tiny_top_p_is_greedy():
+    import glm_jax
+    eng = glm_jax.Engine.load(PLAIN)
+    try:
+        greedy = eng.generate([1, 2, 3], max_new_tokens=8, stop_on_eos=False).tokens
+        tiny = eng.generate([1, 2, 3], max_new_tokens=8, temperature=1.0, top_p=1e-300, seed=1,
+                            stop_on_eos=False).tokens
+        assert tiny == greedy
+    finally:
+        eng.close()
