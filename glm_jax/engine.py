@@ -154,6 +154,9 @@ class Engine(Runner):
         MESH.init_distributed(opts["coordinator"], opts["num_processes"], opts["process_id"],
                               {k: opts.label(k) for k in ("coordinator", "num_processes", "process_id")})
         set_compile_cache(opts["compile_cache"], opts.label("compile_cache"))
+        why = MEM.budget_problem(opts["ram_gb"], opts.label("ram_gb"))
+        if why:
+            raise RamBudgetError(why)
         from . import container as C
         from . import weights as W
 

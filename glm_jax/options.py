@@ -517,7 +517,10 @@ def parse_command_flags(flag_values, argv, prog: str, help_text):
     from absl import flags
 
     if any(a in HELP_ARGS for a in argv[1:]):
-        print(help_text())
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:              # `--help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     try:
         return flag_values(argv)

@@ -66,6 +66,7 @@ from typing import Optional
 import numpy as np
 
 from glm_jax import paths
+from glm_jax.memory import round_up_gb
 from glm_jax.config import GlmJaxError, ModelConfig
 from glm_jax.container import balanced_chunk, config_hash, open_expert_source
 
@@ -473,7 +474,7 @@ class ExpertStore:
                     f"compile reserve) {used_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + I/O buffers and one layer's "
                     f"working set {buffers / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
                     f"{max(avail, 0) / 1e9:.2f} GB, but one expert per layer needs {rec_sum / 1e9:.2f} GB; "
-                    f"--ram_gb >= {need:.2f} would fit"
+                    f"--ram_gb >= {round_up_gb(need):.2f} would fit"
                     + (f" (or a smaller --pin_gb than {pin_gb:g})" if pin_bytes else "")
                     + "; smaller dense weights: --dense_format=int8_row (or a container converted with "
                       "glm-jax-convert --dense_format=int8); a shorter --max_seq_len")

@@ -386,3 +386,85 @@ def test_generate_with_a_tiny_top_p_is_greedy():
         assert tiny == greedy
     finally:
         eng.close()
+
+
+# ----------------------------------------------------------------------------- item 8: memory promises
+_LOAD_RAM = ("import sys, glm_jax\n"
+             "try:\n"
+             "    glm_jax.Engine.load(None, ram_gb=float(sys.argv[1])).close(); print('LOADED')\n"
+             "except glm_jax.GlmJaxError as e:\n"
+             "    print('REFUSED', e)\n")
+
+
+def test_ram_gb_above_the_cgroup_limit_is_refused(monkeypatch):
+    """Before: --ram_gb above the memory cgroup's limit was taken at its word (then an OOM kill).  After: refused
+    at once, naming the limit and a value that is kept."""
+    import glm_jax
+    from glm_jax import memory
+    from glm_jax.store import RamBudgetError
+    monkeypatch.setattr(memory, "cgroup_limit", lambda *a, **k: int(1.5e9))
+    with pytest.raises(RamBudgetError) as e:
+        glm_jax.Engine.load(None, ram_gb=4)
+    msg = str(e.value)
+    _one_line(msg)
+    assert "cgroup limit (1.50 GB)" in msg and "<= 1.35" in msg
+    glm_jax.Engine.load(None, ram_gb=1.4).close()          # under the limit: kept as given
+
+
+def test_ram_gb_above_a_real_cgroup_limit_is_refused(tmp_path):
+    """The same inside a real v1/v2 memory cgroup of 1 GB (root and a writable cgroup tree only)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from glm_jax_tools.bench_peer import detect_cgroup
+    with open("/proc/self/cgroup") as f:
+        cg, why = detect_cgroup(f.read())
+    if cg is None:
+        pytest.skip(why)
+    d = os.path.join(cg.parent, f"glm-jax-test-{os.getpid()}")
+    os.mkdir(d)
+    try:
+        with open(os.path.join(d, "memory.limit_in_bytes" if cg.kind == "v1" else "memory.max"), "w") as f:
+            f.write(str(1 << 30))
+        procs = os.path.join(d, "cgroup.procs")
+        r = subprocess.run(["sh", "-c", f'echo $$ > {procs} && exec "$0" -c "$1" 3', sys.executable, _LOAD_RAM],
+                           capture_output=True, text=True, timeout=300, env=_env())
+        assert "REFUSED" in r.stdout and "memory cgroup limit (1.07 GB)" in r.stdout, r.stdout + r.stderr[-2000:]
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(d)
+                break
+            except OSError:
+                import time
+                time.sleep(0.1)
+
+
+def test_the_suggested_ram_gb_is_itself_accepted():
+    """Before: 'would fit with --ram_gb >= 0.37' (rounded down), and 0.37 was then refused.  After: rounded up."""
+    import re
+    r = subprocess.run([sys.executable, "-c", _LOAD_RAM, "0.001"], capture_output=True, text=True, timeout=300,
+                       env=_env())
+    m = re.search(r"--ram_gb >= ([0-9.]+) would fit", r.stdout)
+    assert m, r.stdout + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", _LOAD_RAM, m.group(1)], capture_output=True, text=True, timeout=300,
+                       env=_env())
+    assert "LOADED" in r.stdout, (m.group(1), r.stdout + r.stderr[-2000:])
+
+
+def test_eval_items_beyond_the_text_are_refused(capsys):
+    """Before: glm-jax-eval --items=100000000 grew ~85 MB/s without bound or progress (items drawn with
+    replacement).  After: more items than the held-out text has next-line positions: one error line at once."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from cli_inprocess import run
+    rc, out, err = run(["glm-jax-eval", "--items=100000000", "--windows=1"], capsys)
+    assert rc == 2 and "flag --items=100000000" in err and "next-line positions" in err, err
+    errs = [ln for ln in err.splitlines() if "error" in ln]
+    assert len(errs) == 1 and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------------------- item 11: smaller ones
+def test_eval_bad_flag_is_one_line(tmp_path):
+    """Before: absl's two lines (FATAL Flags parsing error ... / Pass --helpshort ...)."""
+    r = subprocess.run([_exe("glm-jax-eval"), "--items=x"], capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path))
+    assert r.returncode == 2 and r.stderr.startswith("glm-jax-eval: error: flag --items=x"), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
