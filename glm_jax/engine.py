@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import compile_cache
 from . import memory as MEM
 from . import model as M
 from . import options as O
@@ -549,6 +550,9 @@ def _arg_float(name, v, lo, hi, open_lo=False, where="generate"):
 _COMPILE_CACHE = [None]      # the persistent-cache directory this process set (None: none set by glm-jax)
 
 
+_HEALED: set = set()
+
+
 def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
     """Point JAX's persistent compilation cache at the per-user cache dir (``paths.cache_root``), another directory,
     or nowhere ('off').  Every program is cached (min compile time 0), so a second start compiles nothing.  An
@@ -564,6 +568,9 @@ def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
                 raise GlmJaxError(f"{label}={opt}: cannot use it as the compilation cache ({e.strerror or e})") from None
             d = None
     cur = jax.config.jax_compilation_cache_dir
+    if d is not None and d not in _HEALED:      # unreadable entries removed, once per directory and process
+        _HEALED.add(d)
+        compile_cache.heal(d)
     if d == cur:
         return
     if d is None and _COMPILE_CACHE[0] is None and opt != "off":

@@ -468,3 +468,38 @@ def test_eval_bad_flag_is_one_line(tmp_path):
                        cwd=str(tmp_path))
     assert r.returncode == 2 and r.stderr.startswith("glm-jax-eval: error: flag --items=x"), r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
+
+
+# ----------------------------------------------------------------------------- item 9: self-healing compile cache
+_JIT = ("import sys\n"
+        "from glm_jax.engine import set_compile_cache\n"
+        "set_compile_cache(sys.argv[1])\n"
+        "import jax, jax.numpy as jnp\n"
+        "print(jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).sum())\n")
+
+
+def test_garbage_compile_cache_entries_are_replaced(tmp_path):
+    """Before: entries overwritten with garbage were never replaced: every later run warned ('Error reading
+    persistent compilation cache entry') and recompiled.  After: the first start removes them, the compile writes
+    good ones, and the run after that reads them without a warning."""
+    d = str(tmp_path / "xla")
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", _JIT, d], capture_output=True, text=True, timeout=300,
+                           env=_env())
+        assert r.returncode == 0 and "9.0" in r.stdout, r.stderr[-2000:]
+        return r.stderr
+    run()
+    entries = [n for n in os.listdir(d) if n.endswith("-cache")]
+    assert entries
+    for n in entries:
+        with open(os.path.join(d, n), "wb") as f:
+            f.write(b"garbage")
+        os.utime(os.path.join(d, n), (1e9, 1e9))      # not one being written right now
+    err = run()
+    assert "Error reading persistent compilation cache" not in err, err
+    err = run()
+    assert "Error reading persistent compilation cache" not in err, err
+    for n in os.listdir(d):
+        if n.endswith("-cache"):
+            assert open(os.path.join(d, n), "rb").read() != b"garbage"
