@@ -499,3 +499,33 @@ def test_overwrite_on_a_symlinked_dst_keeps_the_link(hf, tmp_path):
     open_container(str(target), load_config(str(target)), verify="all").close()
     assert sorted(os.listdir(tmp_path)) == ["link", "old_src", "store"]
     assert os.listdir(tmp_path / "store") == ["c"]
+
+
+def test_a_checkpoint_declaring_mtp_without_its_weights_converts_and_runs(tmp_path, capsys):
+    """transformers' Glm4MoeConfig declares num_nextn_predict_layers=1, but save_pretrained writes no MTP weights.
+    Before: the HF dir ran, but glm-jax-convert wrote a container that failed with 'config mismatch: no expert
+    records for layer 4' (--verify too).  After: converted without the MTP layer (one note line), it runs."""
+    import glm_jax
+    from glm_jax_tools.convert import cli_main
+    src = tmp_path / "hf"
+    write_hf_checkpoint(str(src), tiny_config(num_nextn_predict_layers=0), seed=3)
+    c = json.loads((src / "config.json").read_text())
+    c["num_nextn_predict_layers"] = 1
+    (src / "config.json").write_text(json.dumps(c))
+    ref = glm_jax.Engine.load(str(src))
+    want = ref.generate([1, 2, 3], max_new_tokens=4, stop_on_eos=False).tokens
+    ref.close()
+    dst = tmp_path / "c"
+    capsys.readouterr()
+    assert cli_main(["glm-jax-convert", f"--src={src}", f"--dst={dst}", "--noprogress", "--verify",
+                     "--expert_format=bf16", "--dense_format=f32"]) == 0
+    err = capsys.readouterr().err
+    notes = [ln for ln in err.splitlines() if "MTP" in ln]
+    assert len(notes) == 1 and "note" in notes[0], err
+    eng = glm_jax.Engine.load(str(dst))
+    try:
+        assert eng.cfg.num_nextn_predict_layers == 0
+        assert eng.generate([1, 2, 3], max_new_tokens=4, stop_on_eos=False).tokens == want
+    finally:
+        eng.close()
+    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1    # --src untouched

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -471,6 +472,16 @@ def _convert_locked(st, cfg, src, dst, real, fp, fmt, mfmt, gsize, dense_format,
 
 def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers) -> dict:
     hf = HFExperts(st, cfg)
+    drop_mtp = cfg.has_mtp and not hf.has_layer(cfg.mtp_layer_index)
+    if drop_mtp:        # transformers' save_pretrained of a config declaring an MTP layer writes none of it
+        L = cfg.mtp_layer_index
+        have = sum(1 for k in st.keys() if k.startswith(f"model.layers.{L}."))
+        print(f"glm-jax-convert: note: config.json declares num_nextn_predict_layers="
+              f"{cfg.num_nextn_predict_layers} but --src has no MTP experts (model.layers.{L}.mlp.experts.*"
+              + (f"; its {have} other MTP tensors are left out" if have else "") + "): converting without the MTP "
+              "layer (the container's config.json says 0; no MTP drafts)", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+        hf = HFExperts(st, cfg)
     H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     layers = [L for L in expert_layers(cfg) if L < cfg.num_hidden_layers or hf.has_layer(L)]
     for L in layers:
@@ -489,7 +500,7 @@ def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progres
     _writable_dir(dst)
     try:
         return _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress,
-                              fail_after_layers, layers, lay_of)
+                              fail_after_layers, layers, lay_of, drop_mtp)
     except OSError as e:           # ENOSPC, EIO, ...: the temp file of the step was removed (_tmp_for)
         where = e.filename or dst
         raise ConvertError(f"{where}: write failed ({e.strerror or e}); nothing partial was kept - free space or "
@@ -497,7 +508,7 @@ def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progres
 
 
 def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers, layers,
-                   lay_of) -> dict:
+                   lay_of, drop_mtp=False) -> dict:
     E = cfg.n_routed_experts
     _atomic_json(os.path.join(dst, CONVERT_MARKER), {"created_by": "glm-jax-convert", "source": fp,
                                                      "src": os.path.abspath(src)})
@@ -506,6 +517,9 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
     if os.path.exists(mpath):
         os.replace(mpath, mpath + ".old")   # the manifest is written last; an incomplete run has none
     plan = _dense_plan(st, dense_format)
+    if drop_mtp:
+        mtp_pre = f"model.layers.{cfg.num_hidden_layers}."
+        plan = [row for row in plan if not row[0].startswith(mtp_pre)]
     todo = []
     want_of = {L: {"layer": L, "fmt": lay_of[L].fmt, "source": fp, "format_version": FORMAT_VERSION,
                    "layout": lay_of[L].to_json()} for L in layers}
@@ -537,6 +551,10 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
     finally:
         prog.close()
     _copy_side_files(src, dst)
+    if drop_mtp:
+        c = _load_json(os.path.join(src, "config.json"))
+        c["num_nextn_predict_layers"] = 0
+        _atomic_json(os.path.join(dst, "config.json"), c)
     experts, linfo = [], {}
     for L in layers:
         rec = _load_json(os.path.join(dst, done_file_name(L)))
