@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import secrets
 import sys
 
 from absl import app, flags
@@ -21,7 +21,8 @@ O.define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 =
 O.define_once(flags.DEFINE_integer, "top_k", 0, "Sample from the top-k tokens only (0 = off).", lower_bound=0)
 O.define_once(flags.DEFINE_float, "top_p", 1.0, "Nucleus sampling: smallest token set with probability >= top_p, in "
               "(0, 1] (1 = off). Unrelated to --expert_topp.")
-O.define_once(flags.DEFINE_integer, "seed", 0, "Random seed for sampling.")
+O.define_once(flags.DEFINE_integer, "seed", None, "Random seed for sampling (default: a fresh random seed each run, "
+              "printed with the stats; the same rule as glm-jax-serve's `seed` field).")
 O.define_once(flags.DEFINE_boolean, "chat", False, "Format the prompt as one user message with the checkpoint's "
               "chat_template (tokenizer_config.json), or the GLM format ([gMASK]<sop><|user|>...<|assistant|>) "
               "without one.")
@@ -76,9 +77,67 @@ def parse_flags(argv):
     return O.parse_command_flags(FLAGS, argv, "glm-jax", help_text)
 
 
+class _StdoutGone(Exception):
+    """stdout's reader went away (``glm-jax ... | head``)."""
+
+
+def _ensure_std_streams():
+    """A closed stdin/stdout/stderr (``glm-jax >&-``) becomes /dev/null: nothing opened later lands on fd 1 or 2,
+    and no write raises."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            nul = os.open(os.devnull, os.O_RDWR)
+            if nul != fd:
+                os.dup2(nul, fd)
+                os.close(nul)
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", closefd=False)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)
+
+
+def _emit(text: str):
+    """Write to stdout; a closed pipe (EPIPE) puts /dev/null under fd 1 (so neither this process's later writes
+    nor the exit flush raise) and raises _StdoutGone."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError) as e:      # ValueError: stdout was closed from Python
+        nul = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(nul, sys.stdout.fileno())
+        except (OSError, ValueError):
+            sys.stdout = open(os.devnull, "w")
+        finally:
+            os.close(nul)
+        raise _StdoutGone() from e
+
+
+def _say(msg: str):
+    """One line on stderr (a closed stderr pipe is not an error of the generation)."""
+    try:
+        print(msg, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _prompt_problem(text: str) -> str | None:
+    """Why ``--prompt`` is not text (bytes that are not UTF-8 arrive as lone surrogates), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        c = ord(e.object[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"character U+{c:04X}"
+        return f"not valid UTF-8 ({what} at position {e.start}); pass UTF-8 text, or token ids with --prompt_ids"
+
+
 def main(argv):
     from absl import logging
 
+    _ensure_std_streams()
     if not FLAGS["verbosity"].present:       # keep jax's backend-probe INFO lines off the terminal
         logging.set_verbosity(logging.WARNING)
     engine = None
@@ -89,63 +148,80 @@ def main(argv):
         if FLAGS.output_json:      # before the generation, so that its result is never lost at the end
             O.check_writable(FLAGS.output_json, "--output_json")
         if FLAGS.prompt_ids:
+            if FLAGS["prompt"].present:
+                raise GlmJaxError("flags --prompt and --prompt_ids: give one of them, not both")
             try:
                 prompt = [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
             except ValueError:
-                raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got {FLAGS.prompt_ids!r}")
+                raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got "
+                                  f"{O.one_line(FLAGS.prompt_ids)[:80]!r}")
         else:
             prompt = FLAGS.prompt
+            why = _prompt_problem(prompt)
+            if why:
+                raise GlmJaxError(f"flag --prompt: {why}")
+        # one seed rule for glm-jax and glm-jax-serve: no --seed -> a fresh random seed (printed with the stats
+        # when sampling, and in --output_json), --seed=N -> reproducible
+        seed = FLAGS.seed if FLAGS.seed is not None else secrets.randbits(63)
         from .engine import Engine
 
         engine = Engine.from_options(FLAGS.model or None, opts)
         import jax
 
+        kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                  top_p=FLAGS.top_p, seed=seed, chat=FLAGS.chat, stop_on_eos=not FLAGS.ignore_eos)
         if jax.process_index() != 0:    # a multi-process run (--coordinator): process 0 prints and writes
-            engine.generate(prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                            top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, chat=FLAGS.chat,
-                            stop_on_eos=not FLAGS.ignore_eos)
+            engine.generate(prompt, **kw)
             return 0
-        st = engine.stream(prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                           top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed, chat=FLAGS.chat,
-                           stop_on_eos=not FLAGS.ignore_eos)
-        if isinstance(prompt, str) and not FLAGS.chat:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
-        interrupted = False
+        st = engine.stream(prompt, **kw)      # checked here (context limit, ...): nothing is echoed before
+        interrupted = gone = False
+        shown = 0
         try:
+            if isinstance(prompt, str) and not FLAGS.chat:
+                _emit(prompt)
             if engine.tokenizer is not None:
                 for piece in st:             # text as it is generated (a character split over tokens: whole)
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-            else:
-                shown = 0
-                for _ in st:
-                    pass
-                for t in st.tokens[shown:]:
-                    sys.stdout.write(f"{t} ")
-                sys.stdout.flush()
+                    try:
+                        _emit(piece)
+                    except _StdoutGone:
+                        if not FLAGS.output_json:
+                            raise
+                        gone = True          # keep generating: the result still goes to --output_json
+            else:                            # no tokenizer: the ids, as they are generated
+                for _ in st._each_token():
+                    toks = st.tokens
+                    if not gone:
+                        try:
+                            _emit("".join(f"{t} " for t in toks[shown:]))
+                        except _StdoutGone:
+                            if not FLAGS.output_json:
+                                raise
+                            gone = True
+                    shown = len(toks)
         except KeyboardInterrupt:        # Ctrl-C: keep what was printed, say how far it got
             interrupted = True
-        print()
+        except _StdoutGone:
+            gone = True
+        if not gone:
+            try:
+                if engine.tokenizer is None and st.tokens[shown:]:     # ids a Ctrl-C cut off before they showed
+                    _emit("".join(f"{t} " for t in st.tokens[shown:]))
+                _emit("\n")
+            except _StdoutGone:
+                gone = True
         res = st.result or engine.scheduler.result(st.req, st.compile0)
-        print(format_stats(res.stats) + (" | interrupted" if interrupted else ""), file=sys.stderr)
+        tail = (f" | seed {seed}" if FLAGS.temperature > 0 and FLAGS.seed is None else "") + \
+            (" | interrupted" if interrupted else "") + (" | stdout closed" if gone else "")
+        _say(format_stats(res.stats) + tail)
+        if FLAGS.output_json:            # an interrupted run's too: what was generated is kept
+            O.write_json_output(FLAGS.output_json, dict(res.to_json(), seed=seed, interrupted=interrupted))
         if interrupted:
             return 130
-        if FLAGS.output_json:
-            tmp = FLAGS.output_json + f".{os.getpid()}.tmp"
-            try:
-                with open(tmp, "w") as f:
-                    json.dump(res.to_json(), f, indent=1)
-                os.replace(tmp, FLAGS.output_json)
-            except OSError as e:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise GlmJaxError(f"--output_json={FLAGS.output_json}: cannot write ({e.strerror or e})") from None
     except GlmJaxError as e:
-        print(f"glm-jax: error: {_one_line(e)}", file=sys.stderr)
+        _say(f"glm-jax: error: {_one_line(e)}")
         return 2
     except KeyboardInterrupt:            # before the generation started (loading, compiling): no traceback
-        print("\nglm-jax: interrupted", file=sys.stderr)
+        _say("\nglm-jax: interrupted")
         return 130
     finally:
         if engine is not None:

@@ -21,7 +21,7 @@ import numpy as np
 import glm_jax_plugins as P
 from glm_jax_plugins import contract
 
-from . import chat, kernels, paths
+from . import chat, compile_cache, kernels, paths
 from . import memory as MEM
 from . import model as M
 from . import options as O
@@ -155,6 +155,9 @@ class Engine(Runner):
         MESH.init_distributed(opts["coordinator"], opts["num_processes"], opts["process_id"],
                               {k: opts.label(k) for k in ("coordinator", "num_processes", "process_id")})
         set_compile_cache(opts["compile_cache"], opts.label("compile_cache"))
+        why = MEM.budget_problem(opts["ram_gb"], opts.label("ram_gb"))
+        if why:
+            raise RamBudgetError(why)
         container = C.is_container(path)
         if not container:
             C.check_not_partial(path)
@@ -325,6 +328,10 @@ class Engine(Runner):
                 raise GlmJaxError(f"{where}: chat=True needs a text prompt or a list of messages")
             ids = self._token_ids(prompt, where)
         if not ids:
+            if isinstance(prompt, str) and prompt:
+                shown = prompt if len(prompt) <= 40 else prompt[:40] + "..."
+                raise GlmJaxError(f"{where}: the prompt text {shown!r} encodes to no tokens (the tokenizer maps it "
+                                  f"to nothing); give other text or token ids")
             raise GlmJaxError(f"{where}: empty prompt")
         V = self.cfg.vocab_size
         s = Sampling(max_new_tokens=_arg_int("max_new_tokens", max_new_tokens, 0, None, where=where),
@@ -378,9 +385,10 @@ class Engine(Runner):
         """Like ``generate`` for one prompt, as an iterator of text pieces as they are generated (UTF-8 safe:
         a character split over tokens comes out whole).  After the last piece, ``.result`` is the
         GenerationResult.  Closing the iterator early (``break``) cancels the request and frees its row."""
-        return _Stream(self, self.request(prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_k=top_k, top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos,
-                                          stop=stop, where="stream"))
+        req = self.request(prompt_or_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos, stop=stop, where="stream")
+        self.scheduler.check(req.prompt, req.sampling)     # now, not at the first next(): as generate() does
+        return _Stream(self, req)
 
     @property
     def compile_s(self) -> float:
@@ -466,6 +474,14 @@ class _Stream:
         self._started = False
 
     def __iter__(self):
+        return self._drive(False)
+
+    def _each_token(self):
+        """Like iterating, but also yields None after every scheduler step (a model without a tokenizer has no
+        text pieces: its caller shows ``tokens`` as they grow)."""
+        return self._drive(True)
+
+    def _drive(self, every_step: bool):
         e, req = self.engine, self.req
         sched = e.scheduler
         e._route_acc = {}
@@ -479,11 +495,16 @@ class _Stream:
                     req.done_event.wait(0.05)
                 else:
                     sched.step()
+                if every_step:
+                    yield None
                 while self._pieces:
                     yield self._pieces.pop(0)
             while self._pieces:
                 yield self._pieces.pop(0)
             self.result = sched.result(req, compile0)
+            if e.plan is not None:           # the mesh line, as generate() gives it
+                self.result.stats.update(mesh=e.plan.describe(), processes=jax.process_count(),
+                                         expert_comm=e.plan.comm)
         finally:
             if not req.done:
                 sched.cancel(req)
@@ -518,6 +539,9 @@ def _arg_float(name, v, lo, hi, open_lo=False, where="generate"):
 _COMPILE_CACHE = [None]      # the persistent-cache directory this process set (None: none set by glm-jax)
 
 
+_HEALED: set = set()
+
+
 def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
     """Point JAX's persistent compilation cache at the per-user cache dir (``paths.cache_root``), another directory,
     or nowhere ('off').  Every program is cached (min compile time 0), so a second start compiles nothing.  An
@@ -533,6 +557,9 @@ def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
                 raise GlmJaxError(f"{label}={opt}: cannot use it as the compilation cache ({e.strerror or e})") from None
             d = None
     cur = jax.config.jax_compilation_cache_dir
+    if d is not None and d not in _HEALED:      # unreadable entries removed, once per directory and process
+        _HEALED.add(d)
+        compile_cache.heal(d)
     if d == cur:
         return
     if d is None and _COMPILE_CACHE[0] is None and opt != "off":

@@ -389,8 +389,11 @@ def main(argv):
             return 2
         print(contract_report(r))
         if FLAGS.output_json:
-            with open(FLAGS.output_json, "w") as f:
-                json.dump(r, f, indent=1)
+            try:
+                O.write_json_output(FLAGS.output_json, r)
+            except GlmJaxError as e:
+                print(f"glm-jax-eval: error: {e}", file=sys.stderr)
+                return 2
         return 0 if r["identical"] else 1
     try:
         opts = O.from_flags()
@@ -405,6 +408,11 @@ def main(argv):
         if engine.tokenizer is None:
             raise GlmJaxError(f"{engine.path}: the eval needs tokenizer.json")
         plays = read_plays(text)
+        positions = sum(max(0, len(ls) - FLAGS.context_lines) for ls in plays.values())
+        if FLAGS.items > positions:
+            raise GlmJaxError(f"flag --items={FLAGS.items}: {text} has {positions} next-line positions at "
+                              f"--context_lines={FLAGS.context_lines}; use --items <= {positions} (items beyond "
+                              f"them would only repeat)")
     except (GlmJaxError, ValueError) as e:
         print(f"glm-jax-eval: error: {e}", file=sys.stderr)
         return 2
@@ -426,15 +434,30 @@ def main(argv):
         print(f"| next-line MC acc_pmi | {r['mc_acc_pmi']:.3f} | {r['mc_acc_pmi_ref']:.3f} |")
     print(f"| experts dropped | {int(r['experts_dropped'])} | 0 |")
     if FLAGS.output_json:
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(r, f, indent=1)
+        try:
+            O.write_json_output(FLAGS.output_json, r)
+        except GlmJaxError as e:
+            print(f"glm-jax-eval: error: {e}", file=sys.stderr)
+            return 2
     return 0
+
+
+EVAL_FLAGS = ("model", "text", "items", "windows", "window_len", "context_lines", "score_chunk", "eval_batch",
+              "eval_seed", "output_json", "check_contract", "contract_tokens", "contract_prompt")
+
+
+def help_text() -> str:
+    from glm_jax import options as O
+
+    return O.command_help(FLAGS, [__doc__.strip().split("\n\n")[0], ""], O.main_flag_names(EVAL_FLAGS),
+                          "glm-jax-eval --helpfull documents every flag.")
 
 
 def run():
     define_flags()
     O.define_flags()
-    app.run(main)
+    # a bad flag: one `glm-jax-eval: error:` line, exit 2 (absl's own handler printed two)
+    app.run(main, flags_parser=lambda argv: O.parse_command_flags(FLAGS, argv, "glm-jax-eval", help_text))
 
 
 if __name__ == "__main__":

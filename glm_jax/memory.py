@@ -7,6 +7,7 @@ transient buffers and the expert cache all count against it (the expert cache ge
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -108,6 +109,24 @@ def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cg
                 break
             p = os.path.dirname(p)
     return best
+
+
+def budget_problem(ram_gb: float, label: str = "--ram_gb") -> Optional[str]:
+    """Why an explicit ``--ram_gb`` can't be kept here (above the memory cgroup's limit: the kernel would OOM-kill
+    the process long before the budget is reached), or None."""
+    lim = cgroup_limit()
+    if not ram_gb or lim is None or ram_gb * 1e9 <= lim:
+        return None
+    ok = math.floor(0.9 * lim / 1e7) / 100
+    return (f"{label}={ram_gb:g}: above this process's memory cgroup limit ({lim / 1e9:.2f} GB), so the budget "
+            f"could not be kept (the kernel would kill the process first); use {label} <= {ok:.2f}, or leave it "
+            f"unset (default: at most 0.9 x the limit)")
+
+
+def round_up_gb(x: float) -> float:
+    """A GB figure for a "would fit" suggestion: rounded UP to 0.01 with a 5 MB margin, so the value printed is
+    itself accepted (rounding 0.3749 to 0.37 suggested a value that is then refused)."""
+    return math.ceil((x + 0.005) * 100 - 1e-9) / 100
 
 
 def default_budget() -> tuple[int, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import json
 import math
 import os
 import re
@@ -21,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from glm_jax_plugins import Plugin
 
+from . import fileio
 from .errors import GlmJaxError, PluginError  # noqa: F401  (PluginError re-exported)
 
 
@@ -511,7 +513,10 @@ def parse_command_flags(flag_values, argv, prog: str, help_text):
     from absl import flags
 
     if any(a in HELP_ARGS for a in argv[1:]):
-        print(help_text())
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:              # `--help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     try:
         return flag_values(argv)
@@ -578,24 +583,18 @@ def from_flags() -> Options:
 
 # ----------------------------------------------------------------------------- helpers shared by the CLIs
 def writable_problem(path: str) -> Optional[str]:
-    """None if ``path`` can be written (created or appended to), else what is wrong.  Leaves no new file behind."""
-    if os.path.isdir(path):
-        return "is a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"directory {parent} does not exist"
-    existed = os.path.exists(path)
+    """None if ``path`` can be written (fileio.write_output / append_output: created, replaced or written through),
+    else what is wrong.  Creates nothing, and opens no FIFO or device (no hang on a FIFO without a reader)."""
+    return fileio.output_problem(path)
+
+
+def write_json_output(path: str, obj, flag: str = "--output_json"):
+    """``obj`` as JSON into the user's ``path`` (fileio.write_output: a symlink, device or FIFO written through, a
+    regular file replaced atomically); a failure is one OptionError line naming the flag."""
     try:
-        with open(path, "a"):
-            pass
+        fileio.write_output(path, json.dumps(obj, indent=1))
     except OSError as e:
-        return f"not writable ({e.strerror or e})"
-    if not existed:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-    return None
+        raise OptionError(f"{flag}={path}: cannot write ({e.strerror or e})") from None
 
 
 def check_writable(path: str, where: str):

@@ -155,9 +155,13 @@ def test_resume_after_interrupt(hf, tmp_path):
     cfg = load_config(dst)
     open_container(dst, cfg, verify="all").close()
     verify_dense(dst)
-    # a changed format is not "finished"
-    man = convert(src, dst, expert_format="int8_row", progress=False)
-    assert man["resumed_layers"] == [3]
+    # a finished container is never rewritten in place (issue 22): another format needs --overwrite, which builds
+    # the new one beside it and swaps it in
+    with pytest.raises(GlmJaxError, match="finished conversion of --src.*--overwrite"):
+        convert(src, dst, expert_format="int8_row", progress=False)
+    man = convert(src, dst, expert_format="int8_row", progress=False, overwrite=True)
+    assert man["resumed_layers"] == [] and man["expert_format"] == "int8_row"
+    open_container(dst, load_config(dst), verify="all").close()
 
 
 @pytest.fixture()
@@ -415,3 +419,123 @@ def test_odd_rows_are_stored_int8_row_with_a_note(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("glm-jax-convert: note:") == 1 and "int8_row" in err and "33" in err
     open_container(str(tmp_path / "c"), load_config(str(tmp_path / "c")), verify="all").close()
+
+
+# ----------------------------------------------------------------------------- issue 22: finished containers, locks
+def test_a_finished_container_is_never_replaced_without_overwrite(hf, tmp_path):
+    """Before: --src=SAME --dst=FINISHED --expert_format=other exited 0 and rewrote it in place (killed midway: the
+    valid container was gone, "incomplete conversion").  After: refused, the container untouched; --overwrite
+    killed midway leaves the old one valid."""
+    dst = str(tmp_path / "c")
+    convert(hf[0], dst, progress=False)
+    before = _tree(dst)
+    for fmt in ("int8_row", "int4_g64"):            # another format, and the very same one
+        with pytest.raises(GlmJaxError) as ei:
+            convert(hf[0], dst, expert_format=fmt, progress=False)
+        assert "finished" in str(ei.value) and "--overwrite" in str(ei.value) and "\n" not in str(ei.value)
+        assert _tree(dst) == before
+    with pytest.raises(RuntimeError, match="simulated interrupt"):
+        convert(hf[0], dst, expert_format="int8_row", progress=False, overwrite=True, fail_after_layers=1)
+    assert _tree(dst) == before
+    open_container(dst, load_config(dst), verify="all").close()
+
+
+def test_two_converts_into_one_dst_the_second_is_refused(hf, tmp_path, monkeypatch):
+    """Before: two converts into one --dst shared the *.tmp names with no lock: the survivor exited 0 with a
+    checksum mismatch inside, the other failed with a misleading 'write failed ... free space'.  After: the second
+    is refused at once (one line), the first finishes a valid container."""
+    import threading
+
+    from glm_jax.experts import convert as C
+    dst = str(tmp_path / "c")
+    started, go = threading.Event(), threading.Event()
+    real_layer = C._convert_layer
+
+    def slow_layer(*a, **k):
+        started.set()
+        assert go.wait(60)
+        return real_layer(*a, **k)
+    monkeypatch.setattr(C, "_convert_layer", slow_layer)
+    box = {}
+
+    def first():
+        try:
+            box["man"] = convert(hf[0], dst, progress=False)
+        except BaseException as e:          # noqa: BLE001  (reported below)
+            box["err"] = e
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(60)
+    monkeypatch.setattr(C, "_convert_layer", real_layer)
+    try:
+        with pytest.raises(GlmJaxError) as ei:
+            convert(hf[0], dst, expert_format="int8_row", progress=False)
+    finally:
+        go.set()
+        t.join(120)
+    assert "another glm-jax-convert" in str(ei.value) and "\n" not in str(ei.value)
+    assert "err" not in box, box.get("err")
+    open_container(dst, load_config(dst), verify="all").close()
+    verify_dense(dst)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".lock")]     # the lock file is removed
+
+
+def test_dst_inside_src_and_src_inside_dst_are_refused(hf, tmp_path):
+    """Before: --dst inside --src was accepted (a container written into the checkpoint)."""
+    src = str(tmp_path / "hf")
+    shutil.copytree(hf[0], src)
+    before = _tree(src)
+    with pytest.raises(GlmJaxError, match="inside --src"):
+        convert(src, os.path.join(src, "out"), progress=False)
+    assert _tree(src) == before and not os.path.exists(os.path.join(src, "out"))
+    with pytest.raises(GlmJaxError, match="inside --dst"):
+        convert(src, str(tmp_path), progress=False, overwrite=True)
+    assert _tree(src) == before
+
+
+def test_overwrite_on_a_symlinked_dst_keeps_the_link(hf, tmp_path):
+    """Before: --overwrite on a symlinked --dst swapped the link itself: the link became a directory and a stray
+    link was left beside it.  After: the link's target is replaced, the link stays, nothing stray."""
+    old_src = tmp_path / "old_src"
+    write_hf_checkpoint(str(old_src), tiny_config(vocab_size=96), seed=5)
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "c"
+    convert(str(old_src), str(target), progress=False)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    man = convert(hf[0], str(link), progress=False, overwrite=True)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert load_config(str(target)).vocab_size == 128 and man["source_fingerprint"]
+    open_container(str(target), load_config(str(target)), verify="all").close()
+    assert sorted(os.listdir(tmp_path)) == ["link", "old_src", "store"]
+    assert os.listdir(tmp_path / "store") == ["c"]
+
+
+def test_a_checkpoint_declaring_mtp_without_its_weights_converts_and_runs(tmp_path, capsys):
+    """transformers' Glm4MoeConfig declares num_nextn_predict_layers=1, but save_pretrained writes no MTP weights.
+    Before: the HF dir ran, but glm-jax-convert wrote a container that failed with 'config mismatch: no expert
+    records for layer 4' (--verify too).  After: converted without the MTP layer (one note line), it runs."""
+    import glm_jax
+    from glm_jax.experts.convert import cli_main
+    src = tmp_path / "hf"
+    write_hf_checkpoint(str(src), tiny_config(num_nextn_predict_layers=0), seed=3)
+    c = json.loads((src / "config.json").read_text())
+    c["num_nextn_predict_layers"] = 1
+    (src / "config.json").write_text(json.dumps(c))
+    ref = glm_jax.Engine.load(str(src))
+    want = ref.generate([1, 2, 3], max_new_tokens=4, stop_on_eos=False).tokens
+    ref.close()
+    dst = tmp_path / "c"
+    capsys.readouterr()
+    assert cli_main(["glm-jax-convert", f"--src={src}", f"--dst={dst}", "--noprogress", "--verify",
+                     "--expert_format=bf16", "--dense_format=f32"]) == 0
+    err = capsys.readouterr().err
+    notes = [ln for ln in err.splitlines() if "MTP" in ln]
+    assert len(notes) == 1 and "note" in notes[0], err
+    eng = glm_jax.Engine.load(str(dst))
+    try:
+        assert eng.cfg.num_nextn_predict_layers == 0
+        assert eng.generate([1, 2, 3], max_new_tokens=4, stop_on_eos=False).tokens == want
+    finally:
+        eng.close()
+    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1    # --src untouched

@@ -10,9 +10,11 @@ name then renamed.  Each finished layer leaves a done record with per-record crc
 if its done record matches the requested format/source AND every record's checksum re-verifies (a corrupted or
 truncated finished layer is redone).  ``--verify`` re-checks an existing container (all checksums) and exits.
 
-``--dst`` must be empty (or absent) or hold this conversion's own resumable state (same source); anything else is
-refused unless ``--overwrite``, which converts into a sibling work directory and swaps it in only when complete (the
-old directory stays valid until then).  Free space is checked up front (the output size is known), and a failed
+``--dst`` must be empty (or absent) or hold this conversion's own resumable (unfinished) state (same source);
+anything else, a finished container included, is refused unless ``--overwrite``, which converts into a sibling work
+directory (beside a symlinked --dst's target) and swaps it in only when complete (the old directory stays valid
+until then).  One conversion per --dst at a time: a lock file beside it (fileio.exclusive_lock), a second run is
+refused at once.  --dst inside --src (or --src inside --dst) is refused.  Free space is checked up front (the output size is known), and a failed
 write (ENOSPC, EIO) leaves no partial file behind.  Every problem is one ``glm-jax-convert: error:`` line, exit 2.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,6 +35,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import GlmJaxError
+from ..fileio import LockBusy, directory_lock, exclusive_lock
 from ..kernels import formats as quant
 from ..model.config import load_config
 from ..options import one_line
@@ -416,29 +420,91 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
         fp = source_fingerprint(st, src)
         if os.path.exists(dst) and not os.path.isdir(dst):
             raise ConvertError(f"--dst={dst}: is a file, not a directory")
-        if os.path.realpath(dst) == os.path.realpath(src):
+        real, rsrc = os.path.realpath(dst), os.path.realpath(src)
+        if real == rsrc:
             raise ConvertError(f"--dst={dst}: is the source directory (the converter never writes into --src)")
-        fresh = not os.path.isdir(dst) or not os.listdir(dst)
-        if fresh or _dst_is_ours(dst, fp):
-            return _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
-        if not overwrite:
-            names = sorted(os.listdir(dst))
-            raise ConvertError(f"--dst={dst}: not empty and not a conversion of --src={src} (holds "
-                               f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use an empty directory, "
-                               f"or --overwrite to replace it (the old content stays until the new one is complete)")
-        work = _work_dir(dst)
-        if os.path.isdir(work) and os.listdir(work) and not _dst_is_ours(work, fp):
-            shutil.rmtree(work)            # a stale work dir of another source: ours to remove
-        man = _convert_into(st, cfg, src, work, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
-        _exchange(work, dst)
-        shutil.rmtree(work, ignore_errors=True)     # now the old content
-        return man
+        if os.path.commonpath([real, rsrc]) == rsrc:
+            raise ConvertError(f"--dst={dst}: is inside --src={src} (the converter never writes into --src)")
+        if os.path.commonpath([real, rsrc]) == real:
+            raise ConvertError(f"--src={src}: is inside --dst={dst} (converting would replace the source)")
+        with _dst_lock(dst, real):
+            return _convert_locked(st, cfg, src, dst, real, fp, fmt, mfmt, gsize, dense_format, progress,
+                                   fail_after_layers, overwrite)
     finally:
         st.close()
 
 
+def _finished(d: str) -> bool:
+    """``d`` holds a finished container: its manifest, and no start marker of a conversion under way."""
+    return os.path.exists(os.path.join(d, MANIFEST_NAME)) and not os.path.exists(os.path.join(d, CONVERT_MARKER))
+
+
+def _lock_path(real: str) -> str:
+    return os.path.join(os.path.dirname(real), f".{os.path.basename(real)}.glm-jax-convert.lock")
+
+
+@contextlib.contextmanager
+def _dst_lock(dst: str, real: str):
+    """One conversion per destination at a time: a lock file beside the (resolved) ``--dst`` (removed at the end),
+    or, where its parent is not writable, a lock on ``--dst`` itself.  A second conversion is refused at once."""
+    busy = (f"--dst={dst}: another glm-jax-convert is writing it right now; wait for it to finish (or stop it), "
+            f"then re-run")
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive_lock(_lock_path(real), blocking=False, remove=True))
+        except LockBusy:
+            raise ConvertError(busy) from None
+        except OSError:
+            if not os.path.isdir(real):
+                raise ConvertError(f"--dst={dst}: cannot create it (directory {os.path.dirname(real)} is not "
+                                   "writable)") from None
+            try:
+                stack.enter_context(directory_lock(real, blocking=False))
+            except LockBusy:
+                raise ConvertError(busy) from None
+        yield
+
+
+def _convert_locked(st, cfg, src, dst, real, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers,
+                    overwrite) -> dict:
+    """``convert`` under the destination's lock; ``real`` is ``dst`` resolved (a symlinked --dst: its target is
+    converted into, or swapped with the new container; the link stays a link)."""
+    fresh = not os.path.isdir(real) or not os.listdir(real)
+    finished = not fresh and _finished(real)
+    if fresh or (not finished and _dst_is_ours(real, fp)):
+        return _convert_into(st, cfg, src, real, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
+    if not overwrite:
+        if finished:
+            same = ("a finished conversion of --src" if _dst_is_ours(real, fp)
+                    else f"a finished container, not a conversion of --src={src}")
+            raise ConvertError(f"--dst={dst}: holds {same} (manifest.json), which is never replaced without "
+                               f"--overwrite (the old container stays valid until the new one is complete); "
+                               f"glm-jax-convert --verify --dst={dst} checks it")
+        names = sorted(os.listdir(real))
+        raise ConvertError(f"--dst={dst}: not empty and not a conversion of --src={src} (holds "
+                           f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use an empty directory, "
+                           f"or --overwrite to replace it (the old content stays until the new one is complete)")
+    work = _work_dir(real)
+    if os.path.isdir(work) and os.listdir(work) and not _dst_is_ours(work, fp):
+        shutil.rmtree(work)            # a stale work dir of another source: ours to remove
+    man = _convert_into(st, cfg, src, work, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers)
+    _exchange(work, real)
+    shutil.rmtree(work, ignore_errors=True)     # now the old content
+    return man
+
+
 def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers) -> dict:
     hf = HFExperts(st, cfg)
+    drop_mtp = cfg.has_mtp and not hf.has_layer(cfg.mtp_layer_index)
+    if drop_mtp:        # transformers' save_pretrained of a config declaring an MTP layer writes none of it
+        L = cfg.mtp_layer_index
+        have = sum(1 for k in st.keys() if k.startswith(f"model.layers.{L}."))
+        print(f"glm-jax-convert: note: config.json declares num_nextn_predict_layers="
+              f"{cfg.num_nextn_predict_layers} but --src has no MTP experts (model.layers.{L}.mlp.experts.*"
+              + (f"; its {have} other MTP tensors are left out" if have else "") + "): converting without the MTP "
+              "layer (the container's config.json says 0; no MTP drafts)", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+        hf = HFExperts(st, cfg)
     H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     layers = [L for L in expert_layers(cfg) if L < cfg.num_hidden_layers or hf.has_layer(L)]
     for L in layers:
@@ -457,7 +523,7 @@ def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progres
     _writable_dir(dst)
     try:
         return _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress,
-                              fail_after_layers, layers, lay_of)
+                              fail_after_layers, layers, lay_of, drop_mtp)
     except OSError as e:           # ENOSPC, EIO, ...: the temp file of the step was removed (_tmp_for)
         where = e.filename or dst
         raise ConvertError(f"{where}: write failed ({e.strerror or e}); nothing partial was kept - free space or "
@@ -465,7 +531,7 @@ def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progres
 
 
 def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progress, fail_after_layers, layers,
-                   lay_of) -> dict:
+                   lay_of, drop_mtp=False) -> dict:
     E = cfg.n_routed_experts
     _atomic_json(os.path.join(dst, CONVERT_MARKER), {"created_by": "glm-jax-convert", "source": fp,
                                                      "src": os.path.abspath(src)})
@@ -474,6 +540,9 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
     if os.path.exists(mpath):
         os.replace(mpath, mpath + ".old")   # the manifest is written last; an incomplete run has none
     plan = _dense_plan(st, dense_format)
+    if drop_mtp:
+        mtp_pre = f"model.layers.{cfg.num_hidden_layers}."
+        plan = [row for row in plan if not row[0].startswith(mtp_pre)]
     todo = []
     want_of = {L: {"layer": L, "fmt": lay_of[L].fmt, "source": fp, "format_version": FORMAT_VERSION,
                    "layout": lay_of[L].to_json()} for L in layers}
@@ -505,6 +574,10 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
     finally:
         prog.close()
     _copy_side_files(src, dst)
+    if drop_mtp:
+        c = _load_json(os.path.join(src, "config.json"))
+        c["num_nextn_predict_layers"] = 0
+        _atomic_json(os.path.join(dst, "config.json"), c)
     experts, linfo = [], {}
     for L in layers:
         rec = _load_json(os.path.join(dst, done_file_name(L)))

@@ -68,7 +68,7 @@ import numpy as np
 from .. import paths
 from ..errors import GlmJaxError
 from ..kernels.formats import FLOAT_FORMATS, ExpertBank, with_kernel
-from ..memory import default_budget, evict_page_cache
+from ..memory import default_budget, evict_page_cache, round_up_gb
 from ..model.config import ModelConfig
 from .container import balanced_chunk, config_hash, open_expert_source
 
@@ -472,7 +472,7 @@ class ExpertStore:
                     f"compile reserve) {used_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + I/O buffers and one layer's "
                     f"working set {buffers / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
                     f"{max(avail, 0) / 1e9:.2f} GB, but one expert per layer needs {rec_sum / 1e9:.2f} GB; "
-                    f"--ram_gb >= {need:.2f} would fit"
+                    f"--ram_gb >= {round_up_gb(need):.2f} would fit"
                     + (f" (or a smaller --pin_gb than {pin_gb:g})" if pin_bytes else "")
                     + "; smaller dense weights: --dense_format=int8_row (or a container converted with "
                       "glm-jax-convert --dense_format=int8); a shorter --max_seq_len")

@@ -4,8 +4,10 @@ The C++ source ships with the package and is compiled on first use with the mach
 g++/c++, ``-O3 -march=native``) against the FFI headers of the installed jaxlib, into the per-user cache
 (``$XDG_CACHE_HOME/glm-jax/kernels``, or ``~/.cache/glm-jax/kernels``; ``set_build_dir`` moves it).  The library name
 carries a hash of the source, compiler, flags, jaxlib version and CPU flags, so an upgrade or another CPU builds
-anew, and nothing is written into the installed package.  Building is atomic (temp file + rename) and serialised
-between processes by a lock file.  Where no compiler is found or the build fails, ``available()`` is False and the
+anew, and nothing is written into the installed package (a relative ``$XDG_CACHE_HOME`` is ignored, as paths.py
+does).  Building is atomic (temp file + rename) and serialised between processes by a lock file; a size + sha256
+stamp is written beside the library, and a cached library is loaded only after the checks of ``file_problem`` /
+``dir_problem`` (owner, mode, stamp: below); anything failing them is rebuilt, never handed to dlopen.  Where no compiler is found or the build fails, ``available()`` is False and the
 engine runs its XLA path (``--kernels=auto``; ``--kernels=native`` makes that an error).
 
 Formats (glm_jax/quant.py is the numpy reference): f32, bf16 row-major (f32 activations, exact dot products); int8_row
@@ -15,16 +17,23 @@ products with AVX-512 VNNI where present, the same integer sums in portable C++ 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import fcntl
 import hashlib
+import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 import threading
 
 import numpy as np
+
+from .. import paths
 
 FMT_CODE = {"f32": 0, "bf16": 1, "int8_row": 2, "int4": 3}
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qkernels.cc")
@@ -46,8 +55,95 @@ def set_build_dir(path: str | None):
 def build_dir() -> str:
     if _state["dir"]:
         return _state["dir"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "glm-jax", "kernels")
+    return os.path.join(paths._xdg("XDG_CACHE_HOME", ".cache"), "glm-jax", "kernels")   # relative: ignored
+
+
+# ----------------------------------------------------------------------------- trusting a cached library
+# A cached library is loaded only when (1) no other user can have put it there: the directory and every directory
+# above it are owned by this user or root and writable by nobody else (a sticky world-writable one like /tmp is
+# fine), as OpenSSH checks ~/.ssh; (2) the file itself is a regular file (not a link) owned by this user, writable
+# by nobody else; (3) its size and sha256 match the stamp written beside it when it was built.  (3) is what keeps a
+# truncated or emptied library (a full disk, a killed copy) from reaching dlopen, where it would end the process
+# with SIGBUS; any failed check rebuilds it.
+def _stamp_path(lib: str) -> str:
+    return lib + ".sha256"
+
+
+def dir_problem(d: str) -> str | None:
+    """None if only this user (or root) can change what ``d`` holds, else why not (one phrase)."""
+    uid = os.getuid()
+    p = os.path.realpath(d)
+    while True:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if st.st_uid not in (uid, 0):
+                return f"{p} is owned by uid {st.st_uid}"
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                return f"{p} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        up = os.path.dirname(p)
+        if up == p:
+            return None
+        p = up
+
+
+def file_problem(lib: str) -> str | None:
+    """None if ``lib`` is a library this user built here, intact (its stamp's size and sha256), else why not."""
+    try:
+        st = os.lstat(lib)
+    except FileNotFoundError:
+        return "not built yet"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    try:
+        with open(_stamp_path(lib)) as f:
+            stamp = json.load(f)
+        want_size, want_hash = int(stamp["size"]), str(stamp["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no valid build stamp"
+    if os.lstat(_stamp_path(lib)).st_uid != os.getuid():
+        return "build stamp owned by another user"
+    if st.st_size != want_size:
+        return f"size {st.st_size} bytes, built as {want_size} (truncated?)"
+    if _sha256(lib) != want_hash:
+        return "content differs from its build stamp"
+    return None
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _cache_dir() -> str:
+    """The build directory, made private if it is ours; a directory others can write into (or above ours) is not
+    used: this process builds into a private temporary directory instead (and says so, once)."""
+    d = build_dir()
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.stat(d)
+        if st.st_uid == os.getuid() and st.st_mode & 0o022:
+            os.chmod(d, stat.S_IMODE(st.st_mode) & ~0o022)
+    except OSError:
+        pass
+    why = dir_problem(d)
+    if why is None:
+        return d
+    if _state.get("private") is None:
+        _state["private"] = tempfile.mkdtemp(prefix="glm-jax-kernels-")
+        atexit.register(shutil.rmtree, _state["private"], True)
+        print(f"glm-jax: note: not using the kernel cache {d} ({why}); building the kernels privately for this "
+              f"run (make it yours and mode 700, or set XDG_CACHE_HOME)", file=sys.stderr, flush=True)
+    return _state["private"]
 
 
 def _compiler() -> str | None:
@@ -68,7 +164,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _library_path(cxx: str, extra=()) -> str:
+def _library_path(cxx: str, extra=(), d: str | None = None) -> str:
     import jaxlib
 
     with open(SOURCE, "rb") as f:
@@ -82,24 +178,27 @@ def _library_path(cxx: str, extra=()) -> str:
                  _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
-    return os.path.join(build_dir(), f"qkernels-{h.hexdigest()[:20]}.so")
+    return os.path.join(d or build_dir(), f"qkernels-{h.hexdigest()[:20]}.so")
 
 
 def _build(cxx: str, out: str, extra=()):
-    import fcntl
-
+    """Build ``out`` unless a trusted copy is there (checked again under the lock: another process may just have
+    built it); an untrusted one is removed first.  The stamp is written after the library: a library without one is
+    rebuilt."""
     import jax
 
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(os.path.join(os.path.dirname(out), ".lock"), "w") as lk:
+    d = os.path.dirname(out)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    with open(os.path.join(d, ".lock"), "w") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
-        if os.path.exists(out):
+        if file_problem(out) is None:
             return
-        fd, tmp = tempfile.mkstemp(prefix=".qkernels-", suffix=".so.tmp", dir=os.path.dirname(out))
+        for p in (out, _stamp_path(out)):
+            if os.path.lexists(p):
+                os.unlink(p)
+        fd, tmp = tempfile.mkstemp(prefix=".qkernels-", suffix=".so.tmp", dir=d)
         os.close(fd)
-        import sys
-
-        print(f"glm-jax: building the native kernels into {os.path.dirname(out)} (once per machine and jaxlib, "
+        print(f"glm-jax: building the native kernels into {d} (once per machine and jaxlib, "
               "about 10 s)", file=sys.stderr, flush=True)
         try:
             cmd = [cxx, *CXXFLAGS, *extra, "-isystem", jax.ffi.include_dir(), SOURCE, "-o", tmp]
@@ -107,10 +206,26 @@ def _build(cxx: str, out: str, extra=()):
             if r.returncode != 0:
                 msg = (r.stderr or r.stdout).strip().splitlines()
                 raise KernelError(f"{os.path.basename(cxx)} failed on {SOURCE}: {msg[-1] if msg else r.returncode}")
+            os.chmod(tmp, 0o755)
+            stamp = json.dumps({"size": os.path.getsize(tmp), "sha256": _sha256(tmp)})
             os.replace(tmp, out)
+            with open(tmp, "w") as f:
+                f.write(stamp)
+            os.replace(tmp, _stamp_path(out))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _checked_library(cxx: str, extra=()):
+    """The kernels library, loaded only after ``file_problem`` found nothing wrong (rebuilt otherwise)."""
+    path = _library_path(cxx, extra, _cache_dir())
+    if file_problem(path) is not None:
+        _build(cxx, path, extra)
+    why = file_problem(path)
+    if why is not None:
+        raise KernelError(f"{path}: {why} (after building it)")
+    return ctypes.cdll.LoadLibrary(path)
 
 
 def load(required: bool = False) -> bool:
@@ -136,10 +251,7 @@ def _load():
     cxx = _compiler()
     if cxx is None:
         raise KernelError("no C++ compiler found ($CXX, g++, c++, clang++)")
-    path = _library_path(cxx)
-    if not os.path.exists(path):
-        _build(cxx, path)
-    lib = ctypes.cdll.LoadLibrary(path)
+    lib = _checked_library(cxx)
     jax.ffi.register_ffi_target("glmjax_qlinear", jax.ffi.pycapsule(lib.GlmJaxQLinear), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_moe", jax.ffi.pycapsule(lib.GlmJaxMoe), platform="cpu")
     return lib
@@ -155,11 +267,7 @@ def load_portable() -> str:
             cxx = _compiler()
             if cxx is None:
                 raise KernelError("no C++ compiler found ($CXX, g++, c++, clang++)")
-            extra = ("-DGLMJAX_PORTABLE",)
-            path = _library_path(cxx, extra)
-            if not os.path.exists(path):
-                _build(cxx, path, extra)
-            lib = ctypes.cdll.LoadLibrary(path)
+            lib = _checked_library(cxx, ("-DGLMJAX_PORTABLE",))
             for name, sym in (("glmjax_qlinear", lib.GlmJaxQLinear), ("glmjax_moe", lib.GlmJaxMoe)):
                 jax.ffi.register_ffi_target(name + "_portable", jax.ffi.pycapsule(sym), platform="cpu")
             _state["portable"] = lib

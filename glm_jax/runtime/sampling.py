@@ -27,7 +27,8 @@ def filtered_probs(logits, temperature: float, top_k: int, top_p: float):
         order = jnp.argsort(-p, axis=-1)
         ps = jnp.take_along_axis(p, order, -1)
         cum = jnp.cumsum(ps, -1)
-        keep_sorted = (cum - ps) < top_p                 # always keeps the most likely token
+        # always keeps the most likely token (explicitly: a top_p below f32's smallest normal is 0 on the device)
+        keep_sorted = ((cum - ps) < top_p) | (jnp.arange(V) == 0)
         keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), -1)
         p = jnp.where(keep, p, 0.0)
         p = p / p.sum(-1, keepdims=True)
@@ -65,7 +66,7 @@ def filtered_probs_rows(logits, temperature, top_k, top_p):
         order = jnp.argsort(-p, axis=-1)
         ps = jnp.take_along_axis(p, order, -1)
         cum = jnp.cumsum(ps, -1)
-        keep_sorted = (cum - ps) < top_p[:, None]
+        keep_sorted = ((cum - ps) < top_p[:, None]) | (jnp.arange(V) == 0)[None, :]     # the top token: always
         keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), -1) | ~use_p[:, None]
         p = jnp.where(keep, p, 0.0)
         return p / p.sum(-1, keepdims=True)

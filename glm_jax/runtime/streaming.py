@@ -15,11 +15,14 @@ Every byte moved is counted by the store; this module only adds routing-side num
 from __future__ import annotations
 
 import functools
+import json
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import fileio
 from .. import model as M
 from ..kernels.formats import ExpertBank
 from .stats import routing_summary as _routing_summary
@@ -214,11 +217,22 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None):
             x = f["moe_late"](rows, h, hn, ids, w, valid, early[0], early[1], early[2], bank, jnp.asarray(slot_of))
     logits, hidden = f["head"](params["norm"], params["lm_head"], x, valid_bt if logit_rows is None else logit_rows)
     if trace:
-        import json
-
-        with open(engine.opts["route_trace"], "a") as fh:
-            fh.write(json.dumps(trace) + "\n")
+        write_route_trace(engine, trace)
     return logits, hidden, cache
+
+
+def write_route_trace(engine, trace: list):
+    """Append one forward's routing to --route_trace (fileio.append_output).  A failed write (a full disk, a FIFO
+    nobody reads) is one warning line, the trace is then off for this engine, and the generation goes on."""
+    path = engine.opts["route_trace"]
+    if getattr(engine, "_route_trace_off", False):
+        return
+    try:
+        fileio.append_output(path, json.dumps(trace) + "\n")
+    except OSError as e:
+        engine._route_trace_off = True
+        print(f"glm-jax: warning: --route_trace={path}: cannot write ({e.strerror or e}); the routing trace is "
+              "off for the rest of this run", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the MTP layer, streamed
