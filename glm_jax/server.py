@@ -14,7 +14,9 @@ exits 0.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import os
 import secrets
 import sys
@@ -38,9 +40,12 @@ flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a free row; be
 flags.DEFINE_string("served_model_name", "", "The model id clients send and /v1/models lists (default: the model "
                     "directory's name, 'glm-jax-default' for the embedded model).")
 O.define_flags()
+O.define_serve_flags()
 SERVE_MAX_BATCH = 8          # --max_batch's default here (the option table's default, 1, is glm-jax's)
 
-MAIN_FLAGS = ("model", "host", "port", "api_key", "max_batch", "prefill_chunk", "max_queue", "served_model_name")
+MAIN_FLAGS = ("model", "host", "port", "api_key", "max_batch", "prefill_chunk", "max_queue", "served_model_name",
+              "max_body_mb")
+LOG = logging.getLogger("glm_jax.server")
 
 
 class HTTPError(Exception):
@@ -56,8 +61,9 @@ _one_line = O.one_line
 
 
 # ----------------------------------------------------------------------------- request parameters
-def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable=True):
-    """body[name] checked: kind int | float | bool | str; ranges inclusive.  400 naming the field otherwise."""
+def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable=True, lo_open=False):
+    """body[name] checked: kind int | float | bool | str; ranges inclusive (``lo_open``: lo excluded).  400 naming
+    the field otherwise."""
     if name not in body or (body[name] is None and nullable):
         return default
     v = body[name]
@@ -71,8 +77,8 @@ def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable
         v = float(v)
         if v != v or v in (float("inf"), float("-inf")):
             raise HTTPError(400, f"'{name}': expected a finite number", param=name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
         raise HTTPError(400, f"'{name}': {v} is out of range (expected {rng})", param=name)
     return v
 
@@ -97,7 +103,7 @@ def sampling_args(body: dict, vocab: int, default_max: int) -> dict:
     seed = _field(body, "seed", int, None, -(1 << 63), (1 << 63) - 1)
     return dict(max_new_tokens=_field(body, mt, int, default_max, 0, None),
                 temperature=_field(body, "temperature", float, 1.0, 0.0, 2.0),
-                top_p=_field(body, "top_p", float, 1.0, 0.0, 1.0),
+                top_p=_field(body, "top_p", float, 1.0, 0.0, 1.0, lo_open=True),
                 top_k=_field(body, "top_k", int, 0, 0, vocab),
                 seed=seed if seed is not None else secrets.randbits(63),
                 stop=stop)
@@ -105,12 +111,19 @@ def sampling_args(body: dict, vocab: int, default_max: int) -> dict:
 
 # ----------------------------------------------------------------------------- the app
 class Server:
-    def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64):
+    def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
+                 max_body_mb: float = O.SERVE_BY_NAME["max_body_mb"].default,
+                 read_timeout_s: float = O.SERVE_BY_NAME["read_timeout_s"].default,
+                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default):
         self.engine = engine
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
         self.model_name = model_name or _default_name(engine.path)
-        self.api_key = api_key
+        self.api_key = api_key.encode("utf-8")           # compared as bytes (hmac.compare_digest)
+        self.max_body = int(max_body_mb * (1 << 20))
+        self.read_timeout_s = float(read_timeout_s)
+        self.keep_alive_s = float(keep_alive_s)
+        self._max_token_bytes = _max_token_bytes(engine)
         self.created = int(time.time())
         self.stop = threading.Event()
         self.draining = False
@@ -131,6 +144,15 @@ class Server:
             print(f"glm-jax-serve: engine thread stopped: {_one_line(e)}", file=sys.stderr)
             for r in list(self.sched.queue) + [r for r in self.sched.rows if r is not None]:
                 self.sched._fail(r, e)
+
+    def uvicorn_config(self, **kw):
+        """uvicorn's Config for this app: the h11 protocol with --read_timeout_s (a request whose headers or body
+        never finish is closed), --keep_alive_s, bounded header size."""
+        import uvicorn
+
+        kw.setdefault("log_level", "warning")
+        return uvicorn.Config(self.app, http=_timed_h11(self.read_timeout_s), timeout_keep_alive=self.keep_alive_s,
+                              h11_max_incomplete_event_size=64 * 1024, **kw)
 
     def stop_engine(self):
         self.stop.set()
@@ -190,7 +212,8 @@ class Server:
     # ------------------------------------------------------------------ handlers
     def _app(self):
         from starlette.applications import Starlette
-        from starlette.requests import Request
+        from starlette.exceptions import HTTPException as StarletteHTTPException
+        from starlette.requests import ClientDisconnect, Request
         from starlette.responses import JSONResponse, Response
         from starlette.routing import Route
 
@@ -198,58 +221,84 @@ class Server:
 
         def err(e: HTTPError, endpoint: str):
             server.m_requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status)
+            headers = {"Connection": "close"} if e.status == 413 else None
+            return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
         def auth(request: Request):
             if server.api_key:
-                h = request.headers.get("authorization", "")
-                if not (h.startswith("Bearer ") and secrets.compare_digest(h[7:].strip(), server.api_key)):
+                h = request.headers.get("authorization", "").encode("latin-1")     # the header's bytes as sent
+                if not (h.startswith(b"Bearer ") and hmac.compare_digest(h[7:].strip(), server.api_key)):
                     raise HTTPError(401, "invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key",
                                     type_="authentication_error")
 
-        async def body_of(request: Request) -> dict:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise HTTPError(400, f"request body is not valid JSON ({_one_line(e)})")
-            if not isinstance(body, dict):
-                raise HTTPError(400, "request body must be a JSON object")
-            m = body.get("model")
-            if m is not None and m != server.model_name:
-                raise HTTPError(400, f"unknown model {json.dumps(m)[:80]} (this server serves "
-                                     f"{json.dumps(server.model_name)})", param="model", code="model_not_found")
-            if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
-                raise HTTPError(400, "'stream': expected a boolean", param="stream")
-            return body
+        async def raw_body(request: Request) -> bytes:
+            """The body, refused with 413 past --max_body_mb before it is all read (Content-Length, or as it
+            arrives)."""
+            limit = server.max_body
+            cl = request.headers.get("content-length")
+            if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+                raise HTTPError(413, f"request body is {int(cl)} bytes, more than --max_body_mb "
+                                     f"({limit / (1 << 20):g} MB)", code="request_too_large")
+            parts, n = [], 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise HTTPError(413, f"request body is more than --max_body_mb ({limit / (1 << 20):g} MB)",
+                                    code="request_too_large")
+                parts.append(chunk)
+            return b"".join(parts)
+
+        def handler(endpoint: str, fn, needs_auth: bool = True):
+            """Every handler: its HTTPError as an OpenAI-style JSON error; any other exception a JSON 500, counted in
+            /metrics and logged with its traceback."""
+            async def h(request: Request):
+                try:
+                    if needs_auth:
+                        auth(request)
+                    return await fn(request)
+                except HTTPError as e:
+                    return err(e, endpoint)
+                except ClientDisconnect:
+                    server.m_requests.labels(endpoint, "499").inc()
+                    return Response(status_code=499)
+                except Exception as e:
+                    return server.internal_error(endpoint, e)
+            return h
 
         async def health(request):
             return JSONResponse({"status": "draining" if server.draining else "ok",
                                  "running": server.sched.running, "waiting": server.sched.waiting})
 
         async def models(request):
-            try:
-                auth(request)
-            except HTTPError as e:
-                return err(e, "models")
             server.m_requests.labels("models", "200").inc()
-            return JSONResponse({"object": "list", "data": [
-                {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "glm-jax"}]})
+            return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+        async def model(request):
+            mid = request.path_params["model_id"]
+            if mid != server.model_name:
+                raise server.unknown_model(mid)
+            server.m_requests.labels("models", "200").inc()
+            return JSONResponse(server.model_card())
 
         async def metrics(request):
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-            try:
-                auth(request)
-            except HTTPError as e:
-                return err(e, "metrics")
             return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
 
         async def completions(request):
-            return await server._generate(request, chat=False, err=err, auth=auth, body_of=body_of)
+            return await server._generate(request, chat=False, raw_body=raw_body)
 
         async def chat_completions(request):
-            return await server._generate(request, chat=True, err=err, auth=auth, body_of=body_of)
+            return await server._generate(request, chat=True, raw_body=raw_body)
+
+        async def http_error(request, exc):         # starlette's own 404 / 405: OpenAI-style JSON too
+            status = getattr(exc, "status_code", 500)
+            e = HTTPError(status, f"{request.method} {request.url.path}: {exc.detail}",
+                          type_="invalid_request_error" if status < 500 else "server_error")
+            return err(e, "other")
+
+        async def unexpected(request, exc):          # outside every handler (middleware, routing)
+            return server.internal_error("other", exc)
 
         from contextlib import asynccontextmanager
 
@@ -263,12 +312,54 @@ class Server:
                 server.stop_engine()
 
         return Starlette(routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        ], lifespan=lifespan)
+            Route("/health", handler("health", health, needs_auth=False), methods=["GET"]),
+            Route("/v1/models", handler("models", models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", handler("models", model), methods=["GET"]),
+            Route("/metrics", handler("metrics", metrics), methods=["GET"]),
+            Route("/v1/completions", handler("completions", completions), methods=["POST"]),
+            Route("/v1/chat/completions", handler("chat_completions", chat_completions), methods=["POST"]),
+        ], lifespan=lifespan, exception_handlers={StarletteHTTPException: http_error, Exception: unexpected})
+
+    def internal_error(self, endpoint: str, e: BaseException):
+        from starlette.responses import JSONResponse
+
+        LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(e), exc_info=e)
+        self.m_requests.labels(endpoint, "500").inc()
+        return JSONResponse(HTTPError(500, f"internal error: {_one_line(e)}", type_="server_error").body(),
+                            status_code=500)
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "glm-jax"}
+
+    def unknown_model(self, m) -> HTTPError:
+        return HTTPError(404, f"the model {json.dumps(m)[:80]} does not exist (this server serves "
+                              f"{json.dumps(self.model_name)})", param="model", code="model_not_found")
+
+    def parse_body(self, raw: bytes) -> dict:
+        """The request's JSON object: 400 for invalid JSON, nesting too deep for the parser, invalid Unicode (a lone
+        surrogate escaped as \\ud800), a non-object; 404 for another model."""
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise HTTPError(400, "request body: JSON nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"request body is not valid JSON ({_one_line(e)})") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "request body must be a JSON object")
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            raise HTTPError(400, "request body: JSON nested too deeply") from None
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.end]
+            raise HTTPError(400, f"request body: invalid Unicode (a lone surrogate "
+                                 f"{ascii(bad)[1:-1]} in a string)") from None
+        m = body.get("model")
+        if m is not None and m != self.model_name:
+            raise self.unknown_model(m)
+        if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
+            raise HTTPError(400, "'stream': expected a boolean", param="stream")
+        return body
 
     def _prompt(self, body: dict, chat: bool):
         eng = self.engine
@@ -282,6 +373,7 @@ class Server:
                 msgs = C.check_messages(msgs, "messages")
             except GlmJaxError as e:
                 raise HTTPError(400, _one_line(e), param="messages")
+            self._check_size(sum(len(m["content"].encode("utf-8")) for m in msgs), "messages")
             return msgs
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
@@ -289,6 +381,7 @@ class Server:
         if isinstance(p, str):
             if not p:
                 raise HTTPError(400, "'prompt': empty", param="prompt")
+            self._check_size(len(p.encode("utf-8")), "prompt")
             return p
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             V = eng.cfg.vocab_size
@@ -298,43 +391,62 @@ class Server:
             return p
         raise HTTPError(400, "'prompt': expected a string or a list of token ids (one prompt)", param="prompt")
 
-    async def _generate(self, request, chat: bool, err, auth, body_of):
+    def _check_size(self, nbytes: int, param: str):
+        """Refuse, before tokenizing it, a text that cannot fit the context: every token covers at most
+        ``_max_token_bytes`` bytes of it (x4 for a tokenizer that normalizes), so it has at least that many tokens."""
+        limit, per = self.engine.context_limit, self._max_token_bytes
+        if per and nbytes > per * limit:
+            raise HTTPError(400, f"'{param}': {nbytes} bytes of text are at least {nbytes // per} tokens but the "
+                                 f"context limit is {limit} tokens", param=param, code="context_length_exceeded")
+
+    async def _generate(self, request, chat: bool, raw_body):
+        from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
         endpoint = "chat_completions" if chat else "completions"
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down", type_="server_error")
+        raw = await raw_body(request)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        # JSON parsing, checks and tokenization in a worker thread: /health and the streams keep answering
+        req, stream, include_usage = await run_in_threadpool(self._submit, raw, chat, endpoint, loop, q)
+        return await self._respond(request, chat, endpoint, req, stream, include_usage, q, JSONResponse)
+
+    def _submit(self, raw: bytes, chat: bool, endpoint: str, loop, q):
         eng, sched = self.engine, self.sched
+        body = self.parse_body(raw)
+        prompt = self._prompt(body, chat)
+        args = sampling_args(body, eng.cfg.vocab_size, default_max=16 if not chat else 1 << 30)
+        stream = bool(body.get("stream") or False)
+        so = body.get("stream_options")
+        if so is not None and not isinstance(so, dict):
+            raise HTTPError(400, "'stream_options': expected an object", param="stream_options")
+        include_usage = (so or {}).get("include_usage", False)
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise HTTPError(400, f"'stream_options.include_usage': expected a boolean (true or false), got "
+                                 f"{json.dumps(include_usage)[:80]}", param="stream_options.include_usage")
+        include_usage = bool(include_usage)
+
+        def on_event(req, text, toks, done):
+            loop.call_soon_threadsafe(q.put_nowait, (text, len(toks), done))
+
         try:
-            auth(request)
-            if self.draining:
-                raise HTTPError(503, "the server is shutting down", type_="server_error")
-            body = await body_of(request)
-            prompt = self._prompt(body, chat)
-            args = sampling_args(body, eng.cfg.vocab_size, default_max=16 if not chat else 1 << 30)
-            stream = bool(body.get("stream") or False)
-            so = body.get("stream_options")
-            if so is not None and not isinstance(so, dict):
-                raise HTTPError(400, "'stream_options': expected an object", param="stream_options")
-            include_usage = bool((so or {}).get("include_usage", False))
-            loop = asyncio.get_running_loop()
-            q: asyncio.Queue = asyncio.Queue()
+            req = eng.request(prompt, chat=chat, on_event=on_event, where=endpoint, **args)
+            limit = eng.context_limit
+            req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, max(0, limit - len(req.prompt)))
+            sched.submit(req)
+        except GlmJaxError as e:
+            from .scheduler import QueueFull
 
-            def on_event(req, text, toks, done):
-                loop.call_soon_threadsafe(q.put_nowait, (text, len(toks), done))
+            if isinstance(e, QueueFull):
+                raise HTTPError(429, _one_line(e), code="queue_full", type_="rate_limit_error")
+            code = "context_length_exceeded" if "context limit" in str(e) else None
+            raise HTTPError(400, _one_line(e), param="messages" if chat else "prompt", code=code)
+        return req, stream, include_usage
 
-            try:
-                req = eng.request(prompt, chat=chat, on_event=on_event, where=endpoint, **args)
-                limit = eng.context_limit
-                req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, max(0, limit - len(req.prompt)))
-                sched.submit(req)
-            except GlmJaxError as e:
-                from .scheduler import QueueFull
-
-                if isinstance(e, QueueFull):
-                    raise HTTPError(429, _one_line(e), code="queue_full", type_="rate_limit_error")
-                code = "context_length_exceeded" if "context limit" in str(e) else None
-                raise HTTPError(400, _one_line(e), param="messages" if chat else "prompt", code=code)
-        except HTTPError as e:
-            return err(e, endpoint)
+    async def _respond(self, request, chat, endpoint, req, stream, include_usage, q, JSONResponse):
+        sched = self.sched
         self.m_prompt.inc(len(req.prompt))
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
@@ -367,8 +479,7 @@ class Server:
                 raise
             finished()
             if req.error is not None:
-                self.m_requests.labels(endpoint, "500").inc()
-                return JSONResponse(HTTPError(500, _one_line(req.error), type_="server_error").body(), status_code=500)
+                return self.internal_error(endpoint, req.error)
             self.m_gen.inc(len(req.out))
             self.m_requests.labels(endpoint, "200").inc()
             reason = req.finish_reason
@@ -414,6 +525,8 @@ class Server:
                         break
                 finished()
                 if req.error is not None:
+                    LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(req.error),
+                              exc_info=req.error)
                     yield {"data": json.dumps(HTTPError(500, _one_line(req.error), type_="server_error").body())}
                 else:
                     yield {"data": chunk(None if chat else "", reason=req.finish_reason)}
@@ -429,6 +542,64 @@ class Server:
                 self.m_requests.labels(endpoint, "200" if ok else ("500" if req.error else "499")).inc()
 
         return EventSourceResponse(events(), ping=15)
+
+
+def _max_token_bytes(engine) -> int:
+    """The most UTF-8 bytes of text one token can stand for (an upper bound: a vocabulary entry's own UTF-8 length,
+    x4 when the tokenizer has a normalizer, which may shrink the text); 0 without a tokenizer."""
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None:
+        return 0
+    vocab = tok.tok.get_vocab(with_added_tokens=True)
+    per = max((len(k.encode("utf-8")) for k in vocab), default=0)
+    return per * (4 if tok.tok.normalizer is not None else 1)
+
+
+def _timed_h11(read_timeout_s: float):
+    """uvicorn's h11 protocol with a read timeout: a connection whose request has not fully arrived (headers and
+    body: h11's client state still IDLE or SEND_BODY) ``read_timeout_s`` after it opened or after its previous
+    response is closed.  uvicorn itself only times out idle keep-alive connections, so a client that never
+    finishes its headers would hold its connection (and its buffers) forever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _read_timer = None
+
+        def _arm_read_timer(self):
+            if self._read_timer is None:
+                self._read_timer = self.loop.call_later(read_timeout_s, self._read_timed_out)
+
+        def _disarm_read_timer(self):
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_timed_out(self):
+            self._read_timer = None
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                LOG.warning("glm-jax-serve: closed a connection from %s whose request did not arrive within "
+                            "--read_timeout_s=%g", self.client, read_timeout_s)
+                self.transport.close()
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_read_timer()
+
+        def data_received(self, data):
+            super().data_received(data)
+            if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+                self._disarm_read_timer()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_read_timer()
+
+        def connection_lost(self, exc):
+            self._disarm_read_timer()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol
 
 
 def _default_name(path: str) -> str:
@@ -453,15 +624,16 @@ def parse_flags(argv):
 
 
 def main(argv):
-    from absl import logging
+    from absl import logging as absl_logging
 
     if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+        absl_logging.set_verbosity(absl_logging.WARNING)
     engine = None
     try:
         if len(argv) > 1:
             raise GlmJaxError(f"unexpected arguments: {' '.join(argv[1:])} (flags are --name=value)")
         opts = O.from_flags()
+        limits = O.serve_from_flags()
         if not FLAGS["max_batch"].present:
             opts["max_batch"] = SERVE_MAX_BATCH
         from .engine import Engine
@@ -471,7 +643,12 @@ def main(argv):
 
         import uvicorn
 
-        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        LOG.addHandler(handler)
+        LOG.setLevel(logging.INFO)
+        LOG.propagate = False
+        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, **limits)
         sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -481,7 +658,7 @@ def main(argv):
         port = sock.getsockname()[1]
         print(f"glm-jax-serve: serving {srv.model_name} on http://{FLAGS.host}:{port}/v1 "
               f"(max_batch {engine.opts['max_batch']}, {engine.opts['fetch']})", file=sys.stderr, flush=True)
-        cfg = uvicorn.Config(srv.app, log_level="warning", timeout_graceful_shutdown=600)
+        cfg = srv.uvicorn_config(timeout_graceful_shutdown=600)
         _DrainingServer(cfg).run(sockets=[sock])
     except GlmJaxError as e:
         print(f"glm-jax-serve: error: {_one_line(e)}", file=sys.stderr)

@@ -34,7 +34,7 @@ def server(eng):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(srv.app, log_level="warning"))
+    uv = uvicorn.Server(srv.uvicorn_config())
     th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     for _ in range(200):
@@ -118,7 +118,7 @@ def _post(server, path, body, key=KEY, raw=None):
 @pytest.mark.parametrize("path,body,raw,status,param,text", [
     ("/v1/completions", None, b"{not json", 400, None, "not valid JSON"),
     ("/v1/completions", None, b"[1, 2]", 400, None, "JSON object"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 400, "model", "unknown model"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, None, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, None, 400, "max_tokens", "out of range"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature", "out of range"),
