@@ -268,6 +268,11 @@ def test_tool_call_round_trip(client, eng):
                                         tools=[CLOCK])
     assert r4.choices[0].finish_reason in ("length", "stop", "tool_calls")
     assert r4.usage.prompt_tokens > r3.usage.prompt_tokens + r3.usage.completion_tokens - 5
+    # auto, streamed: the text the model writes arrives as content, the same as not streamed
+    kw = dict(model="glm-jax-default", messages=USER, max_tokens=12, temperature=0, tools=[CLOCK])
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices) == whole
     # tool_choice none: tools shown, nothing parsed
     r5 = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=4, tools=[CLOCK],
                                         tool_choice="none")

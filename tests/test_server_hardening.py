@@ -296,3 +296,16 @@ def test_fuzz_http_bodies(server, body, chat, raw_edit):
         raw = raw[:len(raw) // 2] + raw_edit + raw[len(raw) // 2:]
     _check(_post(server, path, raw=raw, timeout=60))
     assert _health_ms(server) < 2000
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(mid=st.text(min_size=1, max_size=30), key=st.sampled_from([KEY, "", "x", "clé"]))
+def test_fuzz_get_endpoints(server, mid, key):
+    headers = {"Authorization": f"Bearer {key}".encode("utf-8")} if key else {}
+    from urllib.parse import quote
+
+    for path in (f"/v1/models/{quote(mid, safe='')}", "/v1/models", "/metrics"):
+        r = httpx.get(server.base + path, headers=headers, timeout=30)
+        assert r.status_code < 500 and (r.status_code != 200 or key == KEY), (path, r.status_code, r.text)
+        if r.status_code != 200:
+            _error(r, r.status_code)
