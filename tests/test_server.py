@@ -456,6 +456,24 @@ def test_batch_invariance_of_greedy_output(eng):
     assert (reqs[1].row, reqs[3].row) == (1, 3)                # alone, they ran in row 0
 
 
+def test_a_processor_row_beside_plain_rows(eng):
+    """A row with a host-side processor (logit_bias here) is sampled on the host path; the rows beside it stay on the
+    fused path with the same greedy tokens as alone, and the processor row follows its bias."""
+    from glm_jax.constrain import Processor
+
+    x = eng.encode(" the")[0]
+    alone = [_alone(eng, p, 12).tokens for p in ("JULIET:\n", "To be, or not")]
+    sched = eng.scheduler
+    a = eng.request(ROMEO, max_new_tokens=12)
+    a.processor = Processor(eng.cfg.vocab_size, bias={x: 100.0}, top_logprobs=2)
+    others = [eng.request("JULIET:\n", max_new_tokens=12), eng.request("To be, or not", max_new_tokens=12)]
+    for r in [others[0], a, others[1]]:
+        sched.submit(r)
+    sched.run([a] + others)
+    assert a.out == [x] * 12 and len(a.processor.logprobs) == 12
+    assert [r.out for r in others] == alone
+
+
 def test_a_dispatch_runs_what_fits_in_dispatch_ms(eng, monkeypatch):
     """Resident decode runs several steps per compiled dispatch; tokens reach the stream (and a cancel lands) only
     between dispatches, so a dispatch runs what fits in --dispatch_ms at the measured step time: on a model whose
