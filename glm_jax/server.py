@@ -331,6 +331,7 @@ class Server:
 
         def err(e: HTTPError, endpoint: str):
             server.m_requests.labels(endpoint, str(e.status)).inc()
+            LOG.info("glm-jax-serve: - %s status=%d error=%s", endpoint, e.status, e.message[:200])
             headers = {"Connection": "close"} if e.status == 413 else None
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
@@ -494,6 +495,9 @@ class Server:
             self._check_size(len(p.encode("utf-8")), "prompt")
             return p
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if len(p) >= eng.context_limit:
+                raise HTTPError(400, f"'prompt': the prompt is {len(p)} tokens but the context limit is "
+                                     f"{eng.context_limit} tokens", param="prompt", code="context_length_exceeded")
             V = eng.cfg.vocab_size
             bad = [t for t in p if not 0 <= t < V]
             if bad:

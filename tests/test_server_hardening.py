@@ -147,6 +147,9 @@ def test_a_prompt_beyond_the_context_is_refused_before_tokenizing(server, eng, m
         e = _error(_post(server, path, body), 400, param=param, text="context limit is 256 tokens")
         assert e["code"] == "context_length_exceeded"
     assert calls == []
+    e = _error(_post(server, "/v1/completions", {"prompt": [7] * 100_000}), 400, param="prompt",
+               text="context limit is 256 tokens")
+    assert e["code"] == "context_length_exceeded"
     # a prompt that may fit is still tokenized and checked exactly
     e = _error(_post(server, "/v1/completions", {"prompt": "ROMEO " * 300}), 400, param="prompt",
                text="context limit is 256 tokens")
