@@ -82,7 +82,9 @@ def _compile(template: str, where: str):
 
 
 def check_messages(messages, where: str = "messages") -> list:
-    """A list of {"role": system|user|assistant|tool, "content": str} (content parts of type text are joined)."""
+    """A list of {"role": system|user|assistant|tool, "content": str} (content parts of type text are joined); an
+    assistant message may carry OpenAI ``tool_calls`` (kept with their arguments parsed into objects, as chat
+    templates read them), a tool message its ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
         raise GlmJaxError(f"{where}: expected a non-empty list of messages")
     out = []
@@ -104,27 +106,136 @@ def check_messages(messages, where: str = "messages") -> list:
             c = "".join(parts)
         if not isinstance(c, str):
             raise GlmJaxError(f"{where}[{i}].content: expected a string")
-        out.append({"role": role, "content": c})
+        msg = {"role": role, "content": c}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _check_tool_calls(m["tool_calls"], f"{where}[{i}].tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise GlmJaxError(f"{where}[{i}].tool_call_id: expected a string")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 
-def render(template: dict, messages: list, add_generation_prompt: bool = True) -> str:
+def _check_tool_calls(calls, where: str) -> list:
+    if not isinstance(calls, list):
+        raise GlmJaxError(f"{where}: expected a list")
+    out = []
+    for j, tc in enumerate(calls):
+        f = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise GlmJaxError(f"{where}[{j}]: expected {{\"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\"}}}}")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise GlmJaxError(f"{where}[{j}].function.arguments: not valid JSON") from None
+        if not isinstance(args, dict):
+            raise GlmJaxError(f"{where}[{j}].function.arguments: expected a JSON object")
+        out.append({"id": tc.get("id") if isinstance(tc.get("id"), str) else f"call_{j}", "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+# ----------------------------------------------------------------------------- tools (GLM-4.5's format)
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+
+
+def tools_system_text(tools: list) -> str:
+    """The tools block written into the system turn for a template that does not render ``tools`` itself: the
+    functions as compact JSON between <tools> tags (GLM-4.5's own template, which renders them, also explains the
+    call format in ~250 tokens; here the format is what constrained decoding enforces)."""
+    return "<tools>\n" + "\n".join(json.dumps(t.get("function", t), ensure_ascii=False, separators=(",", ":"))
+                                     for t in tools) + "\n</tools>"
+
+
+def format_tool_call(name: str, args: dict) -> str:
+    """One call in GLM's format (string values raw, others JSON)."""
+    out = [f"{TOOL_CALL}{name}"]
+    for k, v in args.items():
+        out.append(f"<arg_key>{k}</arg_key>")
+        out.append(f"<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>")
+    return "\n".join(out) + "\n" + TOOL_CALL_END
+
+
+def parse_tool_calls(text: str, tools: Optional[list] = None):
+    """GLM-format tool calls in generated text -> (the text outside them, [{"name", "arguments": JSON text}]).
+    A value is JSON when it parses as JSON and its parameter is not declared a string, else the raw text."""
+    import re
+
+    types = {}
+    for t in tools or []:
+        props = ((t.get("function") or {}).get("parameters") or {}).get("properties") or {}
+        types[t["function"]["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+    calls, rest, pos = [], [], 0
+    for m in re.finditer(re.escape(TOOL_CALL) + r"(.*?)" + re.escape(TOOL_CALL_END), text, re.S):
+        rest.append(text[pos:m.start()])
+        pos = m.end()
+        body = m.group(1)
+        name = body.split("<arg_key>", 1)[0].strip()
+        args = {}
+        for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S):
+            k = k.strip()
+            if types.get(name, {}).get(k) != "string":
+                try:
+                    v = json.loads(v)
+                except ValueError:
+                    pass
+            args[k] = v
+        calls.append({"name": name, "arguments": json.dumps(args, ensure_ascii=False)})
+    rest.append(text[pos:])
+    return "".join(rest).strip() if calls else text, calls
+
+
+def _template_renders_tools(template: dict) -> bool:
+    return "tools" in template["template"]
+
+
+def with_tools(template: Optional[dict], messages: list, tools: Optional[list]) -> list:
+    """Messages for a template that does not render tools / tool calls itself: the tools block in the system turn,
+    assistant tool calls written in GLM's format, tool results wrapped in <tool_response>."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            text = "\n".join(format_tool_call(tc["function"]["name"], tc["function"]["arguments"])
+                             for tc in m["tool_calls"])
+            m = {"role": m["role"], "content": (m["content"] + "\n" if m["content"] else "") + text}
+        elif m["role"] == "tool":
+            m = {"role": "tool", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    if tools:
+        block = tools_system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def render(template: dict, messages: list, add_generation_prompt: bool = True, tools: Optional[list] = None) -> str:
+    """The template rendered; ``tools`` (OpenAI tool objects) are passed as transformers' apply_chat_template passes
+    them, or, to a template that does not use them, written into the messages (``with_tools``)."""
     t = _compile(template["template"], template.get("path", "chat_template"))
     import jinja2
 
+    if not _template_renders_tools(template):
+        messages, tools = with_tools(template, messages, tools), None
     kw = dict(template.get("tokens", {}))
     try:
-        return t.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        return t.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                         **{k: v for k, v in kw.items()})
     except jinja2.exceptions.TemplateError as e:
         raise GlmJaxError(f"{template.get('path', 'chat_template')}: chat_template: {e}") from None
 
 
-def chat_ids(tokenizer, template: Optional[dict], messages: list) -> list:
+def chat_ids(tokenizer, template: Optional[dict], messages: list, tools: Optional[list] = None) -> list:
     """Token ids of a chat prompt (ends with the assistant's turn opened)."""
     messages = check_messages(messages)
     if template is not None:
-        return tokenizer.encode(render(template, messages))
+        return tokenizer.encode(render(template, messages, tools=tools))
+    messages = with_tools(None, messages, tools)
     ids = [tokenizer.token_id(t) for t in GLM_TOKENS]
     if any(i is None for i in ids):
         raise GlmJaxError(f"{tokenizer.path}: chat needs a chat_template in tokenizer_config.json or the GLM tokens "

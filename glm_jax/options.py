@@ -211,6 +211,19 @@ OPTIONS = [
 
 BY_NAME = {o.name: o for o in OPTIONS}
 
+# glm-jax-serve's request limits: flags of that command only (not engine options), checked like the table above
+SERVE_OPTIONS = [
+    Opt("max_body_mb", 8.0, "float", "Largest request body in MB; a larger one is refused with HTTP 413 before it is "
+        "read (its Content-Length, or as soon as the bytes received pass the limit).", lo=0.0, hi=4096.0,
+        lo_open=True),
+    Opt("read_timeout_s", 30.0, "float", "A connection whose request (headers and body) has not fully arrived this "
+        "many seconds after it opened (or after its previous response) is closed; idle keep-alive connections are "
+        "closed after --keep_alive_s.", lo=0.0, hi=86400.0, lo_open=True),
+    Opt("keep_alive_s", 5.0, "float", "Seconds an idle keep-alive connection stays open.", lo=0.0, hi=3600.0,
+        lo_open=True),
+]
+SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
+
 
 def _range_text(o: Opt) -> str:
     what = "an integer" if o.kind == "int" else "a number"
@@ -558,6 +571,22 @@ def define_flags(flags_module=None):
             F.DEFINE_enum(o.name, o.default, list(o.choices), h)
         else:
             F.DEFINE_string(o.name, o.default, h)
+
+
+def define_serve_flags():
+    """glm-jax-serve's request-limit flags (SERVE_OPTIONS; idempotent)."""
+    from absl import flags
+
+    for o in SERVE_OPTIONS:
+        if o.name not in flags.FLAGS:
+            flags.DEFINE_float(o.name, o.default, o.help + f" [{_range_text(o)}]")
+
+
+def serve_from_flags() -> dict:
+    """SERVE_OPTIONS' values from the parsed flags, range-checked (OptionError naming the flag)."""
+    from absl import flags
+
+    return {o.name: check_value(o, flags.FLAGS[o.name].value, f"flag --{o.name}") for o in SERVE_OPTIONS}
 
 
 def define_model_flag():

@@ -34,7 +34,7 @@ def server(eng):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(srv.app, log_level="warning"))
+    uv = uvicorn.Server(srv.uvicorn_config())
     th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     for _ in range(200):
@@ -107,6 +107,242 @@ def test_seeds(client):
     assert a == b and a != c
 
 
+# ----------------------------------------------------------------------------- the OpenAI surface tools use
+# small tools: the shipped model's context is 256 tokens and its vocabulary spells JSON out in short pieces
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Rome", "Verona"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}
+CLOCK = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+USER = [{"role": "user", "content": "Weather in Verona?"}]
+
+
+def test_models_retrieve_and_404s(client):
+    import openai
+
+    m = client.models.retrieve("glm-jax-default")
+    assert (m.id, m.object, m.owned_by) == ("glm-jax-default", "model", "glm-jax")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt=ROMEO, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("chat,kw,param", [
+    (False, dict(extra_body={"frobnicate": 1}), "frobnicate"),
+    (True, dict(extra_body={"functions": [{"name": "f"}]}), "functions"),
+    (True, dict(frequency_penalty=0.5), "frequency_penalty"),
+    (False, dict(echo=True), "echo"),
+    (False, dict(suffix="x"), "suffix"),
+    (False, dict(best_of=3), "best_of"),
+    (True, dict(response_format={"type": "xml"}), "response_format"),
+    (True, dict(tool_choice="required"), "tool_choice"),
+    (True, dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+    (True, dict(top_logprobs=3), "top_logprobs"),
+    (True, dict(logit_bias={"99999": 5}), "logit_bias"),
+    (True, dict(logit_bias={"5": 101}), "logit_bias"),
+    (True, dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+     "response_format"),
+    (False, dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
+])
+def test_unsupported_parameters_are_400_naming_them(client, chat, kw, param):
+    """Before: tools, response_format, logit_bias and unknown fields were silently ignored (a 200 with plain text)."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        if chat:
+            client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=2, **kw)
+        else:
+            client.completions.create(model="glm-jax-default", prompt=ROMEO, max_tokens=2, **kw)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_logit_bias(client, eng):
+    ref = _alone(eng, ROMEO, 6)
+    r = client.completions.create(model="glm-jax-default", prompt=ROMEO, max_tokens=6, temperature=0,
+                                  logit_bias={str(ref.tokens[0]): -100})
+    first = eng.encode(r.choices[0].text)[:1] if r.choices[0].text else []
+    assert r.choices[0].text != ref.text and first != ref.tokens[:1]
+    x = eng.encode(" the")[0]
+    r = client.completions.create(model="glm-jax-default", prompt=ROMEO, max_tokens=5, temperature=0,
+                                  logit_bias={str(x): 100})
+    assert r.choices[0].text == eng.decode([x] * 5) and r.usage.completion_tokens == 5
+
+
+def test_logprobs_are_the_engines_log_softmax(client, eng):
+    """logprobs / top_logprobs: the log-softmax of the logits the sampler saw, equal (to float32 rounding) to a
+    teacher-forced forward of the prompt and the generated tokens; greedy: the sampled token is the top one."""
+    import numpy as np
+
+    r = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    ch = r.choices[0]
+    ents = ch.logprobs.content
+    ids = eng.encode(USER, chat=True)
+    out = eng.generate(USER, chat=True, max_new_tokens=8).tokens
+    assert len(ents) == r.usage.completion_tokens == len(out)
+    lg = np.asarray(eng.logits(ids + out[:-1]), np.float64)[len(ids) - 1:]
+    lsm = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+    for k, (e, t) in enumerate(zip(ents, out)):
+        assert e.token == eng.decode([t])
+        assert abs(e.logprob - lsm[k, t]) < 2e-3, (k, e.logprob, lsm[k, t])
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        top = np.argsort(-lsm[k])[:3]
+        assert [abs(a.logprob - lsm[k, j]) < 2e-3 for a, j in zip(e.top_logprobs, top)] == [True] * 3
+    # completions: the legacy shape
+    c = client.completions.create(model="glm-jax-default", prompt=ROMEO, max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
+    # streamed: the same entries, chunk by chunk
+    chunks = list(client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=8,
+                                                 temperature=0, logprobs=True, stream=True))
+    got = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert got == [e.logprob for e in ents]
+
+
+def test_n_choices_with_seeds(client):
+    """n=2: choice i is sampled with seed + i, so a request with that seed alone gives it again."""
+    def gen(**kw):
+        return client.completions.create(model="glm-jax-default", prompt=ROMEO, max_tokens=16, temperature=0.9,
+                                         top_p=0.95, **kw)
+    r = gen(n=2, seed=7)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text != r.choices[1].text
+    assert [c.text for c in gen(n=2, seed=7).choices] == [c.text for c in r.choices]
+    assert gen(seed=7).choices[0].text == r.choices[0].text and gen(seed=8).choices[0].text == r.choices[1].text
+    assert r.usage.completion_tokens == 32
+    chat = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=6, n=2, seed=3,
+                                          temperature=1.0, stream=True)
+    texts = ["", ""]
+    for c in chat:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    ref = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=6, n=2, seed=3,
+                                         temperature=1.0)
+    assert texts == [c.message.content for c in ref.choices]
+
+
+def test_tool_call_round_trip(client, eng):
+    """tools rendered into the prompt (the shipped template does not render tools: a compact tools block goes into
+    the system turn), tool_choice named / required enforced by constrained decoding, the GLM-format call parsed
+    into tool_calls (streamed as deltas too), then the conversation sent back with the call and its result."""
+    import json
+
+    named = {"type": "function", "function": {"name": "weather"}}
+    plain = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=1)
+    r = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=100, temperature=0,
+                                       tools=[WEATHER], tool_choice=named)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 50          # the tools are in the prompt
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "days"} and args["city"] in ("Rome", "Verona") and isinstance(args["days"], int)
+    assert 1 <= args["days"] <= 7
+    # streamed: the same call as deltas
+    deltas = [c.choices[0] for c in client.chat.completions.create(
+        model="glm-jax-default", messages=USER, max_tokens=100, temperature=0, tools=[WEATHER], stream=True,
+        tool_choice=named) if c.choices]
+    tcs = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert [(t.index, t.function.name, t.function.arguments) for t in tcs] == [(0, "weather", call.function.arguments)]
+    assert deltas[-1].finish_reason == "tool_calls" and not "".join(d.delta.content or "" for d in deltas)
+    # required: any of the tools, one call (parallel_tool_calls false)
+    for seed in (1, 2):
+        r2 = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=80, temperature=1.0,
+                                            seed=seed, tools=[CLOCK, PING], tool_choice="required",
+                                            parallel_tool_calls=False)
+        assert r2.choices[0].finish_reason == "tool_calls"
+        (c2,) = r2.choices[0].message.tool_calls
+        assert (c2.function.name, set(json.loads(c2.function.arguments))) in (("time", {"utc"}), ("ping", set()))
+    # the round trip: the call and its result go back, the model answers (auto: whatever it writes is parsed)
+    r3 = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=80, temperature=0,
+                                        tools=[CLOCK], tool_choice="required")
+    (c3,) = r3.choices[0].message.tool_calls
+    msgs = USER + [{"role": "assistant", "content": None, "tool_calls": [c3.model_dump()]},
+                   {"role": "tool", "tool_call_id": c3.id, "content": '{"utc": "12:00"}'}]
+    r4 = client.chat.completions.create(model="glm-jax-default", messages=msgs, max_tokens=8, temperature=0,
+                                        tools=[CLOCK])
+    assert r4.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert r4.usage.prompt_tokens > r3.usage.prompt_tokens + r3.usage.completion_tokens - 5
+    # auto, streamed: the text the model writes arrives as content, the same as not streamed
+    kw = dict(model="glm-jax-default", messages=USER, max_tokens=12, temperature=0, tools=[CLOCK])
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices) == whole
+    # tool_choice none: tools shown, nothing parsed
+    r5 = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=4, tools=[CLOCK],
+                                        tool_choice="none")
+    assert r5.choices[0].message.tool_calls is None
+
+
+def test_glm_tool_calls_are_parsed():
+    from glm_jax import chat as C
+
+    text = ("Let me look.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Verona</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>time\n"
+            "<arg_key>utc</arg_key>\n<arg_value>true</arg_value>\n</tool_call>")
+    content, calls = C.parse_tool_calls(text, [WEATHER, CLOCK])
+    assert content == "Let me look."
+    assert calls == [{"name": "weather", "arguments": '{"city": "Verona", "days": 3}'},
+                     {"name": "time", "arguments": '{"utc": true}'}]
+    assert C.parse_tool_calls("no calls here", [WEATHER]) == ("no calls here", [])
+    # a string parameter stays a string even when it looks like JSON
+    t = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"s": {"type": "string"}}}}}
+    assert C.parse_tool_calls("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
+                              [t])[1] == [{"name": "f", "arguments": '{"s": "12"}'}]
+    assert C.format_tool_call("weather", {"city": "Verona", "days": 3}) in text
+
+
+def test_response_format_json(client, eng):
+    """response_format json_schema / json_object: the output is JSON valid against the schema (llguidance)."""
+    import json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "who": {"type": "string", "enum": ["ROMEO", "JULIET"]}},
+              "required": ["ok", "n", "who"], "additionalProperties": False}
+    for temp in (0, 1.0):
+        r = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=60, temperature=temp,
+                                           seed=2, response_format={"type": "json_schema", "json_schema": {
+                                               "name": "answer", "schema": schema, "strict": True}})
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop", ch
+        v = json.loads(ch.message.content)
+        assert set(v) == {"ok", "n", "who"} and isinstance(v["ok"], bool) and v["who"] in ("ROMEO", "JULIET")
+        assert isinstance(v["n"], int) and 0 <= v["n"] <= 9
+    # json_object: any object; the tiny model writes long keys, so within a small budget the text is a valid prefix
+    import llguidance
+
+    from glm_jax.serve.constrain import json_schema_grammar, ll_tokenizer
+
+    r = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=30, temperature=0,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    m = llguidance.LLMatcher(ll_tokenizer(eng.tokenizer, eng.cfg.vocab_size, eng.cfg.eos_token_ids),
+                             json_schema_grammar({"type": "object"}), log_level=0)
+    assert m.consume_tokens(eng.encode(text)) and not m.is_error()
+    m = llguidance.LLMatcher(ll_tokenizer(eng.tokenizer, eng.cfg.vocab_size, eng.cfg.eos_token_ids),
+                             json_schema_grammar({"type": "object"}), log_level=0)
+    assert not m.consume_tokens(eng.encode("Hello {")) or m.is_error()          # the check can fail
+
+
+def test_one_log_line_per_request(client, caplog):
+    with caplog.at_level("INFO", logger="glm_jax.server"):
+        r = client.completions.create(model="glm-jax-default", prompt=ROMEO, max_tokens=5, temperature=0)
+    lines = [x.getMessage() for x in caplog.records if r.id in x.getMessage()]
+    assert len(lines) == 1, lines
+    for part in ("completions status=200", "prompt_tokens=", "cached_tokens=0", "generated_tokens=5", "ttft_ms=",
+                 "tok_s=", "finish_reason=length"):
+        assert part in lines[0], lines[0]
+
+
 # ----------------------------------------------------------------------------- raw HTTP: every error case
 def _post(server, path, body, key=KEY, raw=None):
     h = {"Authorization": f"Bearer {key}"} if key else {}
@@ -118,7 +354,7 @@ def _post(server, path, body, key=KEY, raw=None):
 @pytest.mark.parametrize("path,body,raw,status,param,text", [
     ("/v1/completions", None, b"{not json", 400, None, "not valid JSON"),
     ("/v1/completions", None, b"[1, 2]", 400, None, "JSON object"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 400, "model", "unknown model"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, None, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, None, 400, "max_tokens", "out of range"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature", "out of range"),
@@ -127,7 +363,7 @@ def _post(server, path, body, key=KEY, raw=None):
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, None, 400, "seed", "integer"),
     ("/v1/completions", {"prompt": "x", "stop": [1]}, None, 400, "stop", "strings"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, None, 400, "stream", "boolean"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, None, 400, "n", "n=1"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, None, 400, "n", "out of range"),
     ("/v1/completions", {"prompt": 5}, None, 400, "prompt", "string or a list of token ids"),
     ("/v1/completions", {"prompt": [1, 99999]}, None, 400, "prompt", "vocabulary"),
     ("/v1/completions", {"prompt": "ROMEO " * 300}, None, 400, "prompt", "context limit is 256 tokens"),
@@ -218,6 +454,24 @@ def test_batch_invariance_of_greedy_output(eng):
     assert reqs[0].out == alone_long
     assert reqs[1].out == alone[2] and reqs[3].out == alone[1] and late.out == alone[0]
     assert (reqs[1].row, reqs[3].row) == (1, 3)                # alone, they ran in row 0
+
+
+def test_a_processor_row_beside_plain_rows(eng):
+    """A row with a host-side processor (logit_bias here) is sampled on the host path; the rows beside it stay on the
+    fused path with the same greedy tokens as alone, and the processor row follows its bias."""
+    from glm_jax.serve.constrain import Processor
+
+    x = eng.encode(" the")[0]
+    alone = [_alone(eng, p, 12).tokens for p in ("JULIET:\n", "To be, or not")]
+    sched = eng.scheduler
+    a = eng.request(ROMEO, max_new_tokens=12)
+    a.processor = Processor(eng.cfg.vocab_size, bias={x: 100.0}, top_logprobs=2)
+    others = [eng.request("JULIET:\n", max_new_tokens=12), eng.request("To be, or not", max_new_tokens=12)]
+    for r in [others[0], a, others[1]]:
+        sched.submit(r)
+    sched.run([a] + others)
+    assert a.out == [x] * 12 and len(a.processor.logprobs) == 12
+    assert [r.out for r in others] == alone
 
 
 def test_a_dispatch_runs_what_fits_in_dispatch_ms(eng, monkeypatch):

@@ -160,6 +160,9 @@ class Request:
         self.store_prefill = None
         self.route_prefill = {}      # the routing counters when its prefill ended: its stats cover decode only
         self.hidden = []
+        # a host-side logits processor (logit_bias, a grammar's token mask, logprobs: glm_jax/constrain.py), or None:
+        # a row with one is sampled on the host path (_sample_hosted) each step; rows without one are untouched
+        self.processor = None
 
     @property
     def done(self) -> bool:
@@ -359,7 +362,11 @@ class Scheduler:
         req.pf_done += n
         if last:
             i = req.row
-            tok, key = _sample_one(rt, logits[0, n - 1], self.keys[i], req.sampling)
+            if req.processor is not None:
+                tok, key = self._sample_hosted(logits[0, n - 1][None], self.keys[i][None], [req], [0])
+                tok, key = int(tok[0]), key[0]
+            else:
+                tok, key = _sample_one(rt, logits[0, n - 1], self.keys[i], req.sampling)
             self.keys[i] = key
             req.prefill_s += time.perf_counter() - t0 - (rt.compile_s - c0)
             req.store_prefill = rt.store.stats() if rt.store is not None else None
@@ -369,7 +376,7 @@ class Scheduler:
             self.pos[i], self.tok[i] = P, tok
             if self._deliver(req, [tok]):
                 return
-            if req.plan is not None:
+            if req.plan is not None and req.processor is None:
                 s = req.sampling
                 samp = dict(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p))
                 prompt_hidden = jnp.concatenate(req.hidden, 0) if req.hidden else None
@@ -434,9 +441,12 @@ class Scheduler:
     def _decode(self, dec: list, n: int):
         rt = self.rt
         self.W = W = decode_width(rt)
-        plain = [r for r in dec if r.spec is None]
+        plain = [r for r in dec if r.spec is None and r.processor is None]
+        hosted = [r for r in dec if r.spec is None and r.processor is not None]
         spec = [r for r in dec if r.spec is not None]
         c0, t0 = rt.compile_s, time.perf_counter()
+        if rt.opts["fetch"] != "resident":         # one batched forward for all of them (the store's union)
+            plain, hosted = plain + hosted, []
         if plain:
             if rt.opts["fetch"] == "resident":
                 self._fused(plain, n, W)
@@ -445,6 +455,12 @@ class Scheduler:
         dt = time.perf_counter() - t0 - (rt.compile_s - c0)
         for r in plain:
             r.decode_s += dt
+        if hosted:                # rows with a host-side logits processor: one step each dispatch, on the host path
+            c0, t0 = rt.compile_s, time.perf_counter()
+            self._one_step(hosted, W)
+            dt = time.perf_counter() - t0 - (rt.compile_s - c0)
+            for r in hosted:
+                r.decode_s += dt
         for r in spec:
             c0, t0 = rt.compile_s, time.perf_counter()
             budget = self._budget(r)
@@ -531,9 +547,12 @@ class Scheduler:
         toks[:, 0] = np.where(active, self.tok, 0)
         start = np.where(active, self.pos, BIG_POS).astype(np.int32)
         logits, _ = rt.forward(toks, start, active.astype(np.int32))
-        samp = rt._jit("sample_rows", sample_rows)
-        nxt, keys = samp(logits[:, 0], jnp.asarray(self.keys), jnp.asarray(temp), jnp.asarray(topk),
-                         jnp.asarray(topp))
+        if any(r.processor is not None for r in rows):
+            nxt, keys = self._sample_hosted(logits[:, 0], self.keys, rows, [r.row for r in rows])
+        else:
+            samp = rt._jit("sample_rows", sample_rows)
+            nxt, keys = samp(logits[:, 0], jnp.asarray(self.keys), jnp.asarray(temp), jnp.asarray(topk),
+                             jnp.asarray(topp))
         nxt = np.asarray(nxt)
         keys = np.array(keys, np.uint32)
         self.keys[active] = keys[active]
@@ -545,6 +564,27 @@ class Scheduler:
             self.pos[i] += 1
             self.tok[i] = int(nxt[i])
             self._deliver(r, [int(nxt[i])])
+
+    def _sample_hosted(self, logits, keys, reqs, idx):
+        """Sample rows ``idx`` of logits [n, V] (on the device) whose requests ``reqs`` have host-side processors:
+        each row's logits come to the host, its processor edits them (logit_bias, a grammar's mask), then the same
+        ``sample_rows`` as every other row samples them with the row's key and settings, and the processor sees the
+        token (its grammar advances; logprobs of the edited logits are recorded).  Returns (tokens [n], keys [n, 2])."""
+        lg = np.array(logits, np.float32)
+        n = lg.shape[0]
+        temp, topk, topp = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+        for r, i in zip(reqs, idx):
+            s = r.sampling
+            temp[i], topk[i], topp[i] = s.temperature, s.top_k, s.top_p
+            if r.processor is not None:
+                lg[i] = r.processor.process(lg[i])
+        samp = self.rt._jit("sample_rows", sample_rows)
+        nxt, nkeys = samp(jnp.asarray(lg), jnp.asarray(keys), jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp))
+        nxt = np.asarray(nxt)
+        for r, i in zip(reqs, idx):
+            if r.processor is not None:
+                r.processor.accept(lg[i], int(nxt[i]))
+        return nxt, np.array(nkeys, np.uint32)
 
     # ------------------------------------------------------------------ results
     def result(self, req: Request, compile0: float = 0.0):

@@ -14,7 +14,9 @@ exits 0.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import os
 import secrets
 import sys
@@ -29,6 +31,7 @@ from .. import options as O
 from ..engine import Engine, default_model_path
 from ..errors import GlmJaxError
 from ..runtime.scheduler import QueueFull
+from .constrain import Processor, json_schema_grammar, tool_call_grammar
 
 FLAGS = flags.FLAGS
 
@@ -41,9 +44,12 @@ flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a free row; be
 flags.DEFINE_string("served_model_name", "", "The model id clients send and /v1/models lists (default: the model "
                     "directory's name, 'glm-jax-default' for the embedded model).")
 O.define_flags()
+O.define_serve_flags()
 SERVE_MAX_BATCH = 8          # --max_batch's default here (the option table's default, 1, is glm-jax's)
 
-MAIN_FLAGS = ("model", "host", "port", "api_key", "max_batch", "prefill_chunk", "max_queue", "served_model_name")
+MAIN_FLAGS = ("model", "host", "port", "api_key", "max_batch", "prefill_chunk", "max_queue", "served_model_name",
+              "max_body_mb")
+LOG = logging.getLogger("glm_jax.server")
 
 
 class HTTPError(Exception):
@@ -59,8 +65,9 @@ _one_line = O.one_line
 
 
 # ----------------------------------------------------------------------------- request parameters
-def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable=True):
-    """body[name] checked: kind int | float | bool | str; ranges inclusive.  400 naming the field otherwise."""
+def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable=True, lo_open=False):
+    """body[name] checked: kind int | float | bool | str; ranges inclusive (``lo_open``: lo excluded).  400 naming
+    the field otherwise."""
     if name not in body or (body[name] is None and nullable):
         return default
     v = body[name]
@@ -74,22 +81,40 @@ def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable
         v = float(v)
         if v != v or v in (float("inf"), float("-inf")):
             raise HTTPError(400, f"'{name}': expected a finite number", param=name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
         raise HTTPError(400, f"'{name}': {v} is out of range (expected {rng})", param=name)
     return v
+
+
+# the request fields each endpoint takes (anything else with a value is a 400 naming it, never ignored)
+COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
+                 "stop", "logit_bias", "logprobs", "user", "frequency_penalty", "presence_penalty"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "response_format"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+MAX_N = 16
+
+
+def check_fields(body: dict, chat: bool):
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for k, v in body.items():
+        if k not in known and v is not None:
+            where = "chat completions" if chat else "completions"
+            raise HTTPError(400, f"'{k}': not supported by this server's {where}", param=k)
 
 
 def sampling_args(body: dict, vocab: int, default_max: int) -> dict:
     for name in ("frequency_penalty", "presence_penalty"):
         if _field(body, name, float, 0.0) != 0.0:
             raise HTTPError(400, f"'{name}': not supported (only 0)", param=name)
-    if _field(body, "n", int, 1) != 1:
-        raise HTTPError(400, "'n': only n=1 is supported", param="n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise HTTPError(400, "'logprobs': not supported", param="logprobs")
+    n = _field(body, "n", int, 1, 1, MAX_N)
+    if _field(body, "best_of", int, n) != n:
+        raise HTTPError(400, "'best_of': not supported (only equal to n)", param="best_of")
     if body.get("echo") not in (None, False):
         raise HTTPError(400, "'echo': not supported", param="echo")
+    if body.get("suffix") not in (None, ""):
+        raise HTTPError(400, "'suffix': not supported", param="suffix")
     mt = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stop = body.get("stop")
     if stop is not None:
@@ -100,20 +125,119 @@ def sampling_args(body: dict, vocab: int, default_max: int) -> dict:
     seed = _field(body, "seed", int, None, -(1 << 63), (1 << 63) - 1)
     return dict(max_new_tokens=_field(body, mt, int, default_max, 0, None),
                 temperature=_field(body, "temperature", float, 1.0, 0.0, 2.0),
-                top_p=_field(body, "top_p", float, 1.0, 0.0, 1.0),
+                top_p=_field(body, "top_p", float, 1.0, 0.0, 1.0, lo_open=True),
                 top_k=_field(body, "top_k", int, 0, 0, vocab),
                 seed=seed if seed is not None else secrets.randbits(63),
                 stop=stop)
 
 
+def logit_bias_arg(body: dict, vocab: int):
+    """``logit_bias``: {"token id": bias in [-100, 100]} -> {int: float}, or None."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return None
+    if not isinstance(lb, dict) or len(lb) > vocab:
+        raise HTTPError(400, "'logit_bias': expected an object {\"token id\": bias}", param="logit_bias")
+    out = {}
+    for k, v in lb.items():
+        try:
+            t = int(k)
+        except ValueError:
+            t = None
+        if t is None or not 0 <= t < vocab or str(t) != k.strip():
+            raise HTTPError(400, f"'logit_bias': key {json.dumps(k)[:40]} is not a token id in [0, {vocab})",
+                            param="logit_bias")
+        out[t] = _field({"logit_bias": v}, "logit_bias", float, 0.0, -100.0, 100.0)
+    return out or None
+
+
+def logprobs_arg(body: dict, chat: bool):
+    """How many top logprobs per token (0: only the sampled token's), or None (off).  Chat: ``logprobs`` true and
+    ``top_logprobs`` 0..20; completions: ``logprobs`` 0..5."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise HTTPError(400, "'logprobs': expected a boolean", param="logprobs")
+        k = _field(body, "top_logprobs", int, None, 0, 20)
+        if k is not None and not on:
+            raise HTTPError(400, "'top_logprobs': needs 'logprobs': true", param="top_logprobs")
+        return (k or 0) if on else None
+    return _field(body, "logprobs", int, None, 0, 5)
+
+
+def tools_arg(body: dict):
+    """(tools, choice): tools a checked list of OpenAI function tools (or None); choice "none" | "auto" |
+    "required" | a function name."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list) or not tools or len(tools) > 128:
+            raise HTTPError(400, "'tools': expected a non-empty list of at most 128 tools", param="tools")
+        names = set()
+        for i, t in enumerate(tools):
+            f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] or \
+                    not all(c.isalnum() or c in "_-." for c in f["name"]):
+                raise HTTPError(400, f"'tools[{i}]': expected {{\"type\": \"function\", \"function\": {{\"name\": "
+                                     f"letters, digits, _ - ., \"parameters\": a JSON schema}}}}", param="tools")
+            p = f.get("parameters")
+            if p is not None and (not isinstance(p, dict) or not isinstance(p.get("properties", {}), dict)):
+                raise HTTPError(400, f"'tools[{i}].function.parameters': expected a JSON schema object",
+                                param="tools")
+            names.add(f["name"])
+    if choice is None:
+        return tools, ("auto" if tools else "none")
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
+        name = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        name = choice["function"]["name"]
+        if tools is None or name not in names:
+            raise HTTPError(400, f"'tool_choice': no tool named {json.dumps(name)[:80]} in 'tools'",
+                            param="tool_choice")
+        return tools, {"name": name}
+    else:
+        raise HTTPError(400, "'tool_choice': expected \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                             "\"function\": {\"name\": ...}}", param="tool_choice")
+    if name != "none" and tools is None:
+        raise HTTPError(400, f"'tool_choice': {name} needs 'tools'", param="tool_choice")
+    return tools, name
+
+
+def response_format_arg(body: dict):
+    """The JSON schema ``response_format`` asks for ({} for json_object), or None (text)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    t = rf.get("type") if isinstance(rf, dict) else None
+    if t == "text":
+        return None
+    if t == "json_object":
+        return {"type": "object"}
+    if t == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise HTTPError(400, "'response_format.json_schema': expected {\"name\", \"schema\": {...}}",
+                            param="response_format")
+        return js.get("schema") or {}
+    raise HTTPError(400, "'response_format': expected type text, json_object or json_schema",
+                    param="response_format")
+
+
 # ----------------------------------------------------------------------------- the app
 class Server:
-    def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64):
+    def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
+                 max_body_mb: float = O.SERVE_BY_NAME["max_body_mb"].default,
+                 read_timeout_s: float = O.SERVE_BY_NAME["read_timeout_s"].default,
+                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default):
         self.engine = engine
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
         self.model_name = model_name or _default_name(engine.path)
-        self.api_key = api_key
+        self.api_key = api_key.encode("utf-8")           # compared as bytes (hmac.compare_digest)
+        self.max_body = int(max_body_mb * (1 << 20))
+        self.read_timeout_s = float(read_timeout_s)
+        self.keep_alive_s = float(keep_alive_s)
+        self._max_token_bytes = _max_token_bytes(engine)
         self.created = int(time.time())
         self.stop = threading.Event()
         self.draining = False
@@ -134,6 +258,15 @@ class Server:
             print(f"glm-jax-serve: engine thread stopped: {_one_line(e)}", file=sys.stderr)
             for r in list(self.sched.queue) + [r for r in self.sched.rows if r is not None]:
                 self.sched._fail(r, e)
+
+    def uvicorn_config(self, **kw):
+        """uvicorn's Config for this app: the h11 protocol with --read_timeout_s (a request whose headers or body
+        never finish is closed), --keep_alive_s, bounded header size."""
+        import uvicorn
+
+        kw.setdefault("log_level", "warning")
+        return uvicorn.Config(self.app, http=_timed_h11(self.read_timeout_s), timeout_keep_alive=self.keep_alive_s,
+                              h11_max_incomplete_event_size=64 * 1024, **kw)
 
     def stop_engine(self):
         self.stop.set()
@@ -193,7 +326,8 @@ class Server:
     # ------------------------------------------------------------------ handlers
     def _app(self):
         from starlette.applications import Starlette
-        from starlette.requests import Request
+        from starlette.exceptions import HTTPException as StarletteHTTPException
+        from starlette.requests import ClientDisconnect, Request
         from starlette.responses import JSONResponse, Response
         from starlette.routing import Route
 
@@ -201,58 +335,85 @@ class Server:
 
         def err(e: HTTPError, endpoint: str):
             server.m_requests.labels(endpoint, str(e.status)).inc()
-            return JSONResponse(e.body(), status_code=e.status)
+            LOG.info("glm-jax-serve: - %s status=%d error=%s", endpoint, e.status, e.message[:200])
+            headers = {"Connection": "close"} if e.status == 413 else None
+            return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
         def auth(request: Request):
             if server.api_key:
-                h = request.headers.get("authorization", "")
-                if not (h.startswith("Bearer ") and secrets.compare_digest(h[7:].strip(), server.api_key)):
+                h = request.headers.get("authorization", "").encode("latin-1")     # the header's bytes as sent
+                if not (h.startswith(b"Bearer ") and hmac.compare_digest(h[7:].strip(), server.api_key)):
                     raise HTTPError(401, "invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key",
                                     type_="authentication_error")
 
-        async def body_of(request: Request) -> dict:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise HTTPError(400, f"request body is not valid JSON ({_one_line(e)})")
-            if not isinstance(body, dict):
-                raise HTTPError(400, "request body must be a JSON object")
-            m = body.get("model")
-            if m is not None and m != server.model_name:
-                raise HTTPError(400, f"unknown model {json.dumps(m)[:80]} (this server serves "
-                                     f"{json.dumps(server.model_name)})", param="model", code="model_not_found")
-            if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
-                raise HTTPError(400, "'stream': expected a boolean", param="stream")
-            return body
+        async def raw_body(request: Request) -> bytes:
+            """The body, refused with 413 past --max_body_mb before it is all read (Content-Length, or as it
+            arrives)."""
+            limit = server.max_body
+            cl = request.headers.get("content-length")
+            if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+                raise HTTPError(413, f"request body is {int(cl)} bytes, more than --max_body_mb "
+                                     f"({limit / (1 << 20):g} MB)", code="request_too_large")
+            parts, n = [], 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise HTTPError(413, f"request body is more than --max_body_mb ({limit / (1 << 20):g} MB)",
+                                    code="request_too_large")
+                parts.append(chunk)
+            return b"".join(parts)
+
+        def handler(endpoint: str, fn, needs_auth: bool = True):
+            """Every handler: its HTTPError as an OpenAI-style JSON error; any other exception a JSON 500, counted in
+            /metrics and logged with its traceback."""
+            async def h(request: Request):
+                try:
+                    if needs_auth:
+                        auth(request)
+                    return await fn(request)
+                except HTTPError as e:
+                    return err(e, endpoint)
+                except ClientDisconnect:
+                    server.m_requests.labels(endpoint, "499").inc()
+                    return Response(status_code=499)
+                except Exception as e:
+                    return server.internal_error(endpoint, e)
+            return h
 
         async def health(request):
             return JSONResponse({"status": "draining" if server.draining else "ok",
                                  "running": server.sched.running, "waiting": server.sched.waiting})
 
         async def models(request):
-            try:
-                auth(request)
-            except HTTPError as e:
-                return err(e, "models")
             server.m_requests.labels("models", "200").inc()
-            return JSONResponse({"object": "list", "data": [
-                {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "glm-jax"}]})
+            return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+        async def model(request):
+            mid = request.path_params["model_id"]
+            if mid != server.model_name:
+                raise server.unknown_model(mid)
+            server.m_requests.labels("models", "200").inc()
+            return JSONResponse(server.model_card())
 
         async def metrics(request):
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-            try:
-                auth(request)
-            except HTTPError as e:
-                return err(e, "metrics")
             return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
 
         async def completions(request):
-            return await server._generate(request, chat=False, err=err, auth=auth, body_of=body_of)
+            return await server._generate(request, chat=False, raw_body=raw_body)
 
         async def chat_completions(request):
-            return await server._generate(request, chat=True, err=err, auth=auth, body_of=body_of)
+            return await server._generate(request, chat=True, raw_body=raw_body)
+
+        async def http_error(request, exc):         # starlette's own 404 / 405: OpenAI-style JSON too
+            status = getattr(exc, "status_code", 500)
+            e = HTTPError(status, f"{request.method} {request.url.path}: {exc.detail}",
+                          type_="invalid_request_error" if status < 500 else "server_error")
+            return err(e, "other")
+
+        async def unexpected(request, exc):          # outside every handler (middleware, routing)
+            return server.internal_error("other", exc)
 
         from contextlib import asynccontextmanager
 
@@ -266,12 +427,54 @@ class Server:
                 server.stop_engine()
 
         return Starlette(routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        ], lifespan=lifespan)
+            Route("/health", handler("health", health, needs_auth=False), methods=["GET"]),
+            Route("/v1/models", handler("models", models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", handler("models", model), methods=["GET"]),
+            Route("/metrics", handler("metrics", metrics), methods=["GET"]),
+            Route("/v1/completions", handler("completions", completions), methods=["POST"]),
+            Route("/v1/chat/completions", handler("chat_completions", chat_completions), methods=["POST"]),
+        ], lifespan=lifespan, exception_handlers={StarletteHTTPException: http_error, Exception: unexpected})
+
+    def internal_error(self, endpoint: str, e: BaseException):
+        from starlette.responses import JSONResponse
+
+        LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(e), exc_info=e)
+        self.m_requests.labels(endpoint, "500").inc()
+        return JSONResponse(HTTPError(500, f"internal error: {_one_line(e)}", type_="server_error").body(),
+                            status_code=500)
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "glm-jax"}
+
+    def unknown_model(self, m) -> HTTPError:
+        return HTTPError(404, f"the model {json.dumps(m)[:80]} does not exist (this server serves "
+                              f"{json.dumps(self.model_name)})", param="model", code="model_not_found")
+
+    def parse_body(self, raw: bytes) -> dict:
+        """The request's JSON object: 400 for invalid JSON, nesting too deep for the parser, invalid Unicode (a lone
+        surrogate escaped as \\ud800), a non-object; 404 for another model."""
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise HTTPError(400, "request body: JSON nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"request body is not valid JSON ({_one_line(e)})") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "request body must be a JSON object")
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            raise HTTPError(400, "request body: JSON nested too deeply") from None
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.end]
+            raise HTTPError(400, f"request body: invalid Unicode (a lone surrogate "
+                                 f"{ascii(bad)[1:-1]} in a string)") from None
+        m = body.get("model")
+        if m is not None and m != self.model_name:
+            raise self.unknown_model(m)
+        if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
+            raise HTTPError(400, "'stream': expected a boolean", param="stream")
+        return body
 
     def _prompt(self, body: dict, chat: bool):
         eng = self.engine
@@ -283,6 +486,7 @@ class Server:
                 msgs = C.check_messages(msgs, "messages")
             except GlmJaxError as e:
                 raise HTTPError(400, _one_line(e), param="messages")
+            self._check_size(sum(len(m["content"].encode("utf-8")) for m in msgs), "messages")
             return msgs
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
@@ -290,8 +494,12 @@ class Server:
         if isinstance(p, str):
             if not p:
                 raise HTTPError(400, "'prompt': empty", param="prompt")
+            self._check_size(len(p.encode("utf-8")), "prompt")
             return p
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if len(p) >= eng.context_limit:
+                raise HTTPError(400, f"'prompt': the prompt is {len(p)} tokens but the context limit is "
+                                     f"{eng.context_limit} tokens", param="prompt", code="context_length_exceeded")
             V = eng.cfg.vocab_size
             bad = [t for t in p if not 0 <= t < V]
             if bad:
@@ -299,135 +507,397 @@ class Server:
             return p
         raise HTTPError(400, "'prompt': expected a string or a list of token ids (one prompt)", param="prompt")
 
-    async def _generate(self, request, chat: bool, err, auth, body_of):
-        from starlette.responses import JSONResponse
+    def _check_size(self, nbytes: int, param: str):
+        """Refuse, before tokenizing it, a text that cannot fit the context: every token covers at most
+        ``_max_token_bytes`` bytes of it (x4 for a tokenizer that normalizes), so it has at least that many tokens."""
+        limit, per = self.engine.context_limit, self._max_token_bytes
+        if per and nbytes > per * limit:
+            raise HTTPError(400, f"'{param}': {nbytes} bytes of text are at least {nbytes // per} tokens but the "
+                                 f"context limit is {limit} tokens", param=param, code="context_length_exceeded")
+
+    async def _generate(self, request, chat: bool, raw_body):
+        from starlette.concurrency import run_in_threadpool
 
         endpoint = "chat_completions" if chat else "completions"
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down", type_="server_error")
+        raw = await raw_body(request)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        # JSON parsing, checks and tokenization in a worker thread: /health and the streams keep answering
+        job = await run_in_threadpool(self._submit, raw, chat, endpoint, loop, q)
+        return await self._respond(request, job, q)
+
+    def _submit(self, raw: bytes, chat: bool, endpoint: str, loop, q):
+        """Parse and check a request, tokenize it, submit its n generations.  Returns the job (a dict)."""
         eng, sched = self.engine, self.sched
+        V = eng.cfg.vocab_size
+        body = self.parse_body(raw)
+        check_fields(body, chat)
+        prompt = self._prompt(body, chat)
+        args = sampling_args(body, V, default_max=16 if not chat else 1 << 30)
+        n = _field(body, "n", int, 1, 1, MAX_N)
+        stream = bool(body.get("stream") or False)
+        so = body.get("stream_options")
+        if so is not None and not isinstance(so, dict):
+            raise HTTPError(400, "'stream_options': expected an object", param="stream_options")
+        include_usage = (so or {}).get("include_usage", False)
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise HTTPError(400, f"'stream_options.include_usage': expected a boolean (true or false), got "
+                                 f"{json.dumps(include_usage)[:80]}", param="stream_options.include_usage")
+        include_usage = bool(include_usage)
+        bias = logit_bias_arg(body, V)
+        top_lp = logprobs_arg(body, chat)
+        tools, choice = tools_arg(body) if chat else (None, "none")
+        schema = response_format_arg(body) if chat else None
+        if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+            raise HTTPError(400, "'parallel_tool_calls': expected a boolean", param="parallel_tool_calls")
+        grammar = None
         try:
-            auth(request)
-            if self.draining:
-                raise HTTPError(503, "the server is shutting down", type_="server_error")
-            body = await body_of(request)
-            prompt = self._prompt(body, chat)
-            args = sampling_args(body, eng.cfg.vocab_size, default_max=16 if not chat else 1 << 30)
-            stream = bool(body.get("stream") or False)
-            so = body.get("stream_options")
-            if so is not None and not isinstance(so, dict):
-                raise HTTPError(400, "'stream_options': expected an object", param="stream_options")
-            include_usage = bool((so or {}).get("include_usage", False))
-            loop = asyncio.get_running_loop()
-            q: asyncio.Queue = asyncio.Queue()
-
-            def on_event(req, text, toks, done):
-                loop.call_soon_threadsafe(q.put_nowait, (text, len(toks), done))
-
+            if schema is not None:
+                if choice == "required" or isinstance(choice, dict):
+                    raise HTTPError(400, "'response_format': cannot be combined with 'tool_choice' required or a "
+                                         "named function", param="response_format")
+                grammar = json_schema_grammar(schema)
+            elif choice == "required" or isinstance(choice, dict):
+                grammar = tool_call_grammar(tools, choice["name"] if isinstance(choice, dict) else None,
+                                            marker=self._marker, multiple=body.get("parallel_tool_calls") is not False)
+        except GlmJaxError as e:
+            raise HTTPError(400, _one_line(e), param="response_format" if schema is not None else "tools") from None
+        if grammar is not None and eng.tokenizer is None:
+            raise HTTPError(400, "constrained decoding needs the model's tokenizer.json",
+                            param="response_format" if schema is not None else "tool_choice")
+        with_tools = chat and (tools is not None or any(m.get("tool_calls") for m in prompt))
+        if with_tools:          # rendered here: the template gets the tools (or they are written into the messages)
             try:
-                req = eng.request(prompt, chat=chat, on_event=on_event, where=endpoint, **args)
+                prompt = C.chat_ids(eng.tokenizer, eng.tokenizer.template, prompt, tools=tools)
+            except GlmJaxError as e:
+                raise HTTPError(400, _one_line(e), param="messages") from None
+        parse_tools = tools is not None and choice != "none"
+        job = dict(chat=chat, endpoint=endpoint, stream=stream, include_usage=include_usage, top_lp=top_lp,
+                   tools=tools if parse_tools else None, reqs=[], rid=("chatcmpl-" if chat else "cmpl-") +
+                   secrets.token_hex(12), created=int(time.time()), forced=grammar is not None and schema is None)
+        seed0 = args.pop("seed")
+        reqs = job["reqs"]
+        try:
+            for i in range(n):
+                def on_event(req, text, toks, done, i=i):
+                    loop.call_soon_threadsafe(q.put_nowait, (i, text, len(toks), done))
+
+                seed = (seed0 + i + (1 << 63)) % (1 << 64) - (1 << 63)     # choice i: the request's seed + i
+                req = eng.request(prompt, chat=chat and not with_tools, on_event=on_event, where=endpoint,
+                                  seed=seed, **args)
                 limit = eng.context_limit
                 req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, max(0, limit - len(req.prompt)))
+                if bias or grammar is not None or top_lp is not None:
+                    req.processor = Processor(V, bias=bias, grammar=grammar, tokenizer=eng.tokenizer,
+                                              eos_ids=eng.cfg.eos_token_ids, top_logprobs=top_lp)
+                if parse_tools and self._special_markers:
+                    req.stream.decode = self._decode_keeping_markers
                 sched.submit(req)
-            except GlmJaxError as e:
-                if isinstance(e, QueueFull):
-                    raise HTTPError(429, _one_line(e), code="queue_full", type_="rate_limit_error")
-                code = "context_length_exceeded" if "context limit" in str(e) else None
-                raise HTTPError(400, _one_line(e), param="messages" if chat else "prompt", code=code)
-        except HTTPError as e:
-            return err(e, endpoint)
-        self.m_prompt.inc(len(req.prompt))
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
+                reqs.append(req)
+        except GlmJaxError as e:
+            for r in reqs:
+                sched.cancel(r)
+            if isinstance(e, QueueFull):
+                raise HTTPError(429, _one_line(e), code="queue_full", type_="rate_limit_error")
+            code = "context_length_exceeded" if "context limit" in str(e) else None
+            raise HTTPError(400, _one_line(e), param="messages" if chat else "prompt", code=code)
+        except BaseException:
+            for r in reqs:
+                sched.cancel(r)
+            raise
+        return job
 
-        def usage():
-            return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.out),
-                    "total_tokens": len(req.prompt) + len(req.out)}
+    # ------------------------------------------------------------------ tool-call markers as special tokens
+    @property
+    def _special_markers(self) -> dict:
+        """{marker: token id} for the GLM tool-call markers the tokenizer has as special tokens (GLM-4.5 does)."""
+        m = getattr(self, "_markers", None)
+        if m is None:
+            m = {}
+            tok = self.engine.tokenizer
+            if tok is not None:
+                special = {t.content for t in tok.tok.get_added_tokens_decoder().values() if t.special}
+                for s in (C.TOOL_CALL, C.TOOL_CALL_END, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"):
+                    if s in special and tok.token_id(s) is not None:
+                        m[s] = tok.token_id(s)
+            self._markers = m
+        return m
 
-        def finished():
+    def _marker(self, s: str) -> str:
+        i = self._special_markers.get(s)
+        return f"<[{i}]>" if i is not None else json.dumps(s)
+
+    def _decode_keeping_markers(self, ids) -> str:
+        eos = set(self.engine.cfg.eos_token_ids)
+        return self.engine.tokenizer.tok.decode([i for i in ids if i not in eos], skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ responses
+    def _logprobs(self, job, req, lo: int, hi: int):
+        """The logprobs object of req's tokens [lo, hi) (OpenAI chat or completions shape), or None."""
+        p = req.processor
+        if job["top_lp"] is None or p is None or p.logprobs is None:
+            return None
+        dec = self.engine.decode
+        ents = p.logprobs[lo:min(hi, len(req.out))]
+        if job["chat"]:
+            def one(t, lp):
+                s = dec([t])
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"content": [dict(one(t, lp), top_logprobs=[one(a, b) for a, b in top]) for t, lp, top in ents],
+                    "refusal": None}
+        toks = [dec([t]) for t, _, _ in ents]
+        offs, o = [], len(dec(req.out[:lo])) if lo else 0
+        for s in toks:
+            offs.append(o)
+            o += len(s)
+        return {"tokens": toks, "token_logprobs": [lp for _, lp, _ in ents],
+                "top_logprobs": [{dec([a]): b for a, b in top} for _, _, top in ents] if job["top_lp"] else None,
+                "text_offset": offs}
+
+    @staticmethod
+    def _finish_reason(job, req, calls) -> str:
+        return "tool_calls" if calls and req.finish_reason == "stop" else req.finish_reason
+
+    def _log(self, job, status: int):
+        for i, req in enumerate(job["reqs"]):
+            ttft = (req.t_first - req.t_submit) * 1000 if req.t_first else float("nan")
+            dt = (req.t_done or time.perf_counter()) - (req.t_first or req.t_submit)
+            rate = (len(req.out) - 1) / dt if len(req.out) > 1 and dt > 0 else 0.0
+            LOG.info("glm-jax-serve: %s%s %s status=%d prompt_tokens=%d cached_tokens=%d generated_tokens=%d "
+                     "ttft_ms=%.1f tok_s=%.1f finish_reason=%s", job["rid"], f"[{i}]" if len(job["reqs"]) > 1 else "",
+                     job["endpoint"], status, len(req.prompt), int(getattr(req, "cached_tokens", 0) or 0),
+                     len(req.out), ttft, rate, req.finish_reason)
+
+    def _usage(self, job) -> dict:
+        reqs = job["reqs"]
+        p, c = len(reqs[0].prompt), sum(len(r.out) for r in reqs)
+        u = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = getattr(reqs[0], "cached_tokens", None)
+        if cached is not None:
+            u["prompt_tokens_details"] = {"cached_tokens": int(cached)}
+        return u
+
+    def _observe(self, job):
+        for req in job["reqs"]:
             if req.t_first is not None and not getattr(req, "_ttft_seen", False):
                 req._ttft_seen = True
                 self.m_ttft.observe(req.t_first - req.t_submit)
 
-        if not stream:
+    def _message(self, job, req):
+        """(choice fields, tool calls) of a finished request."""
+        text = req.text
+        calls = []
+        if job["tools"] is not None:
+            text, found = C.parse_tool_calls(text, job["tools"])
+            calls = [{"id": "call_" + secrets.token_hex(12), "type": "function", "function": c} for c in found]
+        return text, calls
+
+    async def _respond(self, request, job, q):
+        from starlette.responses import JSONResponse
+
+        sched, chat, endpoint, reqs = self.sched, job["chat"], job["endpoint"], job["reqs"]
+        rid, created = job["rid"], job["created"]
+        self.m_prompt.inc(len(reqs[0].prompt))
+        obj = "chat.completion" if chat else "text_completion"
+
+        if not job["stream"]:
             try:
-                while True:
+                left = len(reqs)
+                while left:
                     try:
-                        text, n, done = await asyncio.wait_for(q.get(), timeout=0.25)
+                        i, text, n, done = await asyncio.wait_for(q.get(), timeout=0.25)
                     except asyncio.TimeoutError:
                         if await request.is_disconnected():
-                            sched.cancel(req)
+                            for r in reqs:
+                                sched.cancel(r)
                             self.m_requests.labels(endpoint, "499").inc()
+                            self._log(job, 499)
                             return JSONResponse({}, status_code=499)
                         continue
-                    if done:
-                        break
+                    left -= bool(done)
             except asyncio.CancelledError:
-                sched.cancel(req)
+                for r in reqs:
+                    sched.cancel(r)
                 raise
-            finished()
-            if req.error is not None:
-                self.m_requests.labels(endpoint, "500").inc()
-                return JSONResponse(HTTPError(500, _one_line(req.error), type_="server_error").body(), status_code=500)
-            self.m_gen.inc(len(req.out))
+            self._observe(job)
+            for req in reqs:
+                if req.error is not None:
+                    self._log(job, 500)
+                    return self.internal_error(endpoint, req.error)
+            choices = []
+            for i, req in enumerate(reqs):
+                text, calls = self._message(job, req)
+                reason = self._finish_reason(job, req, calls)
+                lp = self._logprobs(job, req, 0, len(req.out))
+                if chat:
+                    msg = {"role": "assistant", "content": text if (text or not calls) else None}
+                    if calls:
+                        msg["tool_calls"] = calls
+                    choices.append({"index": i, "message": msg, "finish_reason": reason, "logprobs": lp})
+                else:
+                    choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
+                self.m_gen.inc(len(req.out))
             self.m_requests.labels(endpoint, "200").inc()
-            reason = req.finish_reason
-            choice = ({"index": 0, "message": {"role": "assistant", "content": req.text}, "finish_reason": reason,
-                       "logprobs": None} if chat else
-                      {"index": 0, "text": req.text, "finish_reason": reason, "logprobs": None})
+            self._log(job, 200)
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": [choice], "usage": usage(), "system_fingerprint": None})
+                                 "choices": choices, "usage": self._usage(job), "system_fingerprint": None})
 
         from sse_starlette.sse import AppStatus, EventSourceResponse
+
 
         # SIGTERM drains: uvicorn stops accepting and waits for the open responses, and our streams end when their
         # generation ends, so sse-starlette must not cut them at shutdown (its default)
         AppStatus.disable_automatic_graceful_drain()
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = job["include_usage"]
 
-        def chunk(text=None, reason=None, role=False):
+        def chunk(i, text=None, reason=None, role=False, lp=None, tool_calls=None):
             if chat:
                 delta = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                ch = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                if tool_calls is not None:
+                    delta["tool_calls"] = tool_calls
+                ch = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
             else:
-                ch = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                ch = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": lp}
             d = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name, "choices": [ch]}
             if include_usage:
                 d["usage"] = None
             return json.dumps(d)
 
+        def held(text: str) -> int:
+            """How much of a tool-using stream's text may be sent: up to a (possible start of a) tool call."""
+            j = text.find(C.TOOL_CALL)
+            if j >= 0:
+                return j
+            for k in range(min(len(C.TOOL_CALL) - 1, len(text)), 0, -1):
+                if C.TOOL_CALL.startswith(text[-k:]):
+                    return len(text) - k
+            return len(text)
+
         async def events():
-            ok = False
+            status = 499
+            sent_text = [""] * len(reqs)          # tool-using streams: the text sent so far
+            sent_tok = [0] * len(reqs)
             try:
                 if chat:
-                    yield {"data": chunk("", role=True)}
-                while True:
-                    text, n, done = await q.get()
-                    if text:
-                        yield {"data": chunk(text)}
+                    for i in range(len(reqs)):
+                        yield {"data": chunk(i, "", role=True)}
+                left = len(reqs)
+                while left:
+                    i, text, n, done = await q.get()
+                    req = reqs[i]
+                    lp = self._logprobs(job, req, sent_tok[i], len(req.out))
+                    sent_tok[i] = len(req.out)
+                    if job["tools"] is not None:
+                        full = req.stream.text[:req.stream.sent]
+                        cut = held(full)
+                        text = full[len(sent_text[i]):cut] if cut > len(sent_text[i]) else ""
+                        sent_text[i] += text
+                        if C.TOOL_CALL in full:
+                            sent_text[i] = full[:cut]           # nothing after a call starts goes out as content
+                    if text or (lp and lp.get("content", lp.get("tokens"))):
+                        yield {"data": chunk(i, text, lp=lp)}
                     if done:
-                        break
-                finished()
-                if req.error is not None:
-                    yield {"data": json.dumps(HTTPError(500, _one_line(req.error), type_="server_error").body())}
+                        left -= 1
+                        self._observe(job)
+                        if req.error is not None:
+                            continue
+                        calls = []
+                        if job["tools"] is not None:
+                            content, calls = self._message(job, req)
+                            if content.startswith(sent_text[i]) and len(content) > len(sent_text[i]):
+                                yield {"data": chunk(i, content[len(sent_text[i]):])}
+                            for k, c in enumerate(calls):
+                                yield {"data": chunk(i, tool_calls=[{"index": k, "id": c["id"], "type": "function",
+                                                                     "function": c["function"]}])}
+                        yield {"data": chunk(i, None if chat else "", reason=self._finish_reason(job, req, calls))}
+                errs = [r.error for r in reqs if r.error is not None]
+                if errs:
+                    LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(errs[0]), exc_info=errs[0])
+                    yield {"data": json.dumps(HTTPError(500, _one_line(errs[0]), type_="server_error").body())}
+                    status = 500
                 else:
-                    yield {"data": chunk(None if chat else "", reason=req.finish_reason)}
                     if include_usage:
                         yield {"data": json.dumps({"id": rid, "object": chunk_obj, "created": created,
-                                                   "model": self.model_name, "choices": [], "usage": usage()})}
-                self.m_gen.inc(len(req.out))
+                                                   "model": self.model_name, "choices": [],
+                                                   "usage": self._usage(job)})}
+                    status = 200
+                for r in reqs:
+                    self.m_gen.inc(len(r.out))
                 yield {"data": "[DONE]"}
-                ok = req.error is None
             finally:
-                if not req.done:          # the client went away: free the row
-                    sched.cancel(req)
-                self.m_requests.labels(endpoint, "200" if ok else ("500" if req.error else "499")).inc()
+                for r in reqs:
+                    if not r.done:          # the client went away: free the row
+                        sched.cancel(r)
+                self.m_requests.labels(endpoint, str(status)).inc()
+                self._log(job, status)
 
         return EventSourceResponse(events(), ping=15)
+
+
+def _max_token_bytes(engine) -> int:
+    """The most UTF-8 bytes of text one token can stand for (an upper bound: a vocabulary entry's own UTF-8 length,
+    x4 when the tokenizer has a normalizer, which may shrink the text); 0 without a tokenizer."""
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None:
+        return 0
+    vocab = tok.tok.get_vocab(with_added_tokens=True)
+    per = max((len(k.encode("utf-8")) for k in vocab), default=0)
+    return per * (4 if tok.tok.normalizer is not None else 1)
+
+
+def _timed_h11(read_timeout_s: float):
+    """uvicorn's h11 protocol with a read timeout: a connection whose request has not fully arrived (headers and
+    body: h11's client state still IDLE or SEND_BODY) ``read_timeout_s`` after it opened or after its previous
+    response is closed.  uvicorn itself only times out idle keep-alive connections, so a client that never
+    finishes its headers would hold its connection (and its buffers) forever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _read_timer = None
+
+        def _arm_read_timer(self):
+            if self._read_timer is None:
+                self._read_timer = self.loop.call_later(read_timeout_s, self._read_timed_out)
+
+        def _disarm_read_timer(self):
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_timed_out(self):
+            self._read_timer = None
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                LOG.warning("glm-jax-serve: closed a connection from %s whose request did not arrive within "
+                            "--read_timeout_s=%g", self.client, read_timeout_s)
+                self.transport.close()
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_read_timer()
+
+        def data_received(self, data):
+            super().data_received(data)
+            if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+                self._disarm_read_timer()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_read_timer()
+
+        def connection_lost(self, exc):
+            self._disarm_read_timer()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol
 
 
 def _default_name(path: str) -> str:
@@ -450,15 +920,16 @@ def parse_flags(argv):
 
 
 def main(argv):
-    from absl import logging
+    from absl import logging as absl_logging
 
     if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
+        absl_logging.set_verbosity(absl_logging.WARNING)
     engine = None
     try:
         if len(argv) > 1:
             raise GlmJaxError(f"unexpected arguments: {' '.join(argv[1:])} (flags are --name=value)")
         opts = O.from_flags()
+        limits = O.serve_from_flags()
         if not FLAGS["max_batch"].present:
             opts["max_batch"] = SERVE_MAX_BATCH
         engine = Engine.from_options(FLAGS.model or None, opts)
@@ -466,7 +937,12 @@ def main(argv):
 
         import uvicorn
 
-        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        LOG.addHandler(handler)
+        LOG.setLevel(logging.INFO)
+        LOG.propagate = False
+        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, **limits)
         sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -476,7 +952,7 @@ def main(argv):
         port = sock.getsockname()[1]
         print(f"glm-jax-serve: serving {srv.model_name} on http://{FLAGS.host}:{port}/v1 "
               f"(max_batch {engine.opts['max_batch']}, {engine.opts['fetch']})", file=sys.stderr, flush=True)
-        cfg = uvicorn.Config(srv.app, log_level="warning", timeout_graceful_shutdown=600)
+        cfg = srv.uvicorn_config(timeout_graceful_shutdown=600)
         _DrainingServer(cfg).run(sockets=[sock])
     except GlmJaxError as e:
         print(f"glm-jax-serve: error: {_one_line(e)}", file=sys.stderr)

@@ -1,0 +1,149 @@
+"""Host-side logits processors for glm-jax-serve: ``logit_bias``, constrained decoding through llguidance (JSON
+schema, ``json_object``, the GLM tool-call format for ``tool_choice`` required / a named function) and logprobs.
+
+A ``Processor`` belongs to one request; the scheduler samples a row that has one on its host path
+(``Scheduler._sample_hosted``): each step the row's logits [V] come to the host, ``process`` adds the bias and sets
+the tokens the grammar forbids to -inf, the row's usual sampler (``generate.sample_rows``, same key and settings)
+picks the token, and ``accept`` advances the grammar and records the logprobs of the processed logits (their
+log-softmax at temperature 1: the engine's distribution after bias and mask).  Rows without a processor stay on the
+fused on-device path."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import numpy as np
+
+from ..errors import GlmJaxError
+
+_TOKENIZERS = {}
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
+    """llguidance's tokenizer for an engine's tokenizer.json (cached per file)."""
+    import llguidance
+
+    key = (tokenizer.path, vocab_size, tuple(sorted(eos_ids)))
+    t = _TOKENIZERS.get(key)
+    if t is None:
+        with open(tokenizer.path) as f:
+            text = f.read()
+        t = _TOKENIZERS[key] = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
+    return t
+
+
+def json_schema_grammar(schema) -> str:
+    """A llguidance grammar for JSON matching ``schema`` (compact: no free whitespace, so a small budget ends it)."""
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    except (ValueError, TypeError) as e:
+        raise GlmJaxError(f"invalid JSON schema ({e})") from None
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s)
+
+
+def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True) -> str:
+    """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects): one call of the
+    function ``name``, or (``name`` None) one call of any of them, or with ``multiple`` one or more.  Each call is
+    ``<tool_call>NAME\\n`` then, per argument, ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``, then
+    ``</tool_call>``: the required arguments in the schema's order, then the optional ones (each optional); a string
+    value is raw text (an ``enum``: one of its values), any other value JSON matching its schema.  ``marker(text)``
+    may map a marker to a special-token reference (``<[id]>``)."""
+    mk = marker or _lit
+    rules, calls = [], []
+    for k, t in enumerate(tools):
+        f = t["function"]
+        if name is not None and f["name"] != name:
+            continue
+        params = f.get("parameters") or {}
+        props = params.get("properties") or {}
+        req = [p for p in params.get("required") or [] if p in props]
+        opt = [p for p in props if p not in req]
+        parts = [f'{mk("<tool_call>")} {_lit(f["name"] + chr(10))}']
+        for j, p in enumerate(req + opt):
+            sch = props[p] if isinstance(props[p], dict) else {}
+            if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
+                val = "(" + " | ".join(_lit(str(v)) for v in sch["enum"]) + ")"
+            elif sch.get("type") == "string":
+                n = sch.get("maxLength")
+                val = f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) and n >= 0 else "/[^<]*/"
+            else:
+                val = "%json " + json.dumps(sch or {})
+            arg = f'{mk("<arg_key>")} {_lit(p)} {mk("</arg_key>")} "\\n" {mk("<arg_value>")} {val} ' \
+                  f'{mk("</arg_value>")} "\\n"'
+            parts.append(f"({arg})" + ("" if j < len(req) else "?"))
+        parts.append(mk("</tool_call>"))
+        rules.append(f"call_{k}: " + " ".join(parts))
+        calls.append(f"call_{k}")
+    if not calls:
+        raise GlmJaxError(f"no tool named {name!r}")
+    body = " | ".join(calls)
+    start = f"start: ({body})" if name is not None or not multiple else f"start: ({body}) (\"\\n\"? ({body}))*"
+    return "\n".join([start] + rules)
+
+
+class Processor:
+    """One request's host-side logits processing: ``bias`` {token id: value}, a grammar (llguidance), logprobs."""
+
+    def __init__(self, vocab_size: int, bias: Optional[dict] = None, grammar: Optional[str] = None,
+                 tokenizer=None, eos_ids=(), top_logprobs: Optional[int] = None):
+        self.V = vocab_size
+        self.bias_idx = np.array(sorted(bias), np.int64) if bias else None
+        self.bias_val = np.array([bias[i] for i in sorted(bias)], np.float32) if bias else None
+        self.eos = np.array(sorted(eos_ids), np.int64)
+        self.matcher = self.bitmask = None
+        if grammar is not None:
+            import llguidance
+            import llguidance.numpy as lln
+
+            self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
+            if self.matcher.is_error():
+                raise GlmJaxError(f"the constraint does not compile ({self.matcher.get_error()})")
+            self.bitmask = lln.allocate_token_bitmask(1, vocab_size)
+        self.top_logprobs = top_logprobs
+        self.logprobs = [] if top_logprobs is not None else None     # [(token, logprob, [(token, logprob), ...])]
+
+    def allowed(self) -> Optional[np.ndarray]:
+        """The grammar's mask of the next token [V] bool (None: no grammar).  A grammar that is done or broken
+        allows only EOS."""
+        m = self.matcher
+        if m is None:
+            return None
+        if m.is_stopped() or m.is_error():
+            ok = np.zeros(self.V, bool)
+            ok[self.eos] = True
+            return ok
+        import llguidance.numpy as lln
+
+        lln.fill_next_token_bitmask(m, self.bitmask, 0)
+        ok = np.unpackbits(self.bitmask[0].view(np.uint8), bitorder="little")[:self.V].astype(bool)
+        if not ok.any():
+            ok[self.eos] = True
+        return ok
+
+    def process(self, logits: np.ndarray) -> np.ndarray:
+        if self.bias_idx is not None:
+            logits[self.bias_idx] += self.bias_val
+        ok = self.allowed()
+        if ok is not None:
+            logits[~ok] = -np.inf
+        return logits
+
+    def accept(self, logits: np.ndarray, token: int):
+        if self.logprobs is not None:
+            z = logits.astype(np.float64)
+            mx = np.max(z)
+            lp = z - (mx + np.log(np.sum(np.exp(z - mx))))
+            k = self.top_logprobs or 0
+            top = []
+            if k:
+                idx = np.argsort(-lp, kind="stable")[:k]
+                top = [(int(i), float(lp[i])) for i in idx]
+            self.logprobs.append((int(token), float(lp[token]), top))
+        if self.matcher is not None and not self.matcher.is_stopped() and not self.matcher.is_error():
+            self.matcher.consume_token(int(token))
