@@ -288,9 +288,10 @@ def _with_shipped_tokens(c: dict) -> dict:
     return c
 
 
-def make_model(out: str, config: dict, zipf: float = 0.0, seed: int = 0, log=print) -> str:
-    """Write a random glm4_moe HF checkpoint (bf16, hub per-expert keys, sharded) with the shipped model's tokenizer
-    into out (skipped when out/config.json exists); llama.cpp's converter accepts it through hf_to_gguf.py."""
+def make_model(out: str, config: dict, zipf: float = 0.0, seed: int = 0, log=print, dtype: str = "bfloat16") -> str:
+    """Write a random glm4_moe / glm_moe_dsa HF checkpoint (bf16 unless dtype, hub per-expert keys, sharded) with the
+    shipped model's tokenizer into out (skipped when out/config.json exists); llama.cpp's converter accepts it
+    through hf_to_gguf.py."""
     from glm_jax_tools.synth_model import write_hf_checkpoint
     if os.path.exists(os.path.join(out, "config.json")):
         return out
@@ -298,7 +299,7 @@ def make_model(out: str, config: dict, zipf: float = 0.0, seed: int = 0, log=pri
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     n_exp = config["n_routed_experts"] * (config["num_hidden_layers"] - config["first_k_dense_replace"])
-    write_hf_checkpoint(tmp, config, seed=seed, dtype="bfloat16", zipf=zipf, keep_reference=False,
+    write_hf_checkpoint(tmp, config, seed=seed, dtype=dtype, zipf=zipf, keep_reference=False,
                         shards=max(1, n_exp // 64))
     for f in _shipped_tokenizer_files():
         shutil.copy(f, tmp)

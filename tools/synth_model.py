@@ -36,7 +36,10 @@ def tiny_config(**over) -> dict:
 
 
 def tensor_specs(c: dict, experts: str = "per_expert") -> list:
-    """[(key, shape, role)] of a glm4_moe checkpoint; role in embed|norm|proj|router|bias|expert|fused."""
+    """[(key, shape, role)] of a glm4_moe checkpoint; role in embed|norm|proj|router|bias|expert|fused
+    (glm_moe_dsa configs: dsa_tensor_specs)."""
+    if c.get("model_type") == "glm_moe_dsa":
+        return dsa_tensor_specs(c, experts)
     H, V = c["hidden_size"], c["vocab_size"]
     nH, nKV, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     E, I, Iff = c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
@@ -71,6 +74,64 @@ def tensor_specs(c: dict, experts: str = "per_expert") -> list:
             out += [(p + "mlp.shared_experts.gate_proj.weight", (I * ns, H), "proj"),
                     (p + "mlp.shared_experts.up_proj.weight", (I * ns, H), "proj"),
                     (p + "mlp.shared_experts.down_proj.weight", (H, I * ns), "proj")]
+        if mtp:
+            out += [(p + "enorm.weight", (H,), "norm"), (p + "hnorm.weight", (H,), "norm"),
+                    (p + "eh_proj.weight", (H, 2 * H), "proj"), (p + "shared_head.norm.weight", (H,), "norm"),
+                    (p + "shared_head.head.weight", (V, H), "embed"), (p + "embed_tokens.weight", (V, H), "embed")]
+    return out
+
+
+def _moe_specs(p: str, c: dict, experts: str) -> list:
+    H, E, I, ns = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"], c.get("n_shared_experts", 1)
+    out = [(p + "mlp.gate.weight", (E, H), "router"), (p + "mlp.gate.e_score_correction_bias", (E,), "router_bias")]
+    if experts == "fused":
+        out += [(p + "mlp.experts.gate_up_proj", (E, 2 * I, H), "fused"), (p + "mlp.experts.down_proj", (E, H, I), "fused")]
+    else:
+        for e in range(E):
+            out += [(p + f"mlp.experts.{e}.gate_proj.weight", (I, H), "expert"),
+                    (p + f"mlp.experts.{e}.up_proj.weight", (I, H), "expert"),
+                    (p + f"mlp.experts.{e}.down_proj.weight", (H, I), "expert")]
+    return out + [(p + "mlp.shared_experts.gate_proj.weight", (I * ns, H), "proj"),
+                  (p + "mlp.shared_experts.up_proj.weight", (I * ns, H), "proj"),
+                  (p + "mlp.shared_experts.down_proj.weight", (H, I * ns), "proj")]
+
+
+def dsa_tensor_specs(c: dict, experts: str = "per_expert") -> list:
+    """[(key, shape, role)] of a glm_moe_dsa (GLM-5) checkpoint with hub key names: MLA attention
+    (q_a/q_b/kv_a_proj_with_mqa/kv_b/o and their norms), the DSA indexer on layers whose indexer_types entry is
+    "full", dense or MoE MLP from mlp_layer_types, and the MTP layers (num_nextn_predict_layers) after the last."""
+    H, V = c["hidden_size"], c["vocab_size"]
+    nH, qr, kr = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
+    dn, dr, dv = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    nI, dI, Iff = c["index_n_heads"], c["index_head_dim"], c["intermediate_size"]
+    n_main = c["num_hidden_layers"]
+    kinds = c.get("mlp_layer_types") or (["dense"] * c.get("first_k_dense_replace", 1)
+                                         + ["sparse"] * (n_main - c.get("first_k_dense_replace", 1)))
+    idx_types = c.get("indexer_types") or ["full"] * n_main
+    out = [("model.embed_tokens.weight", (V, H), "embed"), ("model.norm.weight", (H,), "norm")]
+    if not c.get("tie_word_embeddings"):
+        out.append(("lm_head.weight", (V, H), "embed"))
+    for L in range(n_main + c.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{L}."
+        mtp = L >= n_main
+        out += [(p + "input_layernorm.weight", (H,), "norm"), (p + "post_attention_layernorm.weight", (H,), "norm"),
+                (p + "self_attn.q_a_proj.weight", (qr, H), "proj"), (p + "self_attn.q_a_layernorm.weight", (qr,), "norm"),
+                (p + "self_attn.q_b_proj.weight", (nH * (dn + dr), qr), "proj"),
+                (p + "self_attn.kv_a_proj_with_mqa.weight", (kr + dr, H), "proj"),
+                (p + "self_attn.kv_a_layernorm.weight", (kr,), "norm"),
+                (p + "self_attn.kv_b_proj.weight", (nH * (dn + dv), kr), "proj"),
+                (p + "self_attn.o_proj.weight", (H, nH * dv), "proj")]
+        if mtp or idx_types[L] == "full":
+            out += [(p + "self_attn.indexer.wq_b.weight", (nI * dI, qr), "proj"),
+                    (p + "self_attn.indexer.wk.weight", (dI, H), "proj"),
+                    (p + "self_attn.indexer.weights_proj.weight", (nI, H), "router"),
+                    (p + "self_attn.indexer.k_norm.weight", (dI,), "norm"),
+                    (p + "self_attn.indexer.k_norm.bias", (dI,), "bias")]
+        if not mtp and kinds[L] == "dense":
+            out += [(p + "mlp.gate_proj.weight", (Iff, H), "proj"), (p + "mlp.up_proj.weight", (Iff, H), "proj"),
+                    (p + "mlp.down_proj.weight", (H, Iff), "proj")]
+        else:
+            out += _moe_specs(p, c, experts)
         if mtp:
             out += [(p + "enorm.weight", (H,), "norm"), (p + "hnorm.weight", (H,), "norm"),
                     (p + "eh_proj.weight", (H, 2 * H), "proj"), (p + "shared_head.norm.weight", (H,), "norm"),
