@@ -108,3 +108,18 @@ def test_slice_shapes_scaled_down(tmp_path, arch):
     assert cfg.n_routed_experts == E and cfg.hidden_size == H
     man = convert(d, str(tmp_path / (arch + "_c")), progress=False)
     assert len(man["experts"]) == 2 * E
+
+
+def test_slice_bench_box_limits_and_projection():
+    from glm_jax_tools import bench_slice as bs
+    # 24 GB box, 1500 MB OS, 1000 MB runtime, 14 GB dense in the full model, 45 MoE layers -> 166.7 MB per layer;
+    # the slice (1 GB dense, 2 MoE layers) gets runtime + its dense + 2 layers of that
+    lim, per = bs.box_limit_mb(24, 1000, 14000, 2, 45, 1500, 1000)
+    assert per == pytest.approx(7500 / 45) and lim == pytest.approx(1000 + 1000 + 2 * 7500 / 45)
+    assert bs.box_limit_mb(16, 1000, 14000, 2, 45, 1500, 1000) == (None, pytest.approx(-500 / 45))
+    # compute scales with the bytes touched, the time beyond it with the MoE layers
+    assert bs.project(0.5, 0.1, 20.0, 45.0) == pytest.approx(0.1 * 20 + 0.4 * 45)
+    assert bs.project(0.08, 0.1, 20.0, 45.0) == pytest.approx(2.0)        # faster than t_c: no negative wait
+    # disk bound: the slower of compute and the misses' bytes at the disk's rate
+    assert bs.disk_bound_tok_s(0.01, 4, 10e6, 2.0) == pytest.approx(1 / 0.02)
+    assert bs.disk_bound_tok_s(0.05, 4, 10e6, 2.0) == pytest.approx(1 / 0.05)

@@ -24,6 +24,10 @@
     python tools/bench.py --mode=lowram --model=HF_DIR|stream --llamacpp=PREFIX --limits=4000,1400,1000,700
         decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64, --ram_gb from the limit,
         --direct_io) in memory cgroups of each limit, cold file cache before every run (tools/bench_peer.py).
+    python tools/bench.py --mode=slice --arch=glm45air|glm52 --layers=N [--llamacpp=PREFIX] [--boxes=0,128,64,24]
+        a slice at the architecture's real widths (tools/synth_slice.py), both engines cold in memory cgroups of what
+        a 24 / 64 / 128 GB box leaves per layer, projected to the full model beside the disk-physics bound and
+        colibri's points (tools/bench_slice.py).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults", "peer", "lowram"],
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults", "peer", "lowram",
+                                  "slice"],
                   "Which benchmark.")
 flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
 flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
@@ -77,6 +82,17 @@ flags.DEFINE_float("runtime_mb", -1.0, "--mode=lowram: -1 (default): no --ram_gb
                    "runtime in MB.")
 flags.DEFINE_float("margin_mb", 100.0, "--mode=lowram: --ram_gb = (limit - runtime - margin) / 1000.")
 flags.DEFINE_float("run_timeout", 1800.0, "--mode=lowram: seconds before one run is killed (reported as timeout).")
+flags.DEFINE_enum("arch", "glm45air", ["glm45air", "glm52"], "--mode=slice: which model's real widths.")
+flags.DEFINE_integer("layers", 2, "--mode=slice: layers of the slice (the first dense).", lower_bound=2)
+flags.DEFINE_string("boxes", "0,128,64,24", "--mode=slice: box sizes in GB whose per-layer memory the cgroups give "
+                    "the slice (0: no limit; it runs first and is every engine's compute time for the projection).")
+flags.DEFINE_float("os_reserve_mb", 1500.0, "--mode=slice: MB of each box kept for the OS.", lower_bound=0.0)
+flags.DEFINE_float("slice_runtime_mb", 1000.0, "--mode=slice: MB of each box (and of each limit) for the engine's "
+                   "runtime.", lower_bound=0.0)
+flags.DEFINE_float("slice_nolimit_mb", 16000.0, "--mode=slice: the cgroup limit of box 0 (no limit).",
+                   lower_bound=1.0)
+flags.DEFINE_string("slice_dense_formats", "bf16,int4_g64", "--mode=slice: glm-jax containers (int4_g64 experts) "
+                    "by --dense_format: bf16 = the converter's default, int4_g64 = the same bits as Q4_0.")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")
 flags.DEFINE_string("kernels", "native,xla", "--mode=formats: expert kernels to score (comma-separated).")
 
@@ -317,6 +333,19 @@ def peer_main(argv):
                              else None, FLAGS.llamacpp, FLAGS.workdir,
                              FLAGS.new_tokens, FLAGS.prompt_tokens, FLAGS.reps, FLAGS.threads, opts,
                              FLAGS.hf_python, log=lambda m: print(m, file=sys.stderr, flush=True))
+        elif FLAGS.mode == "slice":
+            from glm_jax_tools import bench_slice
+
+            boxes = sorted(P.parse_list(FLAGS.boxes, "boxes", float), key=lambda b: (b != 0, -b))
+            if any(b < 0 for b in boxes) or 0 not in boxes:
+                raise P.BenchError(f"--boxes: sizes >= 0 GB with 0 (no limit) among them, got {FLAGS.boxes!r}")
+            out = bench_slice.run_slice(FLAGS.arch, FLAGS.layers, FLAGS.llamacpp, FLAGS.workdir, FLAGS.threads,
+                                        FLAGS.new_tokens if FLAGS["new_tokens"].present else 32,
+                                        FLAGS.prompt_tokens if FLAGS["prompt_tokens"].present else 64, boxes,
+                                        FLAGS.os_reserve_mb, FLAGS.slice_runtime_mb, FLAGS.slice_nolimit_mb,
+                                        FLAGS.run_timeout, opts, P.parse_list(FLAGS.slice_dense_formats,
+                                                                              "slice_dense_formats"),
+                                        log=lambda m: print(m, file=sys.stderr, flush=True))
         else:
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):
@@ -337,7 +366,7 @@ def peer_main(argv):
 
 
 def main(argv):
-    if FLAGS.mode in ("peer", "lowram"):
+    if FLAGS.mode in ("peer", "lowram", "slice"):
         return peer_main(argv)
     if FLAGS.mode == "stream":
         from glm_jax_tools import bench_stream

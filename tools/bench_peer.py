@@ -44,6 +44,9 @@ PROMPT_TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks? It is
 
 # llama-bench -r per round (its samples' median is the round's number: one sample of a tiny model lasts a few ms)
 LLAMA_REPS = 3
+# the store counters a glm-jax worker reports back (generate()'s stats, the last run)
+STORE_KEYS = ("bytes_read_per_token", "decode_bytes_read", "decode_misses", "decode_hits", "decode_expert_loads",
+              "hit_rate", "read_gbps", "io_wait_s", "bytes_read", "misses", "prefill_tokens", "prefill_s")
 # glm-jax expert format <-> the llama.cpp GGUF type it is compared with
 GGUF_TYPE = {"f32": "F32", "int8_row": "Q8_0", "int4_g64": "Q4_0"}
 
@@ -1114,7 +1117,8 @@ def _glmjax_worker(spec: dict):
         r, s = rs[-1], rs[-1].stats
         return {"decode_tok_s": dec[len(dec) // 2], "prefill_tok_s": pre[len(pre) // 2],
                 "tokens": r.tokens, "hit_rate": s.get("hit_rate"), "cache_cap": getattr(st, "cache_cap", None),
-                "peak_rss_mb": _vmhwm_mb()}
+                "peak_rss_mb": _vmhwm_mb(), "decode_tokens": s.get("decode_tokens", n - 1),
+                "store": {k: s[k] for k in STORE_KEYS if k in s}}
     _serve(one)
     eng.close()
 
