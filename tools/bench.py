@@ -28,6 +28,9 @@
         a slice at the architecture's real widths (tools/synth_slice.py), both engines cold in memory cgroups of what
         a 24 / 64 / 128 GB box leaves per layer, projected to the full model beside the disk-physics bound and
         colibri's points (tools/bench_slice.py).
+    python tools/bench.py --mode=dsa [--contexts=1024,2048,4096,16384,65536]
+        one GLM-5 MLA + DSA attention layer at real widths, decode step time vs context: gathered top-k vs the
+        dense O(S) mask (tools/bench_dsa.py).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults", "peer", "lowram",
-                                  "slice"],
+                                  "slice", "dsa"],
                   "Which benchmark.")
 flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
 flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
@@ -93,6 +96,9 @@ flags.DEFINE_float("slice_nolimit_mb", 16000.0, "--mode=slice: the cgroup limit 
                    lower_bound=1.0)
 flags.DEFINE_string("slice_dense_formats", "bf16,int4_g64", "--mode=slice: glm-jax containers (int4_g64 experts) "
                     "by --dense_format: bf16 = the converter's default, int4_g64 = the same bits as Q4_0.")
+flags.DEFINE_string("slice_engines", "llama,glm-jax", "--mode=slice: engines to run (llama: only where --llamacpp "
+                    "has llama-bench).")
+flags.DEFINE_string("contexts", "1024,2048,4096,16384,65536", "--mode=dsa: context lengths (cache slots).")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")
 flags.DEFINE_string("kernels", "native,xla", "--mode=formats: expert kernels to score (comma-separated).")
 
@@ -345,7 +351,8 @@ def peer_main(argv):
                                         FLAGS.os_reserve_mb, FLAGS.slice_runtime_mb, FLAGS.slice_nolimit_mb,
                                         FLAGS.run_timeout, opts, P.parse_list(FLAGS.slice_dense_formats,
                                                                               "slice_dense_formats"),
-                                        log=lambda m: print(m, file=sys.stderr, flush=True))
+                                        log=lambda m: print(m, file=sys.stderr, flush=True),
+                                        engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")))
         else:
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):
@@ -388,6 +395,11 @@ def main(argv):
             raise app.UsageError("--mode=cold needs --model=CONTAINER (a converted model larger than its cache)")
         out = bench_cold.bench(FLAGS.model, cache_cap=FLAGS.cache_cap, new_tokens=FLAGS.new_tokens, reps=FLAGS.reps,
                                prefetch=tuple(int(x) for x in FLAGS.prefetch.split(",")), direct_io=FLAGS.direct_io)
+    elif FLAGS.mode == "dsa":
+        from glm_jax_tools import bench_dsa
+
+        out = bench_dsa.bench([int(c) for c in FLAGS.contexts.split(",")], reps=FLAGS.reps if FLAGS["reps"].present
+                              else 5)
     elif FLAGS.mode == "hf":
         out = bench_hf(FLAGS.model or os.path.join(ROOT, "tests", "golden", "glm4moe_full"), FLAGS.new_tokens,
                        FLAGS.reps)

@@ -146,7 +146,7 @@ def _llama_run(cg, limit_mb, prefix, gguf, prompt_tokens, new_tokens, threads, l
 def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int, new_tokens: int,
               prompt_tokens: int, boxes: list, os_reserve_mb: float, runtime_mb: float, nolimit_mb: float,
               timeout: float, glmjax_options: dict, dense_formats: list, log=print,
-              proc_cgroup: Optional[str] = None) -> str:
+              proc_cgroup: Optional[str] = None, engines_wanted: tuple = ("llama", "glm-jax")) -> str:
     if proc_cgroup is None:
         with open("/proc/self/cgroup") as f:
             proc_cgroup = f.read()
@@ -171,7 +171,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     dp_f, dpa_f = _dense_params(c_full)
     prompt = bp.prompt_ids(hf, prompt_tokens)
     engines = []          # (key, label, kind, path, facts)
-    for df in dense_formats:
+    for df in (dense_formats if "glm-jax" in engines_wanted else []):
         t0 = time.time()
         cont = bp.ensure_container(hf, mdir, "int4_g64", df, log)
         facts = _container_facts(cont)
@@ -179,7 +179,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
         label = "glm-jax defaults" if df == "bf16" else f"glm-jax, dense {df}"
         engines.append((f"glmjax-{df}", label, "glm-jax", cont, facts))
     notes = []
-    if have_llama:
+    if have_llama and "llama" in engines_wanted:
         t0 = time.time()
         gguf = bp.ensure_gguf(hf, mdir, "Q4_0", llamacpp, log, keep_f32=False)
         g_size = os.path.getsize(gguf)
@@ -187,9 +187,11 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
         engines.insert(0, ("llama", "llama.cpp Q4_0 (mmap, --repack 0)", "llama", gguf,
                            dict(record_len=e_params * Q4_0_BYTES_PER_PARAM, dense_bytes=dense, total=g_size,
                                 convert_s=time.time() - t0)))
-    else:
+    elif "llama" in engines_wanted:
         notes.append("llama.cpp: not run (no llama-bench under --llamacpp); glm-jax rows only")
-    disk = measure_disk_gbps(engines[-1][4]["expert_file"])
+    if not engines:
+        return "--mode=slice: no engine to run (--slice_engines)"
+    disk = measure_disk_gbps(engines[-1][4].get("expert_file") or engines[-1][3])
     gbps = max(disk.values())
     log(f"disk: O_DIRECT {disk['direct']:.2f} GB/s, buffered cold {disk['buffered']:.2f} GB/s")
     rows, t_c = [], {}
