@@ -246,10 +246,12 @@ def indexer_scores(cfg, ip, x, q_resid, idx_k, cos, sin, visible):
     q = _lin(q_resid, ip["wq_b"]).reshape(B, T, nI, dI)
     q = jnp.concatenate([apply_rope_interleave(q[..., :rope], cos[:, :, None, :], sin[:, :, None, :]),
                          q[..., rope:]], axis=-1)
-    s = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), idx_k.astype(jnp.float32)) * (dI ** -0.5)
-    s = jax.nn.relu(s)
+    # one [S, dI] x [dI, T*nI] matmul per row (the keys as the long side): XLA:CPU ran the 4-d einsum
+    # "bthd,bsd->bths" ~5x slower at S = 64K, T = 1 (docs/real-scale.md)
+    s = jnp.matmul(idx_k.astype(jnp.float32), q.astype(jnp.float32).reshape(B, T * nI, dI).transpose(0, 2, 1))
+    s = jax.nn.relu(s * (dI ** -0.5)).reshape(B, -1, T, nI)                                 # [B,S,T,nI]
     w = (x.astype(jnp.float32) @ ip["weights_proj"].astype(jnp.float32).T) * (nI ** -0.5)   # [B,T,nI]
-    sc = jnp.einsum("bth,bths->bts", w, s)
+    sc = jnp.einsum("bsth,bth->bts", s, w)
     return jnp.where(visible, sc, -jnp.inf)
 
 

@@ -122,6 +122,8 @@ def _glmjax_run(cg, limit_mb, container, prompt, new_tokens, threads, opts, logp
     if res["rc"] == 0 and out is None and not err:
         err = "no result"
     verdict = bp.classify_run(res["rc"], res["timed_out"], res["oom_kills"], err, started)
+    if verdict != "ok":
+        verdict += " (after loading)" if started else " (while loading)"
     return verdict, out, res
 
 
