@@ -76,8 +76,8 @@ def bench(contexts: list, reps: int = 5, dtype=jnp.float32) -> str:
     from glm_jax_tools.tables import markdown
     cols = list(rows[0].keys())
     base = next((r for r in rows if r["context"] == 2048), rows[0])
-    notes = [f"64K / 2K step time: sparse {rows[-1]['sparse (gather top-k) ms'] / base['sparse (gather top-k) ms']:.2f}x, "
-             f"dense {rows[-1]['dense (O(S) mask) ms'] / base['dense (O(S) mask) ms']:.2f}x"
+    sp, dn = "sparse (gather top-k) ms", "dense (O(S) mask) ms"
+    notes = [f"64K / 2K step time: sparse {rows[-1][sp] / base[sp]:.2f}x, dense {rows[-1][dn] / base[dn]:.2f}x"
              if rows[-1]["context"] >= 65536 and base["context"] == 2048 else "",
              f"one MLA + DSA layer at GLM-5 widths, batch 1, one decode step, {jnp.dtype(dtype).name}, median of "
              f"{reps} after a warm-up, {jax.devices()[0].platform} ({jax.device_count()} device), peak RSS growth = "

@@ -268,7 +268,8 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
         for k in cols:
             r.setdefault(k, "")
     sizes = "; ".join(f"{lbl}: {f['total'] / 1e9:.2f} GB ({f['dense_bytes'] / 1e9:.2f} GB non-expert, expert "
-                      f"record {f['record_len'] / 1e6:.2f} MB, ready in {f['convert_s']:.0f} s: converted in this run, or found)"
+                      f"record {f['record_len'] / 1e6:.2f} MB, ready in {f['convert_s']:.0f} s: converted in this "
+                      "run, or found)"
                       for _, lbl, _, _, f in engines)
     head = (f"{arch} slice, {layers} layers ({n_moe_s} MoE), vocab {c_slice['vocab_size']}, real widths "
             f"(tools/synth_slice.py, random bf16 weights, Zipf-skewed router bias); full model: {n_moe_f} MoE layers, "

@@ -85,7 +85,8 @@ def _moe_specs(p: str, c: dict, experts: str) -> list:
     H, E, I, ns = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"], c.get("n_shared_experts", 1)
     out = [(p + "mlp.gate.weight", (E, H), "router"), (p + "mlp.gate.e_score_correction_bias", (E,), "router_bias")]
     if experts == "fused":
-        out += [(p + "mlp.experts.gate_up_proj", (E, 2 * I, H), "fused"), (p + "mlp.experts.down_proj", (E, H, I), "fused")]
+        out += [(p + "mlp.experts.gate_up_proj", (E, 2 * I, H), "fused"),
+                (p + "mlp.experts.down_proj", (E, H, I), "fused")]
     else:
         for e in range(E):
             out += [(p + f"mlp.experts.{e}.gate_proj.weight", (I, H), "expert"),
@@ -115,7 +116,8 @@ def dsa_tensor_specs(c: dict, experts: str = "per_expert") -> list:
         p = f"model.layers.{L}."
         mtp = L >= n_main
         out += [(p + "input_layernorm.weight", (H,), "norm"), (p + "post_attention_layernorm.weight", (H,), "norm"),
-                (p + "self_attn.q_a_proj.weight", (qr, H), "proj"), (p + "self_attn.q_a_layernorm.weight", (qr,), "norm"),
+                (p + "self_attn.q_a_proj.weight", (qr, H), "proj"),
+                (p + "self_attn.q_a_layernorm.weight", (qr,), "norm"),
                 (p + "self_attn.q_b_proj.weight", (nH * (dn + dr), qr), "proj"),
                 (p + "self_attn.kv_a_proj_with_mqa.weight", (kr + dr, H), "proj"),
                 (p + "self_attn.kv_a_layernorm.weight", (kr,), "norm"),
