@@ -91,7 +91,8 @@ flags.DEFINE_string("boxes", "0,128,64,24", "--mode=slice: box sizes in GB whose
                     "the slice (0: no limit; it runs first and is every engine's compute time for the projection).")
 flags.DEFINE_float("os_reserve_mb", 1500.0, "--mode=slice: MB of each box kept for the OS.", lower_bound=0.0)
 flags.DEFINE_float("slice_runtime_mb", 1000.0, "--mode=slice: MB of each box (and of each limit) for the engine's "
-                   "runtime.", lower_bound=0.0)
+                   "runtime; 0: glm-jax's, measured in the run (peak RSS with --cache_cap=1 minus its accounting).",
+                   lower_bound=0.0)
 flags.DEFINE_float("slice_nolimit_mb", 16000.0, "--mode=slice: the cgroup limit of box 0 (no limit).",
                    lower_bound=1.0)
 flags.DEFINE_string("slice_dense_formats", "bf16,int4_g64", "--mode=slice: glm-jax containers (int4_g64 experts) "

@@ -193,6 +193,16 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
         notes.append("llama.cpp: not run (no llama-bench under --llamacpp); glm-jax rows only")
     if not engines:
         return "--mode=slice: no engine to run (--slice_engines)"
+    rt_note = f"runtime {runtime_mb:g} MB (--slice_runtime_mb)"
+    if runtime_mb <= 0:
+        gj = [e for e in engines if e[2] == "glm-jax"]
+        if not gj:
+            return "--mode=slice: --slice_runtime_mb=0 measures glm-jax's runtime: run a glm-jax engine too"
+        log(f"measuring glm-jax's runtime RSS on {gj[-1][3]} (unconstrained, --cache_cap=1 --direct_io)")
+        runtime_mb, peak, acc = bp.measure_runtime_mb(gj[-1][3], prompt, threads, os.path.join(logs, "slice-rt.log"),
+                                                      glmjax_options)
+        rt_note = (f"runtime {runtime_mb:.0f} MB measured in this run (peak RSS {peak:.0f} MB with --cache_cap=1 "
+                   f"minus the engine's own accounting {acc:.0f} MB)")
     disk = measure_disk_gbps(engines[-1][4].get("expert_file") or engines[-1][3])
     gbps = max(disk.values())
     log(f"disk: O_DIRECT {disk['direct']:.2f} GB/s, buffered cold {disk['buffered']:.2f} GB/s")
@@ -277,8 +287,8 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
             f"Files: {sizes}. Decode: {new_tokens} tokens after a {prompt_tokens}-token prompt, {threads} threads, "
             "batch 1, greedy, each run a fresh process in a fresh memory cgroup (page cache charged), file cache "
             "dropped before it (llama-bench -p P -n N -r 1 -lm mmap --repack 0 with its warmup; glm-jax: a 2-token "
-            "warm-up generation, a 2-token warm-up, then the median of 3 generations). Box -> limit: runtime "
-            f"{runtime_mb:g} MB and OS {os_reserve_mb:g} MB reserved of the box, then the engine's full dense part "
+            f"warm-up generation, a 2-token warm-up, then the median of 3 generations). Box -> limit: {rt_note} "
+            f"and OS {os_reserve_mb:g} MB reserved of the box, then the engine's full dense part "
             "(its slice dense bytes scaled by dense parameters), the rest split over the full model's MoE layers; "
             "limit = runtime + slice dense + per-layer x slice MoE layers. Projection and disk bound: see "
             f"tools/bench_slice.py; disk measured in this run: O_DIRECT {disk['direct']:.2f} GB/s, buffered cold "
