@@ -271,3 +271,54 @@ def test_bf16_runs_and_is_close():
     out, c2, sel = attn(f.cfg, p, jnp.asarray(e["attn_in"][:, 0], jnp.bfloat16), c, jnp.zeros((2,), jnp.int32), 0)
     assert out.dtype == jnp.bfloat16 and c2["ckv"].dtype == jnp.bfloat16 and sel.dtype == jnp.int32
     assert float(jnp.abs(out.astype(jnp.float32) - e["attn_out"][:, 0]).max()) < 0.1
+
+
+# ----------------------------------------------------------------------------- DSA: gathered top-k == dense mask
+@functools.lru_cache(maxsize=None)
+def _gather_jit(layer, gather):
+    cfg = fix("dsa_sparse").cfg
+    return jax.jit(lambda p, x, c, st, ps: mla.mla_attention(cfg, p, x, c, st, layer, ps, gather=gather))
+
+
+def test_sparse_gather_equals_dense_masked():
+    """The O(k) path (gather the selected keys) and the O(S) path (mask the dense scores with the selection) give
+    the same outputs, selections and caches: a 12-token prefill, then decode steps, on the top-k=4 fixture with a
+    cache longer than the sequence (stale slots must stay invisible)."""
+    f = fix("dsa_sparse")
+    e = f.exp
+    cfg = f.cfg
+    assert mla.topk_count(cfg, S_MAX) < S_MAX and mla.use_gather(cfg, 12, 4, S_MAX)
+    res = {}
+    for gather in (True, False):
+        rng = np.random.default_rng(0)
+        caches = _caches(cfg, 2)
+        xs = [jnp.asarray(e["attn_in"][:, l]) for l in range(cfg.num_hidden_layers)]
+        steps = [(xs, jnp.zeros((2,), jnp.int32))]
+        for t in range(3):
+            steps.append(([jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
+                           for _ in range(cfg.num_hidden_layers)], jnp.asarray([12 + t, 9 + t], jnp.int32)))
+        outs = []
+        for xs_, st in steps:
+            sel = None
+            new = []
+            for l in range(cfg.num_hidden_layers):
+                o, c, sel = _gather_jit(l, gather)(f.params(l), xs_[l], caches[l], st, sel)
+                outs.append((np.asarray(o), None if sel is None else np.asarray(sel)))
+                new.append(c)
+            caches = new
+        res[gather] = (outs, caches)
+    for (oa, sa), (ob, sb) in zip(res[True][0], res[False][0]):
+        np.testing.assert_allclose(oa, ob, atol=2e-6, rtol=0)
+        np.testing.assert_array_equal(sa, sb)
+    for ca, cb in zip(res[True][1], res[False][1]):
+        for k in ca:
+            np.testing.assert_array_equal(np.asarray(ca[k]), np.asarray(cb[k]))
+
+
+def test_use_gather_decision():
+    cfg = fix("dsa_sparse").cfg
+    assert not mla.use_gather(cfg, 1, 16, 16)                    # k == S: nothing to skip
+    assert mla.use_gather(cfg, 1, 2048, 65536)
+    big = dataclasses.replace(cfg, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert mla.use_gather(big, 1, 2048, 65536)                   # decode at GLM-5 widths
+    assert not mla.use_gather(big, 512, 2048, 65536)             # a 512-token prefill chunk: dense masked

@@ -247,10 +247,12 @@ def indexer_scores(cfg, ip, x, q_resid, idx_k, cos, sin, visible):
     q = _lin(q_resid, ip["wq_b"]).reshape(B, T, nI, dI)
     q = jnp.concatenate([apply_rope_interleave(q[..., :rope], cos[:, :, None, :], sin[:, :, None, :]),
                          q[..., rope:]], axis=-1)
-    s = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), idx_k.astype(jnp.float32)) * (dI ** -0.5)
-    s = jax.nn.relu(s)
+    # one [S, dI] x [dI, T*nI] matmul per row (the keys as the long side): XLA:CPU ran the 4-d einsum
+    # "bthd,bsd->bths" ~5x slower at S = 64K, T = 1 (docs/real-scale.md)
+    s = jnp.matmul(idx_k.astype(jnp.float32), q.astype(jnp.float32).reshape(B, T * nI, dI).transpose(0, 2, 1))
+    s = jax.nn.relu(s * (dI ** -0.5)).reshape(B, -1, T, nI)                                 # [B,S,T,nI]
     w = (x.astype(jnp.float32) @ ip["weights_proj"].astype(jnp.float32).T) * (nI ** -0.5)   # [B,T,nI]
-    sc = jnp.einsum("bth,bths->bts", w, s)
+    sc = jnp.einsum("bsth,bth->bts", s, w)
     return jnp.where(visible, sc, -jnp.inf)
 
 
@@ -265,9 +267,37 @@ def selection_mask(sel, S: int):
     return jax.vmap(jax.vmap(lambda r, i: r.at[i].set(True)))(m, sel)
 
 
+# largest gathered key block (T x k x (kv_lora + rope) elements) the sparse path builds; above it (long prefill
+# chunks) the dense masked path runs instead: 2**26 elements = 128 MiB in bf16
+GATHER_MAX_ELEMS = 1 << 26
+
+
+def use_gather(cfg, T: int, k: int, S: int) -> bool:
+    """Whether attention over a selection of k keys (of S cache slots) gathers those keys (O(k) per query and head)
+    instead of masking the dense O(S) scores: when k < S and the gathered block stays under GATHER_MAX_ELEMS."""
+    return k < S and T * k * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) <= GATHER_MAX_ELEMS
+
+
+def _sparse_absorbed(cfg, q_nope, q_rot, ckv, kpe, sel, positions, w_uk, w_uv, scale, dtype):
+    """Absorbed MLA over the selected keys only: gather sel's ckv / kpe rows ([B,T,k,.]), scores [B,nH,T,k],
+    selected keys past the query's position masked (sel may hold invisible slots when fewer keys than k are
+    visible).  The result equals the dense path with the selection mask (tests/test_mla.py)."""
+    f32 = jnp.float32
+    ckv_g = jax.vmap(lambda c, i: c[i])(ckv, sel)                                    # [B,T,k,kl]
+    kpe_g = jax.vmap(lambda c, i: c[i])(kpe, sel)                                    # [B,T,k,rope]
+    q_lat = jnp.einsum("bthd,hdc->bthc", q_nope, w_uk)                               # [B,T,nH,kl]
+    sc = (jnp.einsum("bthc,btkc->bhtk", q_lat, ckv_g, preferred_element_type=f32)
+          + jnp.einsum("bthr,btkr->bhtk", q_rot, kpe_g, preferred_element_type=f32)) * scale
+    ok = sel <= positions[:, :, None]                                                # [B,T,k]
+    sc = jnp.where(ok[:, None, :, :], sc, -jnp.inf)
+    pr = jax.nn.softmax(sc, axis=-1).astype(dtype)
+    o_lat = jnp.einsum("bhtk,btkc->bthc", pr, ckv_g)
+    return jnp.einsum("bthc,hvc->bthv", o_lat, w_uv)
+
+
 # ----------------------------------------------------------------------------- attention
 def mla_attention(cfg, p: dict, x, cache: dict, start, layer: int, prev_sel=None, absorbed: bool = True,
-                  dense_shortcut: bool = True):
+                  dense_shortcut: bool = True, gather=None):
     """One MLA(+DSA) attention over a static cache.
 
     x [B,T,H] (already input-normed); start [B] int32: the T tokens sit at positions start[b]..start[b]+T-1 and
@@ -283,6 +313,8 @@ def mla_attention(cfg, p: dict, x, cache: dict, start, layer: int, prev_sel=None
 
     ``absorbed=True``: attention over the compressed cache with W_UK folded into q and W_UV applied after
     attention; ``absorbed=False``: expand the cache through kv_b_proj (transformers' form).  Same algebra.
+    ``gather`` (absorbed only, with a selection): True attends over the gathered top-k keys (O(k) per query and
+    head), False masks the dense O(S) scores, None (default) picks by ``use_gather``.  Same result.
     """
     B, T, H = x.shape
     S = cache["ckv"].shape[1]
@@ -308,12 +340,15 @@ def mla_attention(cfg, p: dict, x, cache: dict, start, layer: int, prev_sel=None
             sel = jax.lax.top_k(sc, k)[1].astype(jnp.int32)
     else:
         sel = prev_sel
-    mask = visible if sel is None else (visible & selection_mask(sel, S))
 
     ckv, kpe = new_cache["ckv"], new_cache["kpe"]
     scale = softmax_scale(cfg)
     kv_b = p["kv_b_w"].reshape(nH, nope + v, kl)
     w_uk, w_uv = kv_b[:, :nope, :], kv_b[:, nope:, :]                               # [nH,nope,kl], [nH,v,kl]
+    if sel is not None and absorbed and (use_gather(cfg, T, sel.shape[-1], S) if gather is None else gather):
+        o = _sparse_absorbed(cfg, q_nope, q_rot, ckv, kpe, sel, positions, w_uk, w_uv, scale, x.dtype)
+        return _lin(o.reshape(B, T, nH * v), p["o_w"], p.get("o_b")), new_cache, sel
+    mask = visible if sel is None else (visible & selection_mask(sel, S))
     f32 = jnp.float32
     if absorbed:
         q_lat = jnp.einsum("bthd,hdc->bthc", q_nope, w_uk)                           # [B,T,nH,kl]

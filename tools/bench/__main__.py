@@ -24,6 +24,13 @@
     python -m tools.bench --mode=lowram --model=HF_DIR|stream --llamacpp=PREFIX --limits=4000,1400,1000,700
         decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64, --ram_gb from the limit,
         --direct_io) in memory cgroups of each limit, cold file cache before every run (tools/bench/peer.py).
+    python -m tools.bench --mode=slice --arch=glm45air|glm52 --layers=N [--llamacpp=PREFIX] [--boxes=0,128,64,24]
+        a slice at the architecture's real widths (tools/fixtures/synth_slice.py), both engines cold in memory cgroups of what
+        a 24 / 64 / 128 GB box leaves per layer, projected to the full model beside the disk-physics bound and
+        colibri's points (tools/bench/slice.py).
+    python -m tools.bench --mode=dsa [--contexts=1024,2048,4096,16384,65536]
+        one GLM-5 MLA + DSA attention layer at real widths, decode step time vs context: gathered top-k vs the
+        dense O(S) mask (tools/bench/dsa.py).
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults", "peer", "lowram"],
+flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", "cold", "defaults", "peer", "lowram",
+                                  "slice", "dsa"],
                   "Which benchmark.")
 flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
 flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
@@ -77,6 +85,21 @@ flags.DEFINE_float("runtime_mb", -1.0, "--mode=lowram: -1 (default): no --ram_gb
                    "runtime in MB.")
 flags.DEFINE_float("margin_mb", 100.0, "--mode=lowram: --ram_gb = (limit - runtime - margin) / 1000.")
 flags.DEFINE_float("run_timeout", 1800.0, "--mode=lowram: seconds before one run is killed (reported as timeout).")
+flags.DEFINE_enum("arch", "glm45air", ["glm45air", "glm52"], "--mode=slice: which model's real widths.")
+flags.DEFINE_integer("layers", 2, "--mode=slice: layers of the slice (the first dense).", lower_bound=2)
+flags.DEFINE_string("boxes", "0,128,64,24", "--mode=slice: box sizes in GB whose per-layer memory the cgroups give "
+                    "the slice (0: no limit; it runs first and is every engine's compute time for the projection).")
+flags.DEFINE_float("os_reserve_mb", 1500.0, "--mode=slice: MB of each box kept for the OS.", lower_bound=0.0)
+flags.DEFINE_float("slice_runtime_mb", 1000.0, "--mode=slice: MB of each box (and of each limit) for the engine's "
+                   "runtime; 0: glm-jax's, measured in the run (peak RSS with --cache_cap=1 minus its accounting).",
+                   lower_bound=0.0)
+flags.DEFINE_float("slice_nolimit_mb", 16000.0, "--mode=slice: the cgroup limit of box 0 (no limit).",
+                   lower_bound=1.0)
+flags.DEFINE_string("slice_dense_formats", "bf16,int4_g64", "--mode=slice: glm-jax containers (int4_g64 experts) "
+                    "by --dense_format: bf16 = the converter's default, int4_g64 = the same bits as Q4_0.")
+flags.DEFINE_string("slice_engines", "llama,glm-jax", "--mode=slice: engines to run (llama: only where --llamacpp "
+                    "has llama-bench).")
+flags.DEFINE_string("contexts", "1024,2048,4096,16384,65536", "--mode=dsa: context lengths (cache slots).")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")
 flags.DEFINE_string("kernels", "native,xla", "--mode=formats: expert kernels to score (comma-separated).")
 
@@ -317,6 +340,20 @@ def peer_main(argv):
                              else None, FLAGS.llamacpp, FLAGS.workdir,
                              FLAGS.new_tokens, FLAGS.prompt_tokens, FLAGS.reps, FLAGS.threads, opts,
                              FLAGS.hf_python, log=lambda m: print(m, file=sys.stderr, flush=True))
+        elif FLAGS.mode == "slice":
+            from tools.bench import slice as bench_slice
+
+            boxes = sorted(P.parse_list(FLAGS.boxes, "boxes", float), key=lambda b: (b != 0, -b))
+            if any(b < 0 for b in boxes) or 0 not in boxes:
+                raise P.BenchError(f"--boxes: sizes >= 0 GB with 0 (no limit) among them, got {FLAGS.boxes!r}")
+            out = bench_slice.run_slice(FLAGS.arch, FLAGS.layers, FLAGS.llamacpp, FLAGS.workdir, FLAGS.threads,
+                                        FLAGS.new_tokens if FLAGS["new_tokens"].present else 32,
+                                        FLAGS.prompt_tokens if FLAGS["prompt_tokens"].present else 64, boxes,
+                                        FLAGS.os_reserve_mb, FLAGS.slice_runtime_mb, FLAGS.slice_nolimit_mb,
+                                        FLAGS.run_timeout, opts, P.parse_list(FLAGS.slice_dense_formats,
+                                                                              "slice_dense_formats"),
+                                        log=lambda m: print(m, file=sys.stderr, flush=True),
+                                        engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")))
         else:
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):
@@ -337,7 +374,7 @@ def peer_main(argv):
 
 
 def main(argv):
-    if FLAGS.mode in ("peer", "lowram"):
+    if FLAGS.mode in ("peer", "lowram", "slice"):
         return peer_main(argv)
     if FLAGS.mode == "stream":
         from tools.bench import stream as bench_stream
@@ -359,6 +396,11 @@ def main(argv):
             raise app.UsageError("--mode=cold needs --model=CONTAINER (a converted model larger than its cache)")
         out = bench_cold.bench(FLAGS.model, cache_cap=FLAGS.cache_cap, new_tokens=FLAGS.new_tokens, reps=FLAGS.reps,
                                prefetch=tuple(int(x) for x in FLAGS.prefetch.split(",")), direct_io=FLAGS.direct_io)
+    elif FLAGS.mode == "dsa":
+        from tools.bench import dsa as bench_dsa
+
+        out = bench_dsa.bench([int(c) for c in FLAGS.contexts.split(",")], reps=FLAGS.reps if FLAGS["reps"].present
+                              else 5)
     elif FLAGS.mode == "hf":
         out = bench_hf(FLAGS.model or os.path.join(ROOT, "tests", "golden", "glm4moe_full"), FLAGS.new_tokens,
                        FLAGS.reps)

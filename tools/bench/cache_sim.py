@@ -1,12 +1,13 @@
 """Replay routing traces through the ExpertStore cache logic and compare eviction policies.
 
-    python -m tools.bench.cache_sim [--trace=FILE.jsonl] [--caps=1,2,4,8,16,32] [--policies=lru,lfu]
+    python -m tools.bench.cache_sim [--trace=FILE.jsonl] [--caps=1,2,4,8,16,32] [--policies=lru,lfu,belady]
 
 A trace is one forward per line: ``[[layer, [expert ids...]], ...]`` (the engine can dump one).  Without
 ``--trace`` a synthetic trace is generated: per layer a Zipf(``--zipf``) popularity over a random permutation of
 the experts, and temporal locality (each of the top-k picks repeats one of the previous token's experts of that
 layer with probability ``--repeat``).  The simulation uses ``glm_jax.store.CacheIndex``, the exact bookkeeping
-of the store (same evictions, same working-set room), so hit rates here are the store's hit rates.
+of the store (same evictions, same working-set room), so hit rates here are the store's hit rates.  ``belady`` is
+the offline optimum on the same trace (how far the shipped policies are from the limit).
 """
 
 from __future__ import annotations
@@ -50,7 +51,40 @@ def load_trace(path: str) -> list:
         return [[(int(L), [int(e) for e in ids]) for L, ids in json.loads(line)] for line in f if line.strip()]
 
 
+def belady(trace: list, cap: int, warmup: int = 0) -> dict:
+    """Offline optimum (Belady's MIN) per layer on the same trace: a forward's experts must all be present (misses
+    are loaded), then the cache keeps the ``cap`` experts of cache + forward whose next use is soonest (never-used
+    ones go first).  No policy that sees only the past can hit more often with ``cap`` experts kept per layer."""
+    by_layer = {}
+    for t, fwd in enumerate(trace):
+        for L, ids in fwd:
+            by_layer.setdefault(L, []).append((t, list(dict.fromkeys(ids))))
+    hits = req = 0
+    inf = float("inf")
+    for L, seq in by_layer.items():
+        nxt = [None] * len(seq)             # nxt[i][e]: index in seq of e's next use after i
+        last = {}
+        for i in range(len(seq) - 1, -1, -1):
+            nxt[i] = {e: last.get(e, inf) for e in seq[i][1]}
+            for e in seq[i][1]:
+                last[e] = i
+        cache = {}                           # expert -> index of its next use
+        for i, (t, u) in enumerate(seq):
+            h = sum(1 for e in u if e in cache)
+            if t >= warmup:
+                hits += h
+                req += len(u)
+            for e in u:
+                cache[e] = nxt[i][e]
+            if len(cache) > cap:
+                keep = sorted(cache.items(), key=lambda kv: kv[1])[:cap]
+                cache = dict(keep)
+    return {"hit_rate": hits / max(req, 1), "requests": req}
+
+
 def simulate(trace: list, policy: str, cap: int, E: int, working_set: int = 8, warmup: int = 0) -> dict:
+    if policy == "belady":
+        return belady(trace, min(cap, E), warmup)
     idx = {}
     hits = req = 0
     for t, fwd in enumerate(trace):
@@ -104,7 +138,7 @@ def run():
     from absl import app, flags
     flags.DEFINE_string("trace", None, "jsonl routing trace (one forward per line)")
     flags.DEFINE_string("caps", "1,2,4,8,16,32", "cache caps (experts per layer)")
-    flags.DEFINE_string("policies", "lru,lfu", "policies to compare")
+    flags.DEFINE_string("policies", "lru,lfu,belady", "policies to compare (belady: the offline optimum)")
     flags.DEFINE_integer("experts", 0, "experts per layer (default: from the trace, or 64)")
     flags.DEFINE_integer("top_k", 8, "synthetic: experts per token")
     flags.DEFINE_integer("layers", 4, "synthetic: layers")

@@ -44,6 +44,9 @@ PROMPT_TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks? It is
 
 # llama-bench -r per round (its samples' median is the round's number: one sample of a tiny model lasts a few ms)
 LLAMA_REPS = 3
+# the store counters a glm-jax worker reports back (generate()'s stats, the last run)
+STORE_KEYS = ("bytes_read_per_token", "decode_bytes_read", "decode_misses", "decode_hits", "decode_expert_loads",
+              "hit_rate", "read_gbps", "io_wait_s", "bytes_read", "misses", "prefill_tokens", "prefill_s")
 # glm-jax expert format <-> the llama.cpp GGUF type it is compared with
 GGUF_TYPE = {"f32": "F32", "int8_row": "Q8_0", "int4_g64": "Q4_0"}
 
@@ -288,9 +291,10 @@ def _with_shipped_tokens(c: dict) -> dict:
     return c
 
 
-def make_model(out: str, config: dict, zipf: float = 0.0, seed: int = 0, log=print) -> str:
-    """Write a random glm4_moe HF checkpoint (bf16, hub per-expert keys, sharded) with the shipped model's tokenizer
-    into out (skipped when out/config.json exists); llama.cpp's converter accepts it through hf_to_gguf.py."""
+def make_model(out: str, config: dict, zipf: float = 0.0, seed: int = 0, log=print, dtype: str = "bfloat16") -> str:
+    """Write a random glm4_moe / glm_moe_dsa HF checkpoint (bf16 unless dtype, hub per-expert keys, sharded) with the
+    shipped model's tokenizer into out (skipped when out/config.json exists); llama.cpp's converter accepts it
+    through hf_to_gguf.py."""
     from tools.fixtures.synth_model import write_hf_checkpoint
     if os.path.exists(os.path.join(out, "config.json")):
         return out
@@ -298,7 +302,7 @@ def make_model(out: str, config: dict, zipf: float = 0.0, seed: int = 0, log=pri
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     n_exp = config["n_routed_experts"] * (config["num_hidden_layers"] - config["first_k_dense_replace"])
-    write_hf_checkpoint(tmp, config, seed=seed, dtype="bfloat16", zipf=zipf, keep_reference=False,
+    write_hf_checkpoint(tmp, config, seed=seed, dtype=dtype, zipf=zipf, keep_reference=False,
                         shards=max(1, n_exp // 64))
     for f in _shipped_tokenizer_files():
         shutil.copy(f, tmp)
@@ -1114,7 +1118,8 @@ def _glmjax_worker(spec: dict):
         r, s = rs[-1], rs[-1].stats
         return {"decode_tok_s": dec[len(dec) // 2], "prefill_tok_s": pre[len(pre) // 2],
                 "tokens": r.tokens, "hit_rate": s.get("hit_rate"), "cache_cap": getattr(st, "cache_cap", None),
-                "peak_rss_mb": _vmhwm_mb()}
+                "peak_rss_mb": _vmhwm_mb(), "decode_tokens": s.get("decode_tokens", n - 1),
+                "store": {k: s[k] for k in STORE_KEYS if k in s}}
     _serve(one)
     eng.close()
 

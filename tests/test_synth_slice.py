@@ -1,0 +1,125 @@
+"""The real-scale slice generator (tools/fixtures/synth_slice.py): real widths in the config, shapes of what it writes
+(checked on a scaled-down call), the Zipf router skew, and that glm-jax-convert accepts the result."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from glm_jax.model.config import load_config
+from tools.fixtures import synth_slice
+from glm_jax.experts.convert import convert
+
+SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8)
+SMALL_ARCH = {
+    "glm45air": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "glm52": dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, qk_head_dim=24, head_dim=8, index_head_dim=16, index_n_heads=4,
+                  index_topk=4),
+}
+
+
+def _headers(d):
+    out = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(d, f), "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                h = json.loads(fh.read(n))
+            h.pop("__metadata__", None)
+            for k, v in h.items():
+                out[k] = (tuple(v["shape"]), v["dtype"], f)
+    return out
+
+
+def _read(d, key):
+    from safetensors.numpy import load_file
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            t = load_file(os.path.join(d, f))
+            if key in t:
+                return t[key]
+    raise KeyError(key)
+
+
+def test_real_widths():
+    a = synth_slice.slice_config("glm45air", 3)
+    assert (a["hidden_size"], a["num_attention_heads"], a["num_key_value_heads"], a["head_dim"]) == (4096, 96, 8, 128)
+    assert (a["n_routed_experts"], a["moe_intermediate_size"], a["num_experts_per_tok"], a["n_shared_experts"],
+            a["first_k_dense_replace"], a["intermediate_size"]) == (128, 1408, 8, 1, 1, 10944)
+    ps = synth_slice.param_split(a)
+    assert ps["expert"] == 3 * 4096 * 1408 and ps["routed"] == 2 * 128 * ps["expert"]
+    g = synth_slice.slice_config("glm52", 2)
+    assert (g["hidden_size"], g["num_attention_heads"], g["q_lora_rank"], g["kv_lora_rank"], g["qk_nope_head_dim"],
+            g["qk_rope_head_dim"], g["v_head_dim"]) == (6144, 64, 2048, 512, 192, 64, 256)
+    assert (g["n_routed_experts"], g["moe_intermediate_size"], g["num_experts_per_tok"], g["index_topk"],
+            g["index_n_heads"], g["index_head_dim"]) == (256, 2048, 8, 2048, 32, 128)
+    assert g["mlp_layer_types"] == ["dense", "sparse"] and g["indexer_types"] == ["full", "full"]
+    # an int4 expert of GLM-5 is ~18.9 MB before scales (limits-and-peers.md §1)
+    assert synth_slice.param_split(g)["expert"] / 2 == pytest.approx(18.9e6, rel=0.01)
+    # the full models the projections use: 45 / 75 MoE layers, the real vocabularies
+    assert synth_slice.moe_layers(synth_slice.full_config("glm45air")) == 45
+    assert synth_slice.moe_layers(synth_slice.full_config("glm52")) == 75
+    assert synth_slice.full_config("glm52")["vocab_size"] == 154880
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="--arch=glm9"):
+        synth_slice.slice_config("glm9", 3)
+    with pytest.raises(ValueError, match="--layers=1"):
+        synth_slice.slice_config("glm45air", 1)
+
+
+@pytest.mark.parametrize("arch", ["glm45air", "glm52"])
+def test_slice_shapes_scaled_down(tmp_path, arch):
+    d = str(tmp_path / arch)
+    over = dict(SMALL, **SMALL_ARCH[arch])
+    synth_slice.write_slice(d, arch, 3, vocab=256, log=lambda *a: None, **over)
+    c = synth_slice.slice_config(arch, 3, vocab=256, **over)
+    h = _headers(d)
+    H, E, I = 64, 8, 32
+    assert h["model.embed_tokens.weight"][0] == (256, H) and h["lm_head.weight"][0] == (256, H)
+    assert h["model.layers.0.mlp.gate_proj.weight"][0] == (96, H)              # the first layer is dense
+    assert not any(k.startswith("model.layers.0.mlp.experts.") for k in h)
+    for L in (1, 2):                                                          # MoE layers: hub per-expert keys
+        for e in range(E):
+            assert h[f"model.layers.{L}.mlp.experts.{e}.gate_proj.weight"][:2] == ((I, H), "BF16")
+            assert h[f"model.layers.{L}.mlp.experts.{e}.down_proj.weight"][:2] == ((H, I), "BF16")
+        assert h[f"model.layers.{L}.mlp.gate.weight"][:2] == ((E, H), "F32")
+        assert h[f"model.layers.{L}.mlp.shared_experts.up_proj.weight"][0] == (I, H)
+    if arch == "glm45air":
+        assert h["model.layers.1.self_attn.q_proj.weight"][0] == (4 * 16, H)
+        assert h["model.layers.1.self_attn.k_proj.bias"][0] == (2 * 16,)
+    else:
+        assert h["model.layers.1.self_attn.q_b_proj.weight"][0] == (4 * (16 + 8), 32)
+        assert h["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"][0] == (16 + 8, H)
+        assert h["model.layers.1.self_attn.kv_b_proj.weight"][0] == (4 * (16 + 16), 16)
+        assert h["model.layers.1.self_attn.o_proj.weight"][0] == (H, 4 * 16)
+        assert h["model.layers.2.self_attn.indexer.wq_b.weight"][0] == (4 * 16, 32)
+        assert h["model.layers.2.self_attn.indexer.weights_proj.weight"][:2] == ((4, H), "F32")
+    n = sum(int(np.prod(s)) for s, _, _ in h.values())
+    assert n == synth_slice.param_split(c)["total"]
+    # Zipf-skewed popularity: the router bias is -0.3 * zipf * log(rank) over a permutation of the experts
+    b = np.sort(_read(d, "model.layers.1.mlp.gate.e_score_correction_bias"))[::-1]
+    np.testing.assert_allclose(b, -0.3 * 1.1 * np.log(np.arange(1, E + 1)), rtol=1e-5, atol=1e-6)
+    cfg = load_config(d)
+    assert cfg.n_routed_experts == E and cfg.hidden_size == H
+    man = convert(d, str(tmp_path / (arch + "_c")), progress=False)
+    assert len(man["experts"]) == 2 * E
+
+
+def test_slice_bench_box_limits_and_projection():
+    from tools.bench import slice as bs
+    # 24 GB box, 1500 MB OS, 1000 MB runtime, 14 GB dense in the full model, 45 MoE layers -> 166.7 MB per layer;
+    # the slice (1 GB dense, 2 MoE layers) gets runtime + its dense + 2 layers of that
+    lim, per = bs.box_limit_mb(24, 1000, 14000, 2, 45, 1500, 1000)
+    assert per == pytest.approx(7500 / 45) and lim == pytest.approx(1000 + 1000 + 2 * 7500 / 45)
+    assert bs.box_limit_mb(16, 1000, 14000, 2, 45, 1500, 1000) == (None, pytest.approx(-500 / 45))
+    # compute scales with the bytes touched, the time beyond it with the MoE layers
+    assert bs.project(0.5, 0.1, 20.0, 45.0) == pytest.approx(0.1 * 20 + 0.4 * 45)
+    assert bs.project(0.08, 0.1, 20.0, 45.0) == pytest.approx(2.0)        # faster than t_c: no negative wait
+    # disk bound: the slower of compute and the misses' bytes at the disk's rate
+    assert bs.disk_bound_tok_s(0.01, 4, 10e6, 2.0) == pytest.approx(1 / 0.02)
+    assert bs.disk_bound_tok_s(0.05, 4, 10e6, 2.0) == pytest.approx(1 / 0.05)
