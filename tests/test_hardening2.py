@@ -531,3 +531,19 @@ def test_help_says_what_the_engine_does():
     with pytest.raises(O.OptionError) as e:
         O.resolve({"prefill_chunk": 3})
     assert "[16, 1048576]" in str(e.value)
+
+
+def test_dev_stdout_redirected_to_a_file_is_written_through(tmp_path):
+    """--output_json=/dev/stdout with stdout redirected to a regular file: the file the fd is open on gets the JSON
+    after what was already written, and is not replaced by name (the shell's fd would point at an orphan)."""
+    f = tmp_path / "out.txt"
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"text\n")
+        ino = os.fstat(fd).st_ino
+        fileio.write_output(f"/proc/self/fd/{fd}", '{"a": 1}')
+        assert os.stat(f).st_ino == ino and f.read_text() == 'text\n{"a": 1}'
+        assert fileio.output_problem(f"/dev/fd/{fd}") is None
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path) == ["out.txt"]
