@@ -24,7 +24,6 @@ generating.  Candidates of one item share the context's cache (rewound, not reco
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys

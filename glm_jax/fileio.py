@@ -32,9 +32,22 @@ class LockBusy(OSError):
     """``exclusive_lock(blocking=False)``: another process holds the lock."""
 
 
-def _through(st: os.stat_result, real: str) -> bool:
-    """Write in place rather than replace: not a regular file, a file with other hard links, or a /proc fd."""
-    return not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or real.startswith("/proc/")
+def _via_proc(path: str) -> bool:
+    """``path`` names an open file descriptor (/dev/stdout, /dev/fd/N, /proc/self/fd/N, through any links): its
+    'target' is whatever the fd is open on, to be written through, never replaced by name."""
+    p = os.path.abspath(path)
+    for _ in range(40):
+        if p.startswith("/proc/") or p.startswith("/dev/fd/"):
+            return True
+        if not os.path.islink(p):
+            return False
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return False
+
+
+def _through(st: os.stat_result, path: str) -> bool:
+    """Write in place rather than replace: not a regular file, a file with other hard links, or an open fd."""
+    return not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or _via_proc(path)
 
 
 def output_problem(path: str) -> Optional[str]:
@@ -49,7 +62,7 @@ def output_problem(path: str) -> Optional[str]:
         return f"cannot be reached ({e.strerror or e})"
     if st is not None and stat.S_ISDIR(st.st_mode):
         return "is a directory"
-    if st is not None and _through(st, os.path.realpath(path)):
+    if st is not None and _through(st, path):
         return None if os.access(path, os.W_OK) else "not writable (permission denied)"
     real = os.path.realpath(path)
     parent = os.path.dirname(real)
@@ -88,11 +101,14 @@ def write_output(path: str, data, fifo_wait_s: float = 5.0):
     except FileNotFoundError:
         st = None
     real = os.path.realpath(path)
-    if st is not None and _through(st, real):
+    if st is not None and _through(st, path):
         fd = _open_through(path, fifo_wait_s)
         try:
             if stat.S_ISREG(os.fstat(fd).st_mode):
-                os.ftruncate(fd, 0)
+                if _via_proc(path):          # `> file` shared with the text on stdout: after it, not over it
+                    os.lseek(fd, 0, os.SEEK_END)
+                else:                        # a hard-linked file: its content replaced, every name sees it
+                    os.ftruncate(fd, 0)
             view = memoryview(b)
             while view:
                 n = os.write(fd, view)

@@ -5,8 +5,9 @@ alias and the keyword get the same check and the same error text, prefixed by wh
 exception is ``plugins`` (user routing plugins), whose flags are ``--plugin`` (repeatable) and ``--plugin_args``:
 :func:`define_flags` defines them for every command that takes engine options (glm-jax, glm-jax-eval,
 glm-jax-serve), and :func:`from_flags` turns them into the ``plugins`` option.  The original engine's environment
-names (colibri: EXPERT_BUDGET, TOPP, MTP, ...) are accepted as aliases; an explicitly given flag or keyword always
-wins over the environment (an alias is not even parsed then).
+names (colibri: EXPERT_BUDGET, TOPP, MTP, ...) are accepted as aliases only when asked for (``--colibri_env``,
+``Engine.load(colibri_env=True)``: generic names like PIN or CAP in an unrelated shell must change nothing); an
+explicitly given flag or keyword always wins over the environment (an alias is not even parsed then).
 """
 
 from __future__ import annotations
@@ -121,13 +122,17 @@ OPTIONS = [
         "one step per dispatch.", lo=0.0, hi=60000.0),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
-        "called from inside one compiled step via io_callback). auto: resident for plain HF dirs that fit, loop for "
-        "converted containers.", ("auto", "resident", "loop", "callback"), main=True),
+        "called from inside one compiled step via io_callback). auto: resident for plain HF dirs, and for containers "
+        "whose experts all fit the RAM budget (all loaded at start); loop otherwise.", ("auto", "resident", "loop", "callback"), main=True),
     Opt("expert_format", "native", "str", "Storage format of resident experts: native (checkpoint dtype), f32, bf16, "
         "int8_row, int4_row, int4_g<N> (N even, e.g. int4_g64).", check=_expert_format),
+    Opt("colibri_env", False, "bool", "Also read the original engine's environment variables (CAP, RAM_GB, TOPP, "
+        "MTP, PIN, ... listed as [env alias: ...] by --helpfull) as aliases of these flags. Off by default: a shell "
+        "variable of the same name changes nothing. A flag given on the command line still wins."),
     Opt("cache_cap", 0, "int", "Expert-store cache capacity in experts per layer (0: size from --ram_gb).",
         env=("CAP",), lo=0, main=True),
-    Opt("ram_gb", 0.0, "float", "RAM budget in GB for dense + KV + expert cache + buffers (0: 0.8 x MemAvailable).",
+    Opt("ram_gb", 0.0, "float", "RAM budget in GB of the whole process: dense + KV + expert cache + buffers (0: what is in use + 0.8 x "
+        "MemAvailable, at most 0.9 x the memory cgroup's limit; above that limit: refused).",
         env=("RAM_GB",), lo=0.0, main=True),
     Opt("direct_io", False, "bool", "Read experts with O_DIRECT (bypass the page cache).", env=("DIRECT",)),
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",), lo=1, hi=256),
@@ -227,12 +232,15 @@ SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
 
 def _range_text(o: Opt) -> str:
     what = "an integer" if o.kind == "int" else "a number"
+
+    def n(v):            # an integer range in integers ([16, 1048576], not [16, 1.04858e+06])
+        return str(int(v)) if o.kind == "int" else f"{v:g}"
     if o.lo is not None and o.hi is not None:
-        return f"{what} in {'(' if o.lo_open else '['}{o.lo:g}, {o.hi:g}]"
+        return f"{what} in {'(' if o.lo_open else '['}{n(o.lo)}, {n(o.hi)}]"
     if o.lo is not None:
-        return f"{what} {'>' if o.lo_open else '>='} {o.lo:g}"
+        return f"{what} {'>' if o.lo_open else '>='} {n(o.lo)}"
     if o.hi is not None:
-        return f"{what} <= {o.hi:g}"
+        return f"{what} <= {n(o.hi)}"
     return what
 
 
@@ -327,14 +335,17 @@ def _label(kind: str, name: str) -> str:
 
 
 def resolve(explicit: Optional[dict] = None, environ=None, kind: str = "keyword") -> Options:
-    """Defaults <- environment aliases <- explicit values (flags or keywords).  Unknown names are errors; an explicit
-    value wins over the environment without the alias being parsed (a garbage alias cannot abort it)."""
+    """Defaults <- environment aliases (only with ``colibri_env=True`` / ``--colibri_env``) <- explicit values (flags
+    or keywords).  Unknown names are errors; an explicit value wins over the environment without the alias being
+    parsed (a garbage alias cannot abort it)."""
     environ = os.environ if environ is None else environ
     explicit = dict(explicit or {})
     for k in explicit:
         if k not in BY_NAME:
             raise OptionError(f"option '{k}': unknown (known: {', '.join(sorted(BY_NAME))})")
     out, src, lab = {}, {}, {}
+    use_env = "colibri_env" in explicit and check_value(BY_NAME["colibri_env"], explicit["colibri_env"],
+                                                        _label(kind, "colibri_env")) is True
     for o in OPTIONS:
         if o.name in explicit:
             where = _label(kind, o.name)
@@ -343,7 +354,7 @@ def resolve(explicit: Optional[dict] = None, environ=None, kind: str = "keyword"
             lab[o.name] = f"--{o.name}" if kind == "flag" else o.name
             continue
         out[o.name] = o.default
-        for e in o.env:
+        for e in (o.env if use_env else ()):
             if e in environ and environ[e] != "":
                 where = f"environment variable {e} (alias of --{o.name})"
                 out[o.name] = check_value(o, environ[e], where)
@@ -558,7 +569,7 @@ def define_flags(flags_module=None):
             continue
         if o.name in F.FLAGS:
             continue
-        h = o.help + (f" [env alias: {', '.join(o.env)}]" if o.env else "")
+        h = o.help + (f" [env alias: {', '.join(o.env)}, read with --colibri_env]" if o.env else "")
         if o.kind in ("int", "float") and (o.lo is not None or o.hi is not None):
             h += f" [{_range_text(o)}]"
         if o.kind == "int":

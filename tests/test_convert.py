@@ -530,3 +530,12 @@ def test_a_checkpoint_declaring_mtp_without_its_weights_converts_and_runs(tmp_pa
     finally:
         eng.close()
     assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1    # --src untouched
+
+
+def test_a_container_given_as_src_is_named(tmp_path):
+    """Before: a container as --src -> 'layer 1: no routed expert tensors'."""
+    from glm_jax.engine import default_model_path
+    with pytest.raises(GlmJaxError) as ei:
+        convert(default_model_path(), str(tmp_path / "c"), progress=False)
+    assert "is a glm-jax container" in str(ei.value) and "\n" not in str(ei.value)
+    assert not os.path.exists(tmp_path / "c")

@@ -70,7 +70,7 @@ def test_cli_flags_env_alias_and_output_json(tmp_path, monkeypatch, capsys):
     out = tmp_path / "o.json"
     monkeypatch.setenv("EXPERT_BUDGET", "1")
     rc, _, err = run(["glm-jax", f"--model={GOLDEN}", "--prompt_ids=7,8,9", "--max_new_tokens=5", "--ignore_eos",
-                      "--budget_max_positions=0", "--nomtp", f"--output_json={out}"], capsys)
+                      "--budget_max_positions=0", "--nomtp", "--colibri_env", f"--output_json={out}"], capsys)
     assert rc == 0, err
     d = json.loads(out.read_text())
     assert len(d["tokens"]) == 5 and d["stats"]["experts_dropped"] > 0     # the env alias took effect

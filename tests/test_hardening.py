@@ -66,7 +66,7 @@ def test_nonsense_is_refused_from_every_source_with_the_same_text(name, raw):
     msgs.append((_one_line(e), f"flag --{name}"))
     for env in o.env:
         with pytest.raises(O.OptionError) as e:
-            O.resolve({}, environ={env: raw})
+            O.resolve({"colibri_env": True}, environ={env: raw})
         msgs.append((_one_line(e), f"environment variable {env}"))
     tails = set()
     for msg, src in msgs:
@@ -84,15 +84,16 @@ def test_keywords_are_not_silently_coerced():
 
 
 def test_an_explicit_value_wins_over_a_garbage_alias():
-    assert O.resolve({"draft": 2}, {"DRAFT": "abc"}, kind="flag")["draft"] == 2
-    assert O.resolve({"pin": ""}, {"PIN": "/nope"})["pin"] == ""
+    on = {"colibri_env": True}          # the aliases are read only when asked for (issue 22)
+    assert O.resolve({"draft": 2, **on}, {"DRAFT": "abc"}, kind="flag")["draft"] == 2
+    assert O.resolve({"pin": "", **on}, {"PIN": "/nope"})["pin"] == ""
     with pytest.raises(O.OptionError) as e:
-        O.resolve({}, {"DRAFT": "-3"})
+        O.resolve(on, {"DRAFT": "-3"})
     assert _one_line(e).startswith("environment variable DRAFT")
     with pytest.raises(O.OptionError) as e:
-        O.resolve({}, {"PIN": "/nope"})
+        O.resolve(on, {"PIN": "/nope"})
     assert _one_line(e).startswith("environment variable PIN") and "file not found" in str(e.value)
-    o = O.resolve({}, {"RAM_GB": "3"})
+    o = O.resolve(on, {"RAM_GB": "3"})
     assert o.label("ram_gb") == "RAM_GB" and o.label("pin") == "--pin"
 
 
@@ -108,10 +109,10 @@ def cli():
 
 def test_cli_flags_and_aliases(cli, monkeypatch, capsys):
     monkeypatch.setenv("DRAFT", "abc")
-    cli.parse_flags(["glm-jax", "--draft=2"])
+    cli.parse_flags(["glm-jax", "--draft=2", "--colibri_env"])
     assert O.from_flags()["draft"] == 2                            # the flag wins; the alias is never parsed
     cli.FLAGS.unparse_flags()
-    cli.parse_flags(["glm-jax"])
+    cli.parse_flags(["glm-jax", "--colibri_env"])
     with pytest.raises(O.OptionError, match="environment variable DRAFT"):
         O.from_flags()
     cli.FLAGS.unparse_flags()
@@ -158,7 +159,7 @@ def test_real_entry_point_help(tmp_path):
 
 def test_cli_main_one_line_error_exit_2(cli, capsys, monkeypatch):
     monkeypatch.setenv("DRAFT", "garbage")
-    cli.parse_flags(["glm-jax", "--draft=-5", "--model=/nonexistent"])
+    cli.parse_flags(["glm-jax", "--draft=-5", "--model=/nonexistent", "--colibri_env"])
     assert cli.main(["glm-jax"]) == 2
     assert capsys.readouterr().err == "glm-jax: error: flag --draft: invalid value -5 (expected an integer in " \
                                       "[-1, 63])\n"
@@ -301,7 +302,7 @@ def test_ram_refusal_names_the_setting_the_user_made(shipped, monkeypatch):
     from glm_jax.experts.store import RamBudgetError
     monkeypatch.setenv("RAM_GB", "0.001")
     with pytest.raises(RamBudgetError) as e:
-        glm_jax.Engine.load(shipped)
+        glm_jax.Engine.load(shipped, colibri_env=True)
     msg = _one_line(e)
     assert "(RAM_GB)" in msg and "--ram_gb >=" in msg
     assert "--dense_format" not in msg or "glm-jax-convert --dense_format" in msg   # a converter flag, said so

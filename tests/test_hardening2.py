@@ -11,7 +11,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -503,3 +502,47 @@ def test_garbage_compile_cache_entries_are_replaced(tmp_path):
     for n in os.listdir(d):
         if n.endswith("-cache"):
             assert open(os.path.join(d, n), "rb").read() != b"garbage"
+
+
+def test_generic_environment_names_are_ignored_unless_asked_for(cli, capsys, monkeypatch):
+    """Before: PIN=1234 glm-jax aborted (the colibri aliases CAP, PIN, MTP, TOPP, RAM_GB, ... were read on every
+    run).  After: read only with --colibri_env (or Engine.load(colibri_env=True))."""
+    from glm_jax import options as O
+    monkeypatch.setenv("PIN", "1234")
+    monkeypatch.setenv("TOPP", "0.5")
+    rc, out, err = _run_cli(cli, capsys)
+    assert rc == 0, err
+    assert O.resolve({})["expert_topp"] == 1.0
+    assert O.resolve({"colibri_env": True}, environ={"TOPP": "0.5"})["expert_topp"] == 0.5
+    rc, out, err = _run_cli(cli, capsys, "--colibri_env")
+    assert rc == 2 and "environment variable PIN" in err
+    _one_line(err)
+
+
+def test_help_says_what_the_engine_does():
+    """Before: --help contradicted README on --fetch auto and on --ram_gb's default; integer ranges printed as
+    floats ([16, 1.04858e+06])."""
+    from glm_jax import options as O
+    h = O.BY_NAME["fetch"].help
+    assert "containers whose experts all fit the RAM budget" in h
+    assert "in use + 0.8 x MemAvailable" in O.BY_NAME["ram_gb"].help and "cgroup" in O.BY_NAME["ram_gb"].help
+    assert O._range_text(O.BY_NAME["prefill_chunk"]) == "an integer in [16, 1048576]"
+    with pytest.raises(O.OptionError) as e:
+        O.resolve({"prefill_chunk": 3})
+    assert "[16, 1048576]" in str(e.value)
+
+
+def test_dev_stdout_redirected_to_a_file_is_written_through(tmp_path):
+    """--output_json=/dev/stdout with stdout redirected to a regular file: the file the fd is open on gets the JSON
+    after what was already written, and is not replaced by name (the shell's fd would point at an orphan)."""
+    f = tmp_path / "out.txt"
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"text\n")
+        ino = os.fstat(fd).st_ino
+        fileio.write_output(f"/proc/self/fd/{fd}", '{"a": 1}')
+        assert os.stat(f).st_ino == ino and f.read_text() == 'text\n{"a": 1}'
+        assert fileio.output_problem(f"/dev/fd/{fd}") is None
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path) == ["out.txt"]

@@ -414,6 +414,10 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
     fmt, mfmt, gsize = check_formats(expert_format, group_size, mtp_format, dense_format)
     if not os.path.isdir(src):
         raise ConvertError(f"--src={src}: not a directory (expected a Hugging Face checkpoint directory)")
+    if os.path.exists(os.path.join(src, MANIFEST_NAME)) or os.path.exists(os.path.join(src, CONVERT_MARKER)):
+        raise ConvertError(f"--src={src}: is a glm-jax container (converter output), not a Hugging Face checkpoint; "
+                           f"it runs as it is (glm-jax --model={src}), and glm-jax-convert --verify --dst={src} "
+                           f"checks it")
     cfg = load_config(src)
     st = SafeTensorsDir(src)
     try:
