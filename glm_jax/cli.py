@@ -96,6 +96,9 @@ def main(argv):
                 raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got {FLAGS.prompt_ids!r}")
         else:
             prompt = FLAGS.prompt
+        if not opts.where("reserve_tokens"):      # the RAM plan reserves KV for what this run can use
+            n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.encode("utf-8")) + 64 * FLAGS.chat
+            opts["reserve_tokens"] = max(1, n_prompt + FLAGS.max_new_tokens)
         from .engine import Engine
 
         engine = Engine.from_options(FLAGS.model or None, opts)

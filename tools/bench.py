@@ -56,10 +56,12 @@ flags.DEFINE_string("llamacpp", "", "--mode=peer|lowram: llama.cpp prefix (bin/l
                     "llama-server, venv/ with the converter; ../shared/tools/build-llamacpp.sh PREFIX builds one). "
                     "Empty: glm-jax (and transformers) only.")
 flags.DEFINE_string("formats", "f32,int8_row,int4_g64", "--mode=peer: glm-jax formats; each is compared with a GGUF "
-                    "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0.")
+                    "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0. --mode=formats: the "
+                    "expert formats scored (default int4_g64,int4_row,int8_row,bf16).")
 flags.DEFINE_string("dense_formats", "f32,int8,int8", "--mode=peer: glm-jax-convert --dense_format per entry of "
                     "--formats (one value: the same for all; the f32 row always runs the HF dir, f32; not given: "
-                    "int8 for every quantized format).")
+                    "int8 for every quantized format). --mode=formats: every expert format is converted with each of "
+                    "these (default f32).")
 flags.DEFINE_integer("prompt_tokens", 16, "--mode=peer|lowram: prompt length in tokens.")
 flags.DEFINE_integer("threads", 2, "--mode=peer|lowram: threads (CPUs) for every engine.")
 flags.DEFINE_string("workdir", os.path.join(os.path.expanduser("~"), ".cache", "glm-jax-bench"),
@@ -180,8 +182,10 @@ def bench_plugins(model_dir, n_new, cap):
                               "MTP off; bytes counted by the store at the read")
 
 
-def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_windows=8, length=128):
-    """Each expert format vs the f32 resident reference on the same token windows (teacher forced)."""
+def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_windows=8, length=128,
+                  dense_fmts=("f32",)):
+    """Each expert format (x each glm-jax-convert --dense_format) vs the f32 resident reference on the same token
+    windows (teacher forced)."""
     import tempfile
 
     import numpy as np
@@ -206,7 +210,7 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
         ref_name = "glm-jax resident f32 on the HF checkpoint"
     rows = []
 
-    def score(name, eng, size_mb=None):
+    def score(name, eng, size_mb=None, dense="f32 (HF)", dense_mb=None):
         kls, agree, dmax, nll = [], [], [], []
         for w, r in zip(wins, refs):
             lg = eng.logits(w)
@@ -215,7 +219,7 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
             dmax.append(np.abs(lg - r).max())
             t = np.asarray(w[1:])
             nll.append(-ev.log_softmax(lg[:-1])[np.arange(len(t)), t])
-        rows.append({"experts": name, "expert MB (MTP int8)": size_mb, "KL(ref‖fmt)/token": float(np.concatenate(kls).mean()),
+        rows.append({"experts": name, "dense": dense, "expert MB (MTP int8)": size_mb, "dense MB": dense_mb, "KL(ref‖fmt)/token": float(np.concatenate(kls).mean()),
                      "top-1 agreement": float(np.concatenate(agree).mean()), "max |Δlogit|": float(max(dmax)),
                      "PPL": float(np.exp(np.concatenate(nll).mean()))})
 
@@ -223,17 +227,19 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
         score("reference (" + ref_name + ")", ref_eng)
     with tempfile.TemporaryDirectory() as tmp:
         for f in fmts:
-            d = os.path.join(tmp, f)
-            man = convert(hf_dir, d, expert_format=f, dense_format="f32", progress=False)
-            mb = sum(e["length"] for e in man["experts"]) / 1e6
-            for kern in FLAGS.kernels.split(","):
-                # native: int8 activations x quantized weights (VNNI); xla: f32 activations x dequantized weights
-                eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32", kernels=kern)
-                score(f"{f} ({kern})", eng, mb)
-                eng.close()
-    cols = ["experts", "expert MB (MTP int8)", "KL(ref‖fmt)/token", "top-1 agreement", "max |Δlogit|", "PPL"]
+            for df in dense_fmts:
+                d = os.path.join(tmp, f"{f}-{df}")
+                man = convert(hf_dir, d, expert_format=f, dense_format=df, progress=False)
+                mb = sum(e["length"] for e in man["experts"]) / 1e6
+                for kern in FLAGS.kernels.split(","):
+                    # native: int8 activations x quantized weights (VNNI); xla: f32 activations x dequantized weights
+                    eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32", kernels=kern)
+                    score(f"{f} ({kern})", eng, mb, man["dense"]["format"], man["dense"]["size"] / 1e6)
+                    eng.close()
+    cols = ["experts", "dense", "expert MB (MTP int8)", "dense MB", "KL(ref‖fmt)/token", "top-1 agreement",
+            "max |Δlogit|", "PPL"]
     return markdown(rows, cols) + (f"\n\nmodel {hf_dir}; reference: {ref_name}; {len(wins)} windows of "
-                                   f"{len(wins[0])} tokens, teacher forced; dense weights f32 in every conversion")
+                                   f"{len(wins[0])} tokens, teacher forced; dense: glm-jax-convert --dense_format")
 
 
 def _interleaved(engines: dict, prompt, n_new: int, reps: int, warm: int = 8) -> dict:
@@ -347,7 +353,12 @@ def main(argv):
 
     hf_model = os.path.join(ROOT, "models", "tiny_shakespeare_hf")
     if FLAGS.mode == "formats":
-        out = bench_formats(FLAGS.model or hf_model)
+        kw = {}
+        if FLAGS["formats"].present:
+            kw["fmts"] = tuple(FLAGS.formats.split(","))
+        if FLAGS["dense_formats"].present:
+            kw["dense_fmts"] = tuple(FLAGS.dense_formats.split(","))
+        out = bench_formats(FLAGS.model or hf_model, **kw)
     elif FLAGS.mode == "plugins":
         out = bench_plugins(FLAGS.model or glm_jax.default_model_path(), FLAGS.new_tokens, FLAGS.cache_cap)
     elif FLAGS.mode == "defaults":
