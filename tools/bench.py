@@ -21,9 +21,12 @@
                           [--dense_formats=f32,int8,int8] [--new_tokens=64] [--prompt_tokens=16] [--reps=3] [--threads=2]
         model x format x engine: decode and prefill tok/s of glm-jax, llama.cpp and (f32) transformers, ratios to
         llama.cpp, same greedy tokens; interleaved rounds, medians, same pinned threads (tools/bench_peer.py).
+        Without --dense_formats both conversions a user compares: glm-jax-convert's default and the GGUF's bits
+        (one row where they are the same).
     python tools/bench.py --mode=lowram --model=HF_DIR|stream --llamacpp=PREFIX --limits=4000,1400,1000,700
-        decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64, --ram_gb from the limit,
-        --direct_io) in memory cgroups of each limit, cold file cache before every run (tools/bench_peer.py).
+        decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64 container of the converter's
+        defaults, run with no flags at all) in memory cgroups of each limit, cold file cache before every run
+        (tools/bench_peer.py).
 """
 
 from __future__ import annotations
@@ -58,9 +61,9 @@ flags.DEFINE_string("llamacpp", "", "--mode=peer|lowram: llama.cpp prefix (bin/l
 flags.DEFINE_string("formats", "f32,int8_row,int4_g64", "--mode=peer: glm-jax formats; each is compared with a GGUF "
                     "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0. --mode=formats: the "
                     "expert formats scored (default int4_g64,int4_row,int8_row,bf16).")
-flags.DEFINE_string("dense_formats", "f32,int8,int8", "--mode=peer: glm-jax-convert --dense_format per entry of "
+flags.DEFINE_string("dense_formats", "", "--mode=peer: glm-jax-convert --dense_format per entry of "
                     "--formats (one value: the same for all; the f32 row always runs the HF dir, f32; not given: "
-                    "int8 for every quantized format). --mode=formats: every expert format is converted with each of "
+                    "the converter's default and the GGUF's bits, one row where they agree). --mode=formats: every expert format is converted with each of "
                     "these (default f32).")
 flags.DEFINE_integer("prompt_tokens", 16, "--mode=peer|lowram: prompt length in tokens.")
 flags.DEFINE_integer("threads", 2, "--mode=peer|lowram: threads (CPUs) for every engine.")
@@ -72,7 +75,8 @@ flags.DEFINE_string("glmjax_options", "mtp=false", "--mode=peer|lowram: extra gl
 flags.DEFINE_string("hf_python", "", "--mode=peer: Python with torch + transformers for the transformers rows "
                     "(default: PREFIX/venv/bin/python, then this Python; skipped with a note where neither has them).")
 flags.DEFINE_string("limits", "4000,1400,1000,700", "--mode=lowram: memory limits in MB (1e6 bytes).")
-flags.DEFINE_string("lowram_dense_format", "bf16", "--mode=lowram: glm-jax-convert --dense_format of the container.")
+flags.DEFINE_string("lowram_dense_format", "auto", "--mode=lowram: glm-jax-convert --dense_format of the container "
+                    "(auto: the converter's default, no --dense_format).")
 flags.DEFINE_float("runtime_mb", -1.0, "--mode=lowram: -1 (default): no --ram_gb, the engine sizes itself from the "
                    "memory cgroup's limit (its RAM budget is the whole process's); 0: --ram_gb = (limit - runtime - "
                    "margin) / 1000 with the runtime RSS measured in the run (unconstrained, --cache_cap=1); > 0: that "
@@ -327,9 +331,11 @@ def peer_main(argv):
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):
                 raise P.BenchError(f"--limits: every limit must be > 0 MB, got {FLAGS.limits!r}")
+            # no flags at all unless --glmjax_options is given (mtp is off by default in the engine too)
             out = P.run_lowram(FLAGS.model or "stream", limits, FLAGS.llamacpp, FLAGS.workdir, FLAGS.threads,
                                FLAGS.new_tokens if FLAGS["new_tokens"].present else 32, FLAGS.prompt_tokens,
-                               FLAGS.reps if FLAGS["reps"].present else 1, opts, FLAGS.lowram_dense_format,
+                               FLAGS.reps if FLAGS["reps"].present else 1,
+                               opts if FLAGS["glmjax_options"].present else {}, FLAGS.lowram_dense_format,
                                FLAGS.runtime_mb, FLAGS.margin_mb, FLAGS.run_timeout,
                                log=lambda m: print(m, file=sys.stderr, flush=True))
     except P.BenchError as e:
