@@ -237,7 +237,7 @@ class Engine(Runner):
                     src.close()
                 raise
             store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
-            if fitted is not None and (fitted.notes or not store.can_hold_all()):
+            if fitted is not None and (fitted.notes or (not store.can_hold_all() and not opts["cache_cap"])):
                 import sys          # the memory plan in one line, whenever memory decided something
 
                 print(fitted.line(fitted.inputs, store.cache_cap, store.can_hold_all()), file=sys.stderr)
