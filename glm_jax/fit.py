@@ -111,7 +111,7 @@ def plan(inp: FitInputs) -> FitPlan:
             t = max(KV_FLOOR_TOKENS, t // 2)
             kvs.append(t)
     notes = []
-    want = inp.cache_cap if inp.cache_cap else E          # what the user asked the cache to hold
+    want = min(inp.cache_cap, E) if inp.cache_cap else E  # what the user asked the cache to hold
     choice = None
     # every expert resident (or the asked --cache_cap), with the full KV reservation: native first, then quantized
     for f in cands:

@@ -52,6 +52,9 @@ def test_streaming_quantizes_the_dense_weights_and_reads_past_the_page_cache():
     assert (p.dense_format, p.direct_io, p.cap_fits) == ("native", False, 3)
     # a --cache_cap below what fits: the page cache has room, buffered reads stay
     assert F.plan(inputs(budget=450 * MB, cache_cap=2)).direct_io is False
+    # a --cache_cap above the expert count (every expert cached) asks for no more than every expert
+    p = F.plan(inputs(cache_cap=10 ** 6))
+    assert (p.dense_format, p.all_fit, p.direct_io) == ("native", True, False)
 
 
 def test_int4_only_when_int8_leaves_no_expert_and_kv_lowered_before_refusing():
@@ -174,3 +177,31 @@ def test_default_run_starts_in_a_cgroup_where_it_refused_before(tmp_path):
     assert r["rc"] == 0 and r["oom_kills"] == 0, (r["rc"], err[-2000:])
     assert len(r["stdout"].split()) == 8
     assert "glm-jax: memory: budget" in err and "quantized to" in err
+
+
+def test_grow_cap_hands_measured_room_to_the_cache():
+    """The compile transient is reserved at open (arena room only) and given to the cache once measured free."""
+    from glm_jax.config import load_config
+    from glm_jax.store import ExpertStore
+
+    path = glm_jax.engine.default_model_path()
+    cfg = load_config(path)
+    probe = ExpertStore.open(path, cfg, ram_gb=100.0, io_threads=1, max_working_set=4)
+    sz = probe.sizing
+    probe.close(save_usage=False)
+    per = sz["per_cap_bytes"]
+    budget = sz["buffer_bytes"] + 3 * per + 10 ** 8              # used 1e8: room for 3 experts per layer
+    st = ExpertStore.open(path, cfg, ram_gb=budget / 1e9, used_bytes=10 ** 8, io_threads=1, max_working_set=4,
+                          headroom_bytes=5 * per, state_dir="off")
+    try:
+        assert st.cache_cap == 3
+        st._populate.join()
+        if not st._populated[0]:
+            pytest.skip("MADV_POPULATE_WRITE unavailable (kernel < 5.14): grow_cap measures nothing")
+        assert all(lc.S == 3 + 5 for lc in st.layers.values())   # room for 5 more, not yet the cache's
+        assert st.grow_cap(2 * per + per // 2) == 5                 # 2.5 experts' worth free: 2 more per layer
+        assert all(ix.cap == 5 for ix in st.index.values())
+        assert st.grow_cap(100 * per) == 8                          # never past the arena's slots
+        assert st.grow_cap(-per) == 8
+    finally:
+        st.close(save_usage=False)
