@@ -230,7 +230,7 @@ class Engine(Runner):
                                            max_working_set=working_set(cfg, opts), source=src,
                                            state_dir=opts["state_dir"],
                                            labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel,
-                                           **({} if fitted is None else
+                                           **({} if fitted is None or cap else    # an explicit --cache_cap stays
                                               {"headroom_bytes": fitted.inputs.workspace - fitted.inputs.persistent}))
             except BaseException:
                 if src is not None and store is None:
@@ -418,7 +418,7 @@ class Engine(Runner):
         """Once, after the first generation (its programs compiled): what the compile's working memory took is
         measured, and the part of the workspace reserve it left free goes to the expert cache (fit.py)."""
         f = getattr(self, "_fitted", None)
-        if f is None or self.store is None:
+        if f is None or self.store is None or self.opts["cache_cap"]:
             return
         self._fitted = None
         from . import fit as F

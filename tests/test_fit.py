@@ -205,3 +205,13 @@ def test_grow_cap_hands_measured_room_to_the_cache():
         assert st.grow_cap(-per) == 8
     finally:
         st.close(save_usage=False)
+
+
+def test_an_explicit_cache_cap_is_kept_after_the_first_run():
+    eng = glm_jax.Engine.load(None, mtp=False, cache_cap=3)
+    try:
+        eng.generate("ROMEO:", max_new_tokens=4)
+        assert eng.store.cache_cap == 3 and all(lc.S <= 4 for lc in eng.store.layers.values())
+        assert eng.opts["direct_io"] is False        # the page cache holds what a small --cache_cap does not
+    finally:
+        eng.close()
