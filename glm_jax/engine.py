@@ -640,6 +640,8 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         kv_tokens, kv_fixed = min(ctx, _bucket(opts["reserve_tokens"], 256)), True
     else:
         kv_tokens, kv_fixed = min(ctx, F.KV_DEFAULT_TOKENS), False
+    # a prefill chunk is never longer than the context
+    ws = F.workspace_bytes(cfg, min(opts["prefill_chunk"], ctx), opts["max_batch"], item)
     if opts["ram_gb"]:
         budget, why = int(opts["ram_gb"] * 1e9), opts.label("ram_gb")
     else:
@@ -647,8 +649,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     inp = F.FitInputs(
         budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD, dense=dense, dense_fixed=fixed_dense,
         load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * opts["max_batch"], kv_tokens=kv_tokens,
-        kv_fixed=kv_fixed, workspace=F.workspace_bytes(cfg, opts["prefill_chunk"], opts["max_batch"], item),
-        persistent=F.workspace_bytes(cfg, opts["prefill_chunk"], opts["max_batch"], item) - F.COMPILE_TRANSIENT,
+        kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT,
         rec_sum=sum(rec.values()), buffers=(max(1, opts["io_threads"]) + W_) * max_rec,
         pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
         num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,
