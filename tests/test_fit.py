@@ -148,7 +148,59 @@ def _cgroup():
     return P, cg, why
 
 
-def test_default_run_starts_in_a_cgroup_where_it_refused_before(tmp_path):
+@pytest.fixture(scope="module")
+def synth_bf16(tmp_path_factory):
+    """A synthetic GLM-MoE whose dense part dominates (H 512, vocab 32000, 4 layers + MTP: 146 MB of bf16 dense,
+    int4 experts), converted with bf16 dense weights as the old converter default wrote them."""
+    from glm_jax_tools import synth_model as SM
+    from glm_jax_tools.convert import convert
+
+    d = tmp_path_factory.mktemp("synth_bf16")
+    c = SM.tiny_config(vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                       n_routed_experts=16, num_experts_per_tok=4, max_position_embeddings=4096,
+                       torch_dtype="bfloat16")
+    SM.write_hf_checkpoint(str(d / "hf"), c, dtype="bfloat16", keep_reference=False)
+    convert(str(d / "hf"), str(d / "c"), expert_format="int4_g64", dense_format="bf16", progress=False)
+    return str(d / "c")
+
+
+_LOAD_PEAK = r"""
+import sys, threading, time
+import jax.numpy as jnp
+from glm_jax import memory as M, weights as W
+from glm_jax.config import load_config
+jnp.zeros(3).block_until_ready()
+peak = [0]
+def poll():
+    while True:
+        peak[0] = max(peak[0], M.private_bytes())
+        time.sleep(0.001)
+threading.Thread(target=poll, daemon=True).start()
+cfg = load_config(sys.argv[1])
+M.trim(); time.sleep(0.05)
+base = M.private_bytes()
+peak[0] = base
+W.load_dense_params(sys.argv[1], cfg, kernel="native", dense_fmt=sys.argv[2])
+time.sleep(0.05)
+print("PEAK", peak[0] - base)
+"""
+
+
+def test_quantizing_at_load_needs_no_more_than_keeping_bf16(synth_bf16):
+    """Before, int8_row at load quantized the [32000, 512] embedding / head matrices as whole float32 copies: peak
+    +352 MB against +256 MB for keeping bf16 (measured on 136367b); row blocks keep it at or below bf16's."""
+    peaks = {}
+    for fmt in ("native", "int8_row"):
+        r = subprocess.run([sys.executable, "-c", _LOAD_PEAK, synth_bf16, fmt], capture_output=True, text=True,
+                           timeout=300)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("PEAK")]
+        assert line, r.stderr[-2000:]
+        peaks[fmt] = int(line[0].split()[1])
+    assert peaks["int8_row"] <= 1.1 * peaks["native"], {k: v / 1e6 for k, v in peaks.items()}
+
+
+def test_default_run_starts_in_a_cgroup_where_it_refused_before(tmp_path, synth_bf16):
     """A synthetic GLM-MoE (H 512, vocab 32000, 4 layers, int4 experts, bf16 dense as the old converter default
     wrote it: 146 MB dense, 14 MB experts) in a 500 MB memory cgroup, no flags.  Before this change (136367b) the
     same command exited 2 after loading the dense weights: "RAM budget 0.45 GB (0.9 x the memory cgroup's limit)
@@ -158,17 +210,9 @@ def test_default_run_starts_in_a_cgroup_where_it_refused_before(tmp_path):
     if cg is None:
         pytest.skip(why)
     from glm_jax import kernels
-    from glm_jax_tools import synth_model as SM
-    from glm_jax_tools.convert import convert
 
     kernels.load(required=False)     # built here, not by the child inside the limit (g++ would be charged to it)
-    c = SM.tiny_config(vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                       n_routed_experts=16, num_experts_per_tok=4, max_position_embeddings=4096,
-                       torch_dtype="bfloat16")
-    SM.write_hf_checkpoint(str(tmp_path / "hf"), c, dtype="bfloat16", keep_reference=False)
-    model = str(tmp_path / "c")
-    convert(str(tmp_path / "hf"), model, expert_format="int4_g64", dense_format="bf16", progress=False)
+    model = synth_bf16
     log = str(tmp_path / "log.txt")
     cmd = [sys.executable, "-m", "glm_jax.cli", f"--model={model}", "--prompt_ids=5,6,7,8", "--max_new_tokens=8"]
     r = P.run_in_cgroup(cmd, cg, 500.0, 2, "fit", log, timeout=600)
