@@ -263,8 +263,9 @@ def workspace_bytes(cfg, prefill_chunk: int, max_batch: int, itemsize: int = 4) 
     the reserve is not held for the run's lifetime."""
     H = cfg.hidden_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts),
-                cfg.moe_intermediate_size * cfg.num_experts_per_tok)
-    per_tok = 4 * H + qkv + 2 * inter + cfg.n_routed_experts
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts))
+    # per position: hidden / residual / normed / attention out, q|k|v, the MLP's gate|up, the MoE seam's per-(t, k)
+    # outputs (summed in routing order), the router's scores
+    per_tok = 4 * H + qkv + 2 * inter + cfg.num_experts_per_tok * H + 2 * cfg.n_routed_experts
     T = max(prefill_chunk, 4 * max_batch)
-    return int(COMPILE_BYTES + COMPILE_TRANSIENT + 3 * T * per_tok * itemsize + 4 * max_batch * cfg.vocab_size * 4)
+    return int(COMPILE_BYTES + COMPILE_TRANSIENT + 2 * T * per_tok * itemsize + 4 * max_batch * cfg.vocab_size * 4)
