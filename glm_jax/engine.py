@@ -198,6 +198,8 @@ class Engine(Runner):
                         src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)
                     opts["direct_io"] = fitted.direct_io
                     opts["dense_format"] = fitted.dense_format
+                    if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
+                        opts["prefill_chunk"] = fitted.prefill_chunk
                 if container:
                     params = W.load_dense_params(path, cfg, dtype=dtype, file=src.dense_path, kernel=dense_kernel,
                                                  dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
@@ -425,6 +427,7 @@ class Engine(Runner):
 
         MEM.trim()
         kv_now = _tree_bytes(self._cache) if self._cache is not None else 0
+        # the compile's transient part of the workspace the plan kept (the rest: programs and activations)
         free = (f.inputs.budget - MEM.private_bytes() - max(0, f.kv_bytes - kv_now) - f.inputs.buffers
                 - F.LATER_COMPILE)
         self.store.grow_cap(free)
@@ -640,8 +643,9 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         kv_tokens, kv_fixed = min(ctx, _bucket(opts["reserve_tokens"], 256)), True
     else:
         kv_tokens, kv_fixed = min(ctx, F.KV_DEFAULT_TOKENS), False
-    # a prefill chunk is never longer than the context
-    ws = F.workspace_bytes(cfg, min(opts["prefill_chunk"], ctx), opts["max_batch"], item)
+    # a prefill chunk is never longer than the context; lowered with the KV reservation unless given
+    chunk = min(opts["prefill_chunk"], ctx)
+    ws = F.workspace_bytes(cfg, chunk, opts["max_batch"], item)
     if opts["ram_gb"]:
         budget, why = int(opts["ram_gb"] * 1e9), opts.label("ram_gb")
     else:
@@ -649,7 +653,8 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     inp = F.FitInputs(
         budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD, dense=dense, dense_fixed=fixed_dense,
         load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * opts["max_batch"], kv_tokens=kv_tokens,
-        kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT,
+        kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
+        act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
         rec_sum=sum(rec.values()), buffers=(max(1, opts["io_threads"]) + W_) * max_rec,
         pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
         num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,

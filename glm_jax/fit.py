@@ -57,6 +57,9 @@ class FitInputs:
     direct_io: Optional[bool] = None     # --direct_io given (True / False) or None: decided here
     persistent: int = 0          # the part of ``workspace`` that stays after the first compile (the rest is
                                  # measured free after the first run and given to the expert cache)
+    prefill_chunk: int = 0       # the prefill chunk ``workspace`` was estimated at (its activations) ...
+    act_per_position: int = 0    # ... and their bytes per position: a chunk lowered with the KV reservation
+    chunk_fixed: bool = True     # --prefill_chunk given (or no estimate): never lowered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,8 @@ class FitPlan:
     all_fit: bool                # every expert fits: loaded at open, run resident
     dense_bytes: int
     notes: tuple                 # what was decided and why (for the one line)
+    prefill_chunk: int = 0       # the prefill chunk the workspace holds (lowered with the KV reservation)
+    workspace: int = 0
 
     def line(self, inp: FitInputs, cache_cap: Optional[int] = None, resident: Optional[bool] = None) -> str:
         """What was chosen, in one line (``cache_cap`` / ``resident``: what the store made of it, when known)."""
@@ -80,7 +85,7 @@ class FitPlan:
                else f"expert cache {cap} of {inp.num_experts} per layer")
         return (f"glm-jax: memory: budget {gb(inp.budget)} GB ({inp.budget_from}): runtime {gb(inp.runtime)} + "
                 f"{dense} + KV {gb(self.kv_bytes)} GB ({self.kv_tokens} positions) + workspace "
-                f"{gb(inp.workspace)} GB; {exp}; direct I/O {'on' if self.direct_io else 'off'}"
+                f"{gb(self.workspace or inp.workspace)} GB; {exp}; direct I/O {'on' if self.direct_io else 'off'}"
                 + (f" ({'; '.join(self.notes)})" if self.notes else ""))
 
 
@@ -88,8 +93,20 @@ class FitError(Exception):
     """Raised by ``plan`` with the one-line reason; the engine turns it into a RamBudgetError."""
 
 
+def _chunk(inp: FitInputs, kv_tokens: int) -> int:
+    """The prefill chunk at a KV reservation: a chunk longer than the reserved positions is lowered to them."""
+    if inp.chunk_fixed or not inp.prefill_chunk:
+        return inp.prefill_chunk
+    return min(inp.prefill_chunk, kv_tokens)
+
+
+def _workspace(inp: FitInputs, kv_tokens: int) -> int:
+    return inp.workspace - (inp.prefill_chunk - _chunk(inp, kv_tokens)) * inp.act_per_position
+
+
 def _cap(inp: FitInputs, dense: int, kv: int) -> int:
-    avail = inp.budget - inp.runtime - inp.workspace - dense - kv - inp.buffers - inp.pin_bytes
+    avail = (inp.budget - inp.runtime - _workspace(inp, kv // inp.kv_per_token if inp.kv_per_token else 0) - dense
+             - kv - inp.buffers - inp.pin_bytes)
     return int(avail // inp.rec_sum) if inp.rec_sum else inp.num_experts
 
 
@@ -131,13 +148,14 @@ def plan(inp: FitInputs) -> FitPlan:
     if choice is None:
         f = cands[-1]
         kv = kvs[-1]
-        need = (inp.runtime + inp.workspace + inp.dense[f] + inp.kv_per_token * kv + inp.buffers + inp.pin_bytes
+        ws = _workspace(inp, kv)
+        need = (inp.runtime + ws + inp.dense[f] + inp.kv_per_token * kv + inp.buffers + inp.pin_bytes
                 + inp.rec_sum)
         need = max(need, inp.runtime + inp.dense[f] + inp.load_extra.get(f, 0))
         raise FitError(
             f"RAM budget {inp.budget / 1e9:.2f} GB ({inp.budget_from}) too small for one layer's experts: runtime "
             f"{inp.runtime / 1e9:.2f} + dense weights {inp.dense[f] / 1e9:.2f} ({f}) + KV {inp.kv_per_token * kv / 1e9:.2f} "
-            f"({kv} positions) + workspace {inp.workspace / 1e9:.2f} + I/O buffers and one layer's working set "
+            f"({kv} positions) + workspace {ws / 1e9:.2f} + I/O buffers and one layer's working set "
             f"{inp.buffers / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {need / 1e9:.2f} would fit (decided before loading anything)")
     f, kv = choice
@@ -148,6 +166,9 @@ def plan(inp: FitInputs) -> FitPlan:
                      + ("would keep experts out of RAM" if all_fit else "leave too little for the expert cache"))
     if kv < kvs[0]:
         notes.append(f"KV reservation lowered from {kvs[0]} positions; longer contexts grow past the budget")
+    chunk = _chunk(inp, kv)
+    if chunk < inp.prefill_chunk:
+        notes.append(f"prefill chunk {chunk} tokens")
     if inp.direct_io is None:
         direct = not all_fit and (not inp.cache_cap or inp.cache_cap >= cap)
         if direct:
@@ -155,7 +176,8 @@ def plan(inp: FitInputs) -> FitPlan:
     else:
         direct = bool(inp.direct_io)
     return FitPlan(dense_format=f, kv_tokens=kv, kv_bytes=inp.kv_per_token * kv, direct_io=direct, cap_fits=cap,
-                   all_fit=all_fit, dense_bytes=inp.dense[f], notes=tuple(notes))
+                   all_fit=all_fit, dense_bytes=inp.dense[f], notes=tuple(notes), prefill_chunk=chunk,
+                   workspace=_workspace(inp, kv))
 
 
 # ----------------------------------------------------------------------------- estimates from headers
@@ -252,6 +274,16 @@ def dense_bytes(tensors, cfg, fmt: str, packed: bool, itemsize: int = 4) -> tupl
     return int(total), int(extra)
 
 
+def activation_bytes(cfg, itemsize: int = 4) -> int:
+    """Bytes per prefill position of the step's activations (two live copies of each): hidden / residual / normed /
+    attention out, q|k|v, the MLP's gate|up, the MoE seam's per-(t, k) outputs (summed in routing order), the
+    router's scores."""
+    H = cfg.hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts))
+    return 2 * (4 * H + qkv + 2 * inter + cfg.num_experts_per_tok * H + 2 * cfg.n_routed_experts) * itemsize
+
+
 def workspace_bytes(cfg, prefill_chunk: int, max_batch: int, itemsize: int = 4) -> int:
     """The step's buffers beyond the weights and the KV cache, plus the compiler's memory: one prefill chunk's
     activations (hidden, q/k/v, the dense MLP's gate/up, the router scores, a few temporaries each), the decode
@@ -261,11 +293,6 @@ def workspace_bytes(cfg, prefill_chunk: int, max_batch: int, itemsize: int = 4) 
     a warm cache, +91 kept / +194 MB peak cold.  ``COMPILE_BYTES`` is what stays, ``COMPILE_TRANSIENT`` is reserved
     until the first run; then what is measured free is handed to the expert cache (``ExpertStore.grow_cap``), so
     the reserve is not held for the run's lifetime."""
-    H = cfg.hidden_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts))
-    # per position: hidden / residual / normed / attention out, q|k|v, the MLP's gate|up, the MoE seam's per-(t, k)
-    # outputs (summed in routing order), the router's scores
-    per_tok = 4 * H + qkv + 2 * inter + cfg.num_experts_per_tok * H + 2 * cfg.n_routed_experts
     T = max(prefill_chunk, 4 * max_batch)
-    return int(COMPILE_BYTES + COMPILE_TRANSIENT + 2 * T * per_tok * itemsize + 4 * max_batch * cfg.vocab_size * 4)
+    return int(COMPILE_BYTES + COMPILE_TRANSIENT + T * activation_bytes(cfg, itemsize)
+               + 4 * max_batch * cfg.vocab_size * 4)

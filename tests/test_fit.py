@@ -71,6 +71,17 @@ def test_int4_only_when_int8_leaves_no_expert_and_kv_lowered_before_refusing():
         F.plan(inputs(budget=360 * MB, kv_fixed=True))
 
 
+def test_prefill_chunk_lowered_with_the_kv_reservation():
+    # workspace 150 MB holds 512 positions of 0.1 MB activations; at 256 KV positions the chunk follows: 25.6 MB back
+    kw = dict(budget=330 * MB, prefill_chunk=512, act_per_position=100_000)
+    with pytest.raises(F.FitError):
+        F.plan(inputs(**kw))                              # --prefill_chunk given: kept
+    p = F.plan(inputs(chunk_fixed=False, **kw))
+    assert (p.kv_tokens, p.prefill_chunk, p.cap_fits, p.workspace) == (256, 256, 2, 150 * MB - 256 * 100_000)
+    assert "prefill chunk 256 tokens" in p.notes
+    assert F.plan(inputs(chunk_fixed=False, prefill_chunk=512, act_per_position=100_000)).prefill_chunk == 512
+
+
 def test_refusal_names_the_budget_that_fits_and_that_budget_starts():
     inp = inputs(budget=300 * MB)
     with pytest.raises(F.FitError) as e:
