@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import fit as F
 from . import memory as MEM
 from . import model as M
 from . import options as O
@@ -223,7 +224,7 @@ class Engine(Runner):
                                            # the whole process counts: what it holds now (runtime + dense
                                            # weights) and a reserve for compilation and the step's buffers
                                            used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None
-                                                                         else fitted.inputs.workspace),
+                                                                         else fitted.workspace),
                                            kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
                                                      (opts["max_seq_len"] or KV_RESERVE_TOKENS) * opts["max_batch"]
                                                      if fitted is None else fitted.kv_bytes),
@@ -233,7 +234,7 @@ class Engine(Runner):
                                            state_dir=opts["state_dir"],
                                            labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel,
                                            **({} if fitted is None or cap else    # an explicit --cache_cap stays
-                                              {"headroom_bytes": fitted.inputs.workspace - fitted.inputs.persistent}))
+                                              {"headroom_bytes": F.COMPILE_TRANSIENT}))
             except BaseException:
                 if src is not None and store is None:
                     src.close()
@@ -423,8 +424,6 @@ class Engine(Runner):
         if f is None or self.store is None or self.opts["cache_cap"]:
             return
         self._fitted = None
-        from . import fit as F
-
         MEM.trim()
         kv_now = _tree_bytes(self._cache) if self._cache is not None else 0
         # the compile's transient part of the workspace the plan kept (the rest: programs and activations)
@@ -620,7 +619,6 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     """The memory plan of a streamed / store-backed load (glm_jax/fit.py), from headers, the manifest and the
     resident set now: the dense storage format, the KV reservation, direct I/O.  Raises RamBudgetError (one line)
     before anything large is read when not even one expert per layer fits."""
-    from . import fit as F
     from .container import _open_direct
 
     item = jnp.dtype(dtype).itemsize
@@ -651,7 +649,8 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     else:
         budget, why = MEM.default_budget()
     inp = F.FitInputs(
-        budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD, dense=dense, dense_fixed=fixed_dense,
+        budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD, dense=dense,
+        dense_fixed=fixed_dense,
         load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * opts["max_batch"], kv_tokens=kv_tokens,
         kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
         act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
