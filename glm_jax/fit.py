@@ -154,7 +154,8 @@ def plan(inp: FitInputs) -> FitPlan:
         need = max(need, inp.runtime + inp.dense[f] + inp.load_extra.get(f, 0))
         raise FitError(
             f"RAM budget {inp.budget / 1e9:.2f} GB ({inp.budget_from}) too small for one layer's experts: runtime "
-            f"{inp.runtime / 1e9:.2f} + dense weights {inp.dense[f] / 1e9:.2f} ({f}) + KV {inp.kv_per_token * kv / 1e9:.2f} "
+            f"{inp.runtime / 1e9:.2f} + dense weights {inp.dense[f] / 1e9:.2f} ({f}) + KV "
+            f"{inp.kv_per_token * kv / 1e9:.2f} "
             f"({kv} positions) + workspace {ws / 1e9:.2f} + I/O buffers and one layer's working set "
             f"{inp.buffers / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {need / 1e9:.2f} would fit (decided before loading anything)")
@@ -248,7 +249,8 @@ def dense_bytes(tensors, cfg, fmt: str, packed: bool, itemsize: int = 4) -> tupl
         if key.endswith("_scale_inv"):
             continue                                     # FP8 block scales: folded into the weight
         n = int(np.prod(sh, dtype=np.int64))
-        if len(sh) != 2 or not key.endswith(".weight") or "norm" in key.split(".")[-2] or key.endswith("mlp.gate.weight"):
+        if (len(sh) != 2 or not key.endswith(".weight") or "norm" in key.split(".")[-2]
+                or key.endswith("mlp.gate.weight")):
             total += n * 4
             continue
         out, n_in = sh
