@@ -163,6 +163,9 @@ def main(argv):
         # one seed rule for glm-jax and glm-jax-serve: no --seed -> a fresh random seed (printed with the stats
         # when sampling, and in --output_json), --seed=N -> reproducible
         seed = FLAGS.seed if FLAGS.seed is not None else secrets.randbits(63)
+        if not opts.where("reserve_tokens"):      # the RAM plan reserves KV for what this run can use
+            n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.encode("utf-8")) + 64 * FLAGS.chat
+            opts["reserve_tokens"] = max(1, n_prompt + FLAGS.max_new_tokens)
         from .engine import Engine
 
         engine = Engine.from_options(FLAGS.model or None, opts)

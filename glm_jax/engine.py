@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -22,6 +23,7 @@ import glm_jax_plugins as P
 from glm_jax_plugins import contract
 
 from . import chat, compile_cache, kernels, paths
+from . import fit as F
 from . import memory as MEM
 from . import model as M
 from . import options as O
@@ -183,10 +185,22 @@ class Engine(Runner):
                                    (lambda load, fmt, k: plan.resident_bank(cfg.n_routed_experts, load, fmt, k)))
         else:
             src = None
+            fitted = None
             try:
                 if container:     # manifest, config and sizes checked at open; the dense file's crc before use
                     src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
                     C.verify_dense(path, src.manifest)
+                if plan is None:  # what fits, from headers and the manifest: refused here, before any weights
+                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
+                    fitted = fit_memory(path, cfg, opts, src, dtype, dense_kernel, pack)
+                    if container and fitted.direct_io != src.direct_io:
+                        src.close()
+                        src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)
+                    opts["direct_io"] = fitted.direct_io
+                    opts["dense_format"] = fitted.dense_format
+                    if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
+                        opts["prefill_chunk"] = fitted.prefill_chunk
+                if container:
                     params = W.load_dense_params(path, cfg, dtype=dtype, file=src.dense_path, kernel=dense_kernel,
                                                  dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
                 else:
@@ -208,19 +222,27 @@ class Engine(Runner):
                                            policy=opts["cache_policy"],
                                            # the whole process counts: what it holds now (runtime + dense
                                            # weights) and a reserve for compilation and the step's buffers
-                                           used_bytes=MEM.rss_bytes() + RUNTIME_RESERVE,
-                                           kv_bytes=M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
-                                           (opts["max_seq_len"] or KV_RESERVE_TOKENS) * opts["max_batch"],
+                                           used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None
+                                                                         else fitted.workspace),
+                                           kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
+                                                     (opts["max_seq_len"] or KV_RESERVE_TOKENS) * opts["max_batch"]
+                                                     if fitted is None else fitted.kv_bytes),
                                            # slots for one decode / verify's union; a larger one (a prefill) is
                                            # fetched and computed in chunks of this many experts (streaming.py)
                                            max_working_set=working_set(cfg, opts), source=src,
                                            state_dir=opts["state_dir"],
-                                           labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel)
+                                           labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel,
+                                           **({} if fitted is None or cap else    # an explicit --cache_cap stays
+                                              {"headroom_bytes": F.COMPILE_TRANSIENT}))
             except BaseException:
                 if src is not None and store is None:
                     src.close()
                 raise
             store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
+            if fitted is not None and (fitted.notes or (not store.can_hold_all() and not opts["cache_cap"])):
+                import sys  # the memory plan in one line, whenever memory decided something
+
+                print(fitted.line(fitted.inputs, store.cache_cap, store.can_hold_all()), file=sys.stderr)
             if fetch in ("auto", "resident") and container:
                 # every expert fits the RAM budget: load them all now, then run one compiled step per token over
                 # the store's slot arenas (no per-layer host round trip); otherwise stream them (fetch=loop)
@@ -240,7 +262,9 @@ class Engine(Runner):
             opts["fetch"] = fetch
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
-        return cls(path, cfg, params, opts, tok, store, kernel, plan)
+        eng = cls(path, cfg, params, opts, tok, store, kernel, plan)
+        eng._fitted = fitted if store is not None and fetch != "resident" else None
+        return eng
 
     # ------------------------------------------------------------------ public API
     def logits(self, token_ids) -> np.ndarray:
@@ -374,6 +398,7 @@ class Engine(Runner):
                 sched.cancel(r)
             sched._reap()
             raise
+        self._refit_memory()
         out = [sched.result(r, compile0) for r in reqs]
         if self.plan is not None:
             for res in out:
@@ -389,6 +414,20 @@ class Engine(Runner):
                            top_p=top_p, seed=seed, chat=chat, stop_on_eos=stop_on_eos, stop=stop, where="stream")
         self.scheduler.check(req.prompt, req.sampling)     # now, not at the first next(): as generate() does
         return _Stream(self, req)
+
+    def _refit_memory(self):
+        """Once, after the first generation (its programs compiled): what the compile's working memory took is
+        measured, and the part of the workspace reserve it left free goes to the expert cache (fit.py)."""
+        f = getattr(self, "_fitted", None)
+        if f is None or self.store is None or self.opts["cache_cap"]:
+            return
+        self._fitted = None
+        MEM.trim()
+        kv_now = _tree_bytes(self._cache) if self._cache is not None else 0
+        # the compile's transient part of the workspace the plan kept (the rest: programs and activations)
+        free = (f.inputs.budget - MEM.private_bytes() - max(0, f.kv_bytes - kv_now) - f.inputs.buffers
+                - F.LATER_COMPILE)
+        self.store.grow_cap(free)
 
     @property
     def compile_s(self) -> float:
@@ -501,6 +540,7 @@ class _Stream:
                     yield self._pieces.pop(0)
             while self._pieces:
                 yield self._pieces.pop(0)
+            e._refit_memory()
             self.result = sched.result(req, compile0)
             if e.plan is not None:           # the mesh line, as generate() gives it
                 self.result.stats.update(mesh=e.plan.describe(), processes=jax.process_count(),
@@ -590,6 +630,78 @@ def _pick_dtype(name: str, path: str, cfg: ModelConfig):
 RUNTIME_RESERVE = 150 << 20   # compile workspace + the step's buffers beyond the resident set at open (measured:
                               # 15-60 MB on the 1.9 GB synthetic model; tools/bench.py --mode=lowram)
 KV_RESERVE_TOKENS = 4096      # KV positions the RAM budget reserves when --max_seq_len is not given
+
+
+def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense_kernel: str, pack):
+    """The memory plan of a streamed / store-backed load (glm_jax/fit.py), from headers, the manifest and the
+    resident set now: the dense storage format, the KV reservation, direct I/O.  Raises RamBudgetError (one line)
+    before anything large is read when not even one expert per layer fits."""
+    item = jnp.dtype(dtype).itemsize
+    tensors = F.header_tensors(path)
+    fixed_dense = bool(opts.where("dense_format"))
+    fmts = [opts["dense_format"]] if fixed_dense else ["native", *F.QUANT_STEPS]
+    dense, extra = {}, {}
+    for f in fmts:
+        packed = (dense_kernel == "native" or f != "native") if pack is None else pack
+        key = "native" if fixed_dense else f       # an explicit --dense_format: the only candidate
+        dense[key], extra[key] = F.dense_bytes(tensors, cfg, f, packed, item)
+    layers = list(src.expert_layers)
+    rec = {L: src.layout(L).record_len for L in layers}
+    max_rec = max(rec.values()) if rec else 0
+    W_ = min(max(src.num_experts(L) for L in layers), working_set(cfg, opts)) if layers else 0
+    ctx = min(int(cfg.max_position_embeddings), int(opts["max_seq_len"] or cfg.max_position_embeddings))
+    if opts["max_seq_len"]:
+        kv_tokens, kv_fixed = ctx, True
+    elif opts["reserve_tokens"]:
+        kv_tokens, kv_fixed = min(ctx, _bucket(opts["reserve_tokens"], 256)), True
+    else:
+        kv_tokens, kv_fixed = min(ctx, F.KV_DEFAULT_TOKENS), False
+    # a prefill chunk is never longer than the context; lowered with the KV reservation unless given
+    chunk = min(opts["prefill_chunk"], ctx)
+    ws = F.workspace_bytes(cfg, chunk, opts["max_batch"], item)
+    if opts["ram_gb"]:
+        budget, why = int(opts["ram_gb"] * 1e9), opts.label("ram_gb")
+    else:
+        budget, why = MEM.default_budget()
+    inp = F.FitInputs(
+        budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD, dense=dense,
+        dense_fixed=fixed_dense,
+        load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * opts["max_batch"], kv_tokens=kv_tokens,
+        kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
+        act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
+        rec_sum=sum(rec.values()), buffers=(max(1, opts["io_threads"]) + W_) * max_rec,
+        pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
+        num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,
+        direct_io=opts["direct_io"] if opts.where("direct_io") else None)
+    try:
+        p = F.plan(inp)
+    except F.FitError as e:
+        src.close()
+        raise RamBudgetError(f"{path}: {e}") from None
+    if fixed_dense:
+        p = dataclasses.replace(p, dense_format=opts["dense_format"])
+    if p.direct_io and inp.direct_io is None:
+        # where the file system takes O_DIRECT (tmpfs does not): else buffered reads, said in the line
+        first = getattr(src, "entry", None)
+        fd = C._open_direct(first(layers[0]).path) if first is not None and layers else None
+        if fd is None:
+            p = dataclasses.replace(p, direct_io=False, notes=p.notes[:-1] + ("O_DIRECT unsupported here",))
+        else:
+            os.close(fd)
+    return _Fitted(p, inp)
+
+
+class _Fitted:
+    """A fit.FitPlan with its inputs (the engine's memory decisions at load)."""
+
+    def __init__(self, plan, inputs):
+        self.plan, self.inputs = plan, inputs
+
+    def __getattr__(self, name):
+        return getattr(self.plan, name)
+
+    def line(self, inputs, cache_cap=None, resident=None):
+        return self.plan.line(inputs, cache_cap, resident)
 
 
 def working_set(cfg: ModelConfig, opts: Optional[dict] = None) -> int:

@@ -446,8 +446,6 @@ EVAL_FLAGS = ("model", "text", "items", "windows", "window_len", "context_lines"
 
 
 def help_text() -> str:
-    from glm_jax import options as O
-
     return O.command_help(FLAGS, [__doc__.strip().split("\n\n")[0], ""], O.main_flag_names(EVAL_FLAGS),
                           "glm-jax-eval --helpfull documents every flag.")
 

@@ -24,6 +24,23 @@ def rss_bytes() -> int:
     return 0
 
 
+def private_bytes() -> int:
+    """Memory only this process holds and the kernel cannot reclaim without swap: RssAnon + RssShmem (the heap, the
+    weights, the KV cache, the expert arenas, compiled code).  Unlike VmRSS it leaves out file-backed pages (the
+    shared libraries' text, ~100 MB for jaxlib), which a memory cgroup reclaims under pressure; VmRSS where the
+    kernel does not report them."""
+    got, n = 0, 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    n += int(line.split()[1]) * 1024
+                    got += 1
+    except OSError:
+        pass
+    return n if got == 2 else rss_bytes()
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (VmHWM)."""
     try:
@@ -131,7 +148,7 @@ def round_up_gb(x: float) -> float:
 
 def default_budget() -> tuple[int, str]:
     """(bytes, how it was decided) for the whole process when --ram_gb is not given."""
-    now = rss_bytes()
+    now = private_bytes()
     b, why = now + int(0.8 * mem_available()), "in use + 0.8 x MemAvailable"
     lim = cgroup_limit()
     if lim is not None and int(0.9 * lim) < b:

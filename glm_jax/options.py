@@ -107,10 +107,15 @@ OPTIONS = [
     Opt("dense_format", "native", "enum", "Storage format of the dense (non-expert) matrices at run time: native (as "
         "stored: the checkpoint's dtype, or the container's --dense_format), f32, bf16, int8_row, int4_g64 "
         "(quantized at load; the lm_head stays int8 for int4 formats). Quantized dense weights need the native "
-        "kernels to be fast.", ("native", "f32", "bf16", "int8_row", "int4_g64")),
+        "kernels to be fast. Not given: as stored, unless the stored float weights leave the experts no room in the "
+        "RAM budget (then int8_row, else int4_g64, said in one line).", ("native", "f32", "bf16", "int8_row",
+                                                                          "int4_g64")),
     Opt("max_seq_len", 0, "int", "Context limit and KV-cache capacity per sequence in tokens (0: the model's "
         "max_position_embeddings; the cache grows with the requests). It may only lower the model's limit: RoPE is "
         "applied as the checkpoint defines it, without extension.", lo=0),
+    Opt("reserve_tokens", 0, "int", "KV-cache positions per row the RAM plan reserves at load (0: min(the context "
+        "limit, 4096), lowered down to 256 when memory is short; glm-jax passes its prompt + --max_new_tokens). The "
+        "cache itself grows with the requests either way.", lo=0),
     Opt("max_batch", 1, "int", "Rows of the continuous-batching scheduler: sequences decoded together, each with its "
         "own KV rows (glm-jax-serve: 8). Every decode runs at this width, so a sequence's output does not depend "
         "on the others; the expert store sizes its working set for this many rows.", lo=1, hi=256),
@@ -134,7 +139,9 @@ OPTIONS = [
     Opt("ram_gb", 0.0, "float", "RAM budget in GB of the whole process: dense + KV + expert cache + buffers (0: what is in use + 0.8 x "
         "MemAvailable, at most 0.9 x the memory cgroup's limit; above that limit: refused).",
         env=("RAM_GB",), lo=0.0, main=True),
-    Opt("direct_io", False, "bool", "Read experts with O_DIRECT (bypass the page cache).", env=("DIRECT",)),
+    Opt("direct_io", False, "bool", "Read experts with O_DIRECT (bypass the page cache). Not given: on when the "
+        "experts do not all fit the RAM budget (the page cache would hold a second copy inside the same limit), "
+        "where the file system supports it.", env=("DIRECT",)),
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",), lo=1, hi=256),
     Opt("overlap", False, "bool", "fetch=loop: start the layer's resident (hit) experts and the shared expert before "
         "reading its misses, so the reads overlap that compute (decode-sized forwards; exact). Off by default: with "

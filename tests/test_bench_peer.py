@@ -25,8 +25,15 @@ def test_llama_bench_output_parsed_from_jsonl_and_json():
 
 
 def test_format_mapping_and_dense_formats():
+    # no --dense_formats: the converter's default and the GGUF's bits, one row where the default is those bits
     assert P.format_plan(["f32", "int8_row", "int4_g64"], None) == [
-        ("f32", "f32", "F32"), ("int8_row", "int8", "Q8_0"), ("int4_g64", "int8", "Q4_0")]
+        ("f32", "f32", "F32"), ("int8_row", "auto", "Q8_0"), ("int8_row", "int8", "Q8_0"),
+        ("int4_g64", "auto", "Q4_0"), ("int4_g64", "int4_g64", "Q4_0")]
+    from glm_jax.experts.convert import auto_dense_format
+    assert P.format_plan(["int8_row", "int4_g64"], None, auto_dense_format) == [
+        ("int8_row", "auto", "Q8_0"), ("int4_g64", "auto", "Q4_0")]
+    assert P.format_plan(["int4_g64"], None, lambda f: "bf16") == [("int4_g64", "auto", "Q4_0"),
+                                                                   ("int4_g64", "int4_g64", "Q4_0")]
     assert P.format_plan(["f32", "int4_g64"], ["bf16"]) == [("f32", "f32", "F32"), ("int4_g64", "bf16", "Q4_0")]
     assert P.format_plan(["int8_row", "int4_g64"], ["f32", "int4_g64"])[1] == ("int4_g64", "int4_g64", "Q4_0")
     with pytest.raises(P.BenchError, match="unknown format 'q5'"):

@@ -11,8 +11,17 @@ import numpy as np
 import pytest
 
 from glm_jax.errors import GlmJaxError
-from glm_jax.experts.container import (ChecksumError, ConfigMismatchError, SafeTensorsDir, TruncatedError,
-    UnknownVersionError, layer_file_name, open_container, open_expert_source, verify_dense)
+from glm_jax.experts.container import (
+    ChecksumError,
+    ConfigMismatchError,
+    SafeTensorsDir,
+    TruncatedError,
+    UnknownVersionError,
+    layer_file_name,
+    open_container,
+    open_expert_source,
+    verify_dense,
+)
 from glm_jax.experts.convert import convert
 from glm_jax.kernels import formats as quant
 from glm_jax.model.config import load_config

@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 
+from glm_jax.experts.convert import convert
 from glm_jax.model.config import load_config
 from tools.fixtures import synth_slice
-from glm_jax.experts.convert import convert
 
 SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8)
 SMALL_ARCH = {

@@ -1,7 +1,7 @@
 """glm-jax-convert: Hugging Face GLM MoE checkpoint -> glm-jax expert container.
 
     glm-jax-convert --src=HF_DIR --dst=OUT_DIR [--expert_format=int4_g64] [--group_size=64]
-                    [--mtp_format=int8_row] [--dense_format=bf16|int8|int4_g64|f32] [--verify] [--overwrite]
+                    [--mtp_format=int8_row] [--dense_format=auto|bf16|int8|int4_g64|f32] [--verify] [--overwrite]
 
 Reads the source tensor by tensor (raw safetensors headers + pread; one expert or one dense tensor in memory at
 a time), writes one experts/layer_LLL.bin per MoE layer (fixed-size, 4096-aligned records, one per expert, see
@@ -196,13 +196,26 @@ def _convert_layer(hf: HFExperts, dst: str, L: int, lay: RecordLayout, E: int, w
 
 
 # ----------------------------------------------------------------------------- dense
-DENSE_FORMATS = ("bf16", "int8", "int4_g64", "f32")
+DENSE_FORMATS = ("auto", "bf16", "int8", "int4_g64", "f32")
 
 
-def _dense_kind(key: str, shape: tuple, dtype: str, dense_format: str) -> str:
+def auto_dense_format(expert_format: str) -> str:
+    """--dense_format=auto (the default): the dense weights at the experts' bits, as llama-quantize stores a GGUF's
+    (Q8_0: every matrix Q8_0; Q4_0: every matrix Q4_0 but the output head, kept above 4 bits -- here int8; F32 / BF16:
+    float).  Chosen from the quality table in docs/formats.md (KL, top-1, PPL on the shipped model)."""
+    kind = quant.parse_format(expert_format)[0]
+    if kind.startswith("int4"):
+        return "int4_g64"
+    if kind == "int8_row":
+        return "int8"
+    return "f32" if kind == "f32" else "bf16"
+
+
+def _dense_kind(key: str, shape: tuple, dtype: str, dense_format: str, tied: bool = False) -> str:
     """'f32' | 'bf16' | 'int8' | 'int4' | 'keep' for one dense tensor.  int4_g64: 2-D weights int4 (groups of 64),
-    except the output heads (lm_head, the MTP layer's shared head), kept int8 as llama.cpp keeps its output matrix
-    above 4 bits, and rows of odd length (int8)."""
+    except the output heads (lm_head, the MTP layer's shared head; with tied embeddings the token embedding, which
+    is the output head), kept int8 as llama-quantize keeps its output matrix above 4 bits (Q6_K for Q4_0), and rows
+    of odd length (int8).  The untied token embedding is int4 like llama.cpp's token_embd under Q4_0."""
     if not (dtype.startswith("float") or dtype == "bfloat16"):
         return "keep"
     last = key.split(".")[-2] if key.count(".") else key
@@ -210,12 +223,13 @@ def _dense_kind(key: str, shape: tuple, dtype: str, dense_format: str) -> str:
     if router or "norm" in last or key.endswith(".bias") or len(shape) < 2:
         return "f32"
     if dense_format in ("int8", "int4_g64") and len(shape) == 2 and key.endswith(".weight"):
-        head = key == "lm_head.weight" or key.endswith("shared_head.head.weight")
+        head = (key == "lm_head.weight" or key.endswith("shared_head.head.weight")
+                or (tied and key == "model.embed_tokens.weight"))
         return "int4" if dense_format == "int4_g64" and not head and shape[1] % 2 == 0 else "int8"
     return "bf16" if dense_format in ("bf16", "int8", "int4_g64") else "f32"
 
 
-def _dense_plan(st: SafeTensorsDir, dense_format: str) -> list:
+def _dense_plan(st: SafeTensorsDir, dense_format: str, tied: bool = False) -> list:
     """[(out_key, st_dtype, shape, producer)] for every non-expert tensor, sorted by key."""
     plan = []
     for k in sorted(st.keys()):
@@ -225,7 +239,7 @@ def _dense_plan(st: SafeTensorsDir, dense_format: str) -> list:
             continue        # consumed by the FP8 dequant of its weight
         ti = st.info(k)
         dt = "float32" if ti.dtype.startswith("float8") else ti.dtype
-        kind = _dense_kind(k, ti.shape, dt, dense_format)
+        kind = _dense_kind(k, ti.shape, dt, dense_format, tied)
         if kind == "keep":
             plan.append((k, _NP_TO_ST[ti.dtype], ti.shape, lambda k=k: st.read(k)))
         elif kind == "int8":
@@ -385,6 +399,11 @@ def check_formats(expert_format: str, group_size: Optional[int], mtp_format: str
     the format name (int4_g64) and a different explicit ``group_size`` conflict."""
     if dense_format not in DENSE_FORMATS:
         raise ConvertError(f"--dense_format={dense_format}: expected one of {', '.join(DENSE_FORMATS)}")
+    if dense_format == "auto":
+        try:
+            dense_format = auto_dense_format(expert_format)
+        except ValueError:
+            dense_format = "bf16"        # the expert format's own error comes below, naming its flag
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
                                    or group_size < 2 or group_size % 2):
         raise ConvertError(f"--group_size={group_size}: expected an even integer >= 2")
@@ -399,7 +418,7 @@ def check_formats(expert_format: str, group_size: Optional[int], mtp_format: str
                                f"use --expert_format=int4_g{group_size}, or drop --group_size)")
         out.append(normalize_format(fmt, g or 64))
     gs = quant.parse_format(out[0])[1] or None
-    return out[0], out[1], gs
+    return out[0], out[1], gs, dense_format
 
 
 # ----------------------------------------------------------------------------- driver
@@ -411,7 +430,7 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
 
     ``dst`` must be absent, empty or this conversion's own (resumable) state; otherwise ``overwrite`` builds the
     container in a sibling work directory and swaps it in once complete (module docstring)."""
-    fmt, mfmt, gsize = check_formats(expert_format, group_size, mtp_format, dense_format)
+    fmt, mfmt, gsize, dense_format = check_formats(expert_format, group_size, mtp_format, dense_format)
     if not os.path.isdir(src):
         raise ConvertError(f"--src={src}: not a directory (expected a Hugging Face checkpoint directory)")
     if os.path.exists(os.path.join(src, MANIFEST_NAME)) or os.path.exists(os.path.join(src, CONVERT_MARKER)):
@@ -543,7 +562,7 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
     mpath = os.path.join(dst, MANIFEST_NAME)
     if os.path.exists(mpath):
         os.replace(mpath, mpath + ".old")   # the manifest is written last; an incomplete run has none
-    plan = _dense_plan(st, dense_format)
+    plan = _dense_plan(st, dense_format, bool(cfg.tie_word_embeddings))
     if drop_mtp:
         mtp_pre = f"model.layers.{cfg.num_hidden_layers}."
         plan = [row for row in plan if not row[0].startswith(mtp_pre)]
@@ -680,8 +699,10 @@ def define_flags(fv):
     flags.DEFINE_integer("group_size", 64, "int4 group size for --expert_format=int4_g (must agree with a group "
                          "named in the format)", flag_values=fv)
     flags.DEFINE_string("mtp_format", "int8_row", "MTP layer experts (int4 MTP heads lose acceptance)", flag_values=fv)
-    flags.DEFINE_string("dense_format", "bf16", "dense weights: bf16 | int8 (per-output-channel) | int4_g64 (groups of "
-                        "64; output heads int8) | f32", flag_values=fv)
+    flags.DEFINE_string("dense_format", "auto", "dense weights: auto (the experts' bits, as llama-quantize does: "
+                        "int4_g64 with int4 experts, int8 with int8_row, else bf16 / f32; docs/formats.md) | bf16 | "
+                        "int8 (per-output-channel) | int4_g64 (groups of 64; output heads int8) | f32",
+                        flag_values=fv)
     flags.DEFINE_bool("verify", False, "verify every checksum after converting (or, without --src, of --dst)",
                       flag_values=fv)
     flags.DEFINE_bool("overwrite", False, "replace a non-empty --dst that is not this conversion's (the old "

@@ -334,7 +334,7 @@ class ExpertStore:
     def __init__(self, source, cfg: ModelConfig, model_dir: str, cache_cap: int, pins: dict, policy: str,
                  io_threads: int, max_working_set: int, usage_path: Optional[str], sizing: dict, alias: bool = True,
                  read_chunk: int = 0, kernel: str = "xla", owned: Optional[list] = None, devices: Optional[list] = None,
-                 owns_source: bool = True, slot_limit: Optional[int] = None):
+                 owns_source: bool = True, slot_limit: Optional[int] = None, extra_slots: int = 0):
         import jax
         self.source, self.cfg, self.model_dir = source, cfg, model_dir
         self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
@@ -361,7 +361,8 @@ class ExpertStore:
             pinned[pins.get(L, [])] = True
             P = int(pinned.sum())
             # a mesh shard: every shard the same slot count (slot_limit = experts per shard), so their arenas stack
-            S = min(n_own if slot_limit is None else slot_limit, P + max(cache_cap, max_working_set))
+            # extra_slots: room the cache may grow into later (grow_cap), address space only until used
+            S = min(n_own if slot_limit is None else slot_limit, P + max(cache_cap + extra_slots, max_working_set))
             self.owned[L] = own
             self.layers[L] = _Layer(L, source, E, S, on_cpu, devices, kernel)
             self.index[L] = CacheIndex(E, min(cache_cap, n_own - P), S - P, policy, pinned)
@@ -372,8 +373,10 @@ class ExpertStore:
         fits = sizing.get("cap_that_fits", cache_cap)
         todo = [(lc, int(self.index[L].pinned.sum()) + min(self.index[L].cap, fits)) for L, lc in self.layers.items()]
         self._closing = False
+        self._populated = [False]
         self._populate = threading.Thread(
-            target=lambda: all(not self._closing and lc.populate(n) for lc, n in todo), daemon=True,
+            target=lambda: self._populated.__setitem__(
+                0, all(not self._closing and lc.populate(n) for lc, n in todo)), daemon=True,
             name="glm-jax-populate")
         self._populate.start()
         self._scatter = None
@@ -401,7 +404,7 @@ class ExpertStore:
              verify: str = "first", source=None, alias: bool = True, state_dir: str = "",
              labels: Optional[dict] = None, kernel: str = "xla", owned: Optional[list] = None, share: int = 1,
              devices: Optional[list] = None, owns_source: bool = True,
-             slot_limit: Optional[int] = None) -> "ExpertStore":
+             slot_limit: Optional[int] = None, headroom_bytes: int = 0) -> "ExpertStore":
         """``used_bytes``: what the rest of the process holds or will hold (the engine passes its resident set at
         open -- runtime + dense weights -- plus a reserve for compilation); ``kv_bytes``: the KV cache it will
         allocate.  The expert cache gets the RAM budget minus those, the I/O buffers, one layer's transient working
@@ -410,7 +413,9 @@ class ExpertStore:
         'off' = none).  ``labels``: option name -> where the user set it (flag / alias), for messages.
         A mesh shard (``ShardedStore``): ``owned`` the expert ids it serves (pins chosen among them), ``share`` the
         number of shards this process's budget is split over, ``devices`` where its banks live (the shard's
-        model-axis replicas), ``owns_source=False`` when the shards share one open source."""
+        model-axis replicas), ``owns_source=False`` when the shards share one open source.  ``headroom_bytes``:
+        part of ``used_bytes`` that may come back (the first compile's transient memory): the arenas get room for
+        that many more experts, which ``grow_cap`` hands to the cache once it is measured free."""
         labels = labels or {}
         if policy not in POLICIES:
             raise StoreError(f"unknown cache policy {policy!r} (expected one of {', '.join(POLICIES)})")
@@ -481,9 +486,10 @@ class ExpertStore:
         if read_chunk_mb < 0:
             src.close()
             raise StoreError(f"--read_chunk_mb={read_chunk_mb}: must be >= 0 (0 = one read per record)")
+        extra = int(headroom_bytes // rec_sum) if rec_sum and headroom_bytes > 0 else 0
         return cls(src, cfg, model_dir, cache_cap, pins, policy, io_threads, W, usage_path, sizing, alias,
                    read_chunk=int(read_chunk_mb * (1 << 20)), kernel=kernel, owned=owned, devices=devices,
-                   owns_source=owns_source, slot_limit=slot_limit)
+                   owns_source=owns_source, slot_limit=slot_limit, extra_slots=extra)
 
     # ------------------------------------------------------------------ I/O
     def _submit(self, L: int, experts: list, slots: list):
@@ -629,6 +635,24 @@ class ExpertStore:
             st["io_wait_s"] += t2 - t1
             st["fetch_s"] += time.perf_counter() - t0 - wait_pf
             return lc.bank, out_slot_of
+
+    def grow_cap(self, free_bytes: int) -> int:
+        """Give ``free_bytes`` (measured free inside the budget) to the cache: each layer's cap grows by
+        free_bytes / (one expert of every layer), up to the slots its arena has room for.  Waits for the
+        background page population first (the retained slots' pages must already be counted in what was
+        measured); a no-op where it did not run.  Returns the cache cap (experts per layer)."""
+        self._populate.join(timeout=60)
+        per = self.sizing.get("per_cap_bytes", 0)
+        n = int(free_bytes // per) if per and free_bytes > 0 and self._populated[0] else 0
+        if n > 0:
+            with self._lock:
+                for L, lc in self.layers.items():
+                    idx = self.index[L]
+                    P = int(idx.pinned.sum())
+                    idx.cap = int(min(idx.cap + n, lc.S - P, int(self.owned[L].sum()) - P))
+                self.cache_cap = max(ix.cap for ix in self.index.values())
+                self.sizing["grown_by"] = self.sizing.get("grown_by", 0) + n
+        return self.cache_cap
 
     def can_hold_all(self) -> bool:
         """Every expert of every layer fits in the cache (its cap is the layer's expert count)."""

@@ -435,8 +435,29 @@ def to_qweight(a, fmt: str, kernel: str, dtype, tiles: bool = True) -> "QWeight"
     kind, _ = parse_format(fmt)
     if kind in FLOAT_FORMATS:
         return QWeight(jnp.asarray(a, jnp.bfloat16 if kind == "bf16" else jnp.float32), fmt=kind, kernel=kernel)
-    q, s = quantize(np.asarray(a, np.float32), fmt)
+    q, s = quantize_rows(a, fmt)
     return _quant_qweight(q, s, fmt, np.shape(a), kernel, tiles)
+
+
+def quantize_rows(a, fmt: str, chunk_bytes: int = 16 << 20):
+    """``quantize`` of a 2-D weight, a block of rows at a time (every format here quantizes each row on its own):
+    the float32 temporaries stay at ``chunk_bytes`` whatever the matrix (a [151552, 4096] bf16 embedding would
+    otherwise take ~10 GB of f32 copies to quantize), so quantizing at load needs no more than the stored matrix,
+    its result and one block."""
+    a = np.asarray(a)
+    if a.ndim != 2 or a.shape[0] * a.shape[1] * 4 <= chunk_bytes:
+        return quantize(np.asarray(a, np.float32), fmt)
+    rows = max(1, chunk_bytes // (4 * a.shape[1]))
+    qs, ss = None, None
+    for r0 in range(0, a.shape[0], rows):
+        q, s = quantize(np.asarray(a[r0:r0 + rows], np.float32), fmt)
+        if qs is None:
+            qs = np.empty((a.shape[0],) + q.shape[1:], q.dtype)
+            ss = None if s is None else np.empty((a.shape[0],) + s.shape[1:], s.dtype)
+        qs[r0:r0 + rows] = q
+        if ss is not None:
+            ss[r0:r0 + rows] = s
+    return qs, ss
 
 
 def _quant_qweight(q, s, fmt: str, dims: tuple, kernel: str, tiles: bool) -> QWeight:
@@ -504,7 +525,9 @@ def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: boo
 
 def pack_table(a, kernel: str, fmt: str, dtype):
     """An embedding table: a QWeight when stored quantized or bf16 (rows widened as they are looked up), else the
-    array as loaded."""
+    array as loaded; a float table with a quantized ``fmt`` is quantized at load (as glm-jax-convert stores it)."""
+    if not isinstance(a, QTensor) and fmt not in ("native", "f32", "bf16"):
+        return to_qweight(a, fmt, kernel, dtype, tiles=False)
     if isinstance(a, QTensor) or np.asarray(a).dtype == _bf16():
         return to_qweight(a, "native", kernel, dtype, tiles=False)
     return a

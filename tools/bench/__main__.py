@@ -21,9 +21,12 @@
                           [--dense_formats=f32,int8,int8] [--new_tokens=64] [--prompt_tokens=16] [--reps=3] [--threads=2]
         model x format x engine: decode and prefill tok/s of glm-jax, llama.cpp and (f32) transformers, ratios to
         llama.cpp, same greedy tokens; interleaved rounds, medians, same pinned threads (tools/bench/peer.py).
+        Without --dense_formats both conversions a user compares: glm-jax-convert's default and the GGUF's bits
+        (one row where they are the same).
     python -m tools.bench --mode=lowram --model=HF_DIR|stream --llamacpp=PREFIX --limits=4000,1400,1000,700
-        decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64, --ram_gb from the limit,
-        --direct_io) in memory cgroups of each limit, cold file cache before every run (tools/bench/peer.py).
+        decode tok/s of llama.cpp (Q4_0 mmap, --repack 0 and 1) and glm-jax (int4_g64 container of the converter's
+        defaults, run with no flags at all) in memory cgroups of each limit, cold file cache before every run
+        (tools/bench/peer.py).
     python -m tools.bench --mode=slice --arch=glm45air|glm52 --layers=N [--llamacpp=PREFIX] [--boxes=0,128,64,24]
         a slice at the architecture's real widths (tools/fixtures/synth_slice.py), both engines cold in memory cgroups of what
         a 24 / 64 / 128 GB box leaves per layer, projected to the full model beside the disk-physics bound and
@@ -64,10 +67,12 @@ flags.DEFINE_string("llamacpp", "", "--mode=peer|lowram: llama.cpp prefix (bin/l
                     "llama-server, venv/ with the converter; ../shared/tools/build-llamacpp.sh PREFIX builds one). "
                     "Empty: glm-jax (and transformers) only.")
 flags.DEFINE_string("formats", "f32,int8_row,int4_g64", "--mode=peer: glm-jax formats; each is compared with a GGUF "
-                    "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0.")
-flags.DEFINE_string("dense_formats", "f32,int8,int8", "--mode=peer: glm-jax-convert --dense_format per entry of "
+                    "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0. --mode=formats: the "
+                    "expert formats scored (default int4_g64,int4_row,int8_row,bf16).")
+flags.DEFINE_string("dense_formats", "", "--mode=peer: glm-jax-convert --dense_format per entry of "
                     "--formats (one value: the same for all; the f32 row always runs the HF dir, f32; not given: "
-                    "int8 for every quantized format).")
+                    "the converter's default and the GGUF's bits, one row where they agree). --mode=formats: every expert format is converted with each of "
+                    "these (default f32).")
 flags.DEFINE_integer("prompt_tokens", 16, "--mode=peer|lowram: prompt length in tokens.")
 flags.DEFINE_integer("threads", 2, "--mode=peer|lowram: threads (CPUs) for every engine.")
 flags.DEFINE_string("workdir", os.path.join(os.path.expanduser("~"), ".cache", "glm-jax-bench"),
@@ -78,7 +83,8 @@ flags.DEFINE_string("glmjax_options", "mtp=false", "--mode=peer|lowram: extra gl
 flags.DEFINE_string("hf_python", "", "--mode=peer: Python with torch + transformers for the transformers rows "
                     "(default: PREFIX/venv/bin/python, then this Python; skipped with a note where neither has them).")
 flags.DEFINE_string("limits", "4000,1400,1000,700", "--mode=lowram: memory limits in MB (1e6 bytes).")
-flags.DEFINE_string("lowram_dense_format", "bf16", "--mode=lowram: glm-jax-convert --dense_format of the container.")
+flags.DEFINE_string("lowram_dense_format", "auto", "--mode=lowram: glm-jax-convert --dense_format of the container "
+                    "(auto: the converter's default, no --dense_format).")
 flags.DEFINE_float("runtime_mb", -1.0, "--mode=lowram: -1 (default): no --ram_gb, the engine sizes itself from the "
                    "memory cgroup's limit (its RAM budget is the whole process's); 0: --ram_gb = (limit - runtime - "
                    "margin) / 1000 with the runtime RSS measured in the run (unconstrained, --cache_cap=1); > 0: that "
@@ -203,8 +209,10 @@ def bench_plugins(model_dir, n_new, cap):
                               "MTP off; bytes counted by the store at the read")
 
 
-def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_windows=8, length=128):
-    """Each expert format vs the f32 resident reference on the same token windows (teacher forced)."""
+def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_windows=8, length=128,
+                  dense_fmts=("f32",)):
+    """Each expert format (x each glm-jax-convert --dense_format) vs the f32 resident reference on the same token
+    windows (teacher forced)."""
     import tempfile
 
     import numpy as np
@@ -229,7 +237,7 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
         ref_name = "glm-jax resident f32 on the HF checkpoint"
     rows = []
 
-    def score(name, eng, size_mb=None):
+    def score(name, eng, size_mb=None, dense="f32 (HF)", dense_mb=None):
         kls, agree, dmax, nll = [], [], [], []
         for w, r in zip(wins, refs):
             lg = eng.logits(w)
@@ -238,7 +246,7 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
             dmax.append(np.abs(lg - r).max())
             t = np.asarray(w[1:])
             nll.append(-ev.log_softmax(lg[:-1])[np.arange(len(t)), t])
-        rows.append({"experts": name, "expert MB (MTP int8)": size_mb, "KL(ref‖fmt)/token": float(np.concatenate(kls).mean()),
+        rows.append({"experts": name, "dense": dense, "expert MB (MTP int8)": size_mb, "dense MB": dense_mb, "KL(ref‖fmt)/token": float(np.concatenate(kls).mean()),
                      "top-1 agreement": float(np.concatenate(agree).mean()), "max |Δlogit|": float(max(dmax)),
                      "PPL": float(np.exp(np.concatenate(nll).mean()))})
 
@@ -246,17 +254,19 @@ def bench_formats(hf_dir, fmts=("int4_g64", "int4_row", "int8_row", "bf16"), n_w
         score("reference (" + ref_name + ")", ref_eng)
     with tempfile.TemporaryDirectory() as tmp:
         for f in fmts:
-            d = os.path.join(tmp, f)
-            man = convert(hf_dir, d, expert_format=f, dense_format="f32", progress=False)
-            mb = sum(e["length"] for e in man["experts"]) / 1e6
-            for kern in FLAGS.kernels.split(","):
-                # native: int8 activations x quantized weights (VNNI); xla: f32 activations x dequantized weights
-                eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32", kernels=kern)
-                score(f"{f} ({kern})", eng, mb)
-                eng.close()
-    cols = ["experts", "expert MB (MTP int8)", "KL(ref‖fmt)/token", "top-1 agreement", "max |Δlogit|", "PPL"]
+            for df in dense_fmts:
+                d = os.path.join(tmp, f"{f}-{df}")
+                man = convert(hf_dir, d, expert_format=f, dense_format=df, progress=False)
+                mb = sum(e["length"] for e in man["experts"]) / 1e6
+                for kern in FLAGS.kernels.split(","):
+                    # native: int8 activations x quantized weights (VNNI); xla: f32 activations x dequantized weights
+                    eng = glm_jax.Engine.load(d, fetch="loop", cache_cap=10 ** 6, dtype="float32", kernels=kern)
+                    score(f"{f} ({kern})", eng, mb, man["dense"]["format"], man["dense"]["size"] / 1e6)
+                    eng.close()
+    cols = ["experts", "dense", "expert MB (MTP int8)", "dense MB", "KL(ref‖fmt)/token", "top-1 agreement",
+            "max |Δlogit|", "PPL"]
     return markdown(rows, cols) + (f"\n\nmodel {hf_dir}; reference: {ref_name}; {len(wins)} windows of "
-                                   f"{len(wins[0])} tokens, teacher forced; dense weights f32 in every conversion")
+                                   f"{len(wins[0])} tokens, teacher forced; dense: glm-jax-convert --dense_format")
 
 
 def _interleaved(engines: dict, prompt, n_new: int, reps: int, warm: int = 8) -> dict:
@@ -358,9 +368,11 @@ def peer_main(argv):
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):
                 raise P.BenchError(f"--limits: every limit must be > 0 MB, got {FLAGS.limits!r}")
+            # no flags at all unless --glmjax_options is given (mtp is off by default in the engine too)
             out = P.run_lowram(FLAGS.model or "stream", limits, FLAGS.llamacpp, FLAGS.workdir, FLAGS.threads,
                                FLAGS.new_tokens if FLAGS["new_tokens"].present else 32, FLAGS.prompt_tokens,
-                               FLAGS.reps if FLAGS["reps"].present else 1, opts, FLAGS.lowram_dense_format,
+                               FLAGS.reps if FLAGS["reps"].present else 1,
+                               opts if FLAGS["glmjax_options"].present else {}, FLAGS.lowram_dense_format,
                                FLAGS.runtime_mb, FLAGS.margin_mb, FLAGS.run_timeout,
                                log=lambda m: print(m, file=sys.stderr, flush=True))
     except P.BenchError as e:
@@ -384,7 +396,12 @@ def main(argv):
 
     hf_model = os.path.join(ROOT, "models", "tiny_shakespeare_hf")
     if FLAGS.mode == "formats":
-        out = bench_formats(FLAGS.model or hf_model)
+        kw = {}
+        if FLAGS["formats"].present:
+            kw["fmts"] = tuple(FLAGS.formats.split(","))
+        if FLAGS["dense_formats"].present:
+            kw["dense_fmts"] = tuple(FLAGS.dense_formats.split(","))
+        out = bench_formats(FLAGS.model or hf_model, **kw)
     elif FLAGS.mode == "plugins":
         out = bench_plugins(FLAGS.model or glm_jax.default_model_path(), FLAGS.new_tokens, FLAGS.cache_cap)
     elif FLAGS.mode == "defaults":

@@ -79,15 +79,27 @@ def parse_options(s: str) -> dict:
     return out
 
 
-def format_plan(formats: list, dense_formats: Optional[list] = None) -> list:
-    """[(expert format, dense format, GGUF type)]: one dense format per expert format (a single one applies to all;
-    None: int8 for every quantized format); the f32 row is the HF checkpoint run resident in float32, so its dense
-    format is always f32."""
+SAME_BITS = {"int8_row": "int8", "int4_g64": "int4_g64"}    # glm-jax-convert --dense_format at the GGUF's bits
+
+
+def format_plan(formats: list, dense_formats: Optional[list] = None, default_dense=None) -> list:
+    """[(expert format, dense format, GGUF type)]: one dense format per expert format (a single one applies to all);
+    None: both conversions a user compares -- the converter's default ("auto", no --dense_format) and the GGUF's own
+    bits (SAME_BITS), one row when the default resolves to those bits (``default_dense(fmt)``: what auto becomes).
+    The f32 row is the HF checkpoint run resident in float32, so its dense format is always f32."""
     for f in formats:
         if f not in GGUF_TYPE:
             raise BenchError(f"--formats: unknown format {f!r} (known: {', '.join(GGUF_TYPE)})")
     if not dense_formats:
-        dense_formats = ["f32" if f == "f32" else "int8" for f in formats]
+        out = []
+        for f in formats:
+            if f == "f32":
+                out.append((f, "f32", GGUF_TYPE[f]))
+                continue
+            out.append((f, "auto", GGUF_TYPE[f]))
+            if default_dense is None or default_dense(f) != SAME_BITS[f]:
+                out.append((f, SAME_BITS[f], GGUF_TYPE[f]))
+        return out
     if len(dense_formats) == 1:
         dense_formats = dense_formats * len(formats)
     if len(dense_formats) != len(formats):
@@ -414,9 +426,10 @@ def ensure_container(hf_dir: str, mdir: str, fmt: str, dense: str, log=print) ->
             return dst
         except GlmJaxError as e:
             log(f"{dst}: {e}")
-    log(f"converting {hf_dir} -> {dst} (glm-jax-convert --expert_format={fmt} --dense_format={dense})")
+    log(f"converting {hf_dir} -> {dst} (glm-jax-convert --expert_format={fmt}"
+        + (f" --dense_format={dense})" if dense != "auto" else ", its default dense format)"))
     run_logged([sys.executable, "-m", "glm_jax.experts.convert", f"--src={hf_dir}", f"--dst={dst}",
-                f"--expert_format={fmt}", f"--dense_format={dense}", "--noprogress"],
+                f"--expert_format={fmt}", "--noprogress"] + ([f"--dense_format={dense}"] if dense != "auto" else []),
                os.path.join(mdir, "convert.log"), "glm-jax-convert")
     return dst
 
@@ -647,7 +660,9 @@ def llamacpp_version(prefix: str) -> str:
 def run_peer(models: list, formats: list, dense_formats: list, llamacpp: str, workdir: str, new_tokens: int,
              prompt_tokens: int, reps: int, threads: int, glmjax_options: dict, hf_python: str = "",
              log=print) -> str:
-    plan = format_plan(formats, dense_formats)
+    from glm_jax.experts.convert import auto_dense_format
+
+    plan = format_plan(formats, dense_formats, auto_dense_format)
     load0 = os.getloadavg()[0]
     if new_tokens < 2 or prompt_tokens < 1 or reps < 1:
         raise BenchError("--new_tokens >= 2, --prompt_tokens >= 1 and --reps >= 1 are needed")
@@ -705,7 +720,12 @@ def run_peer(models: list, formats: list, dense_formats: list, llamacpp: str, wo
                 else:
                     src = ensure_container(hf, mdir, fmt, dense, log)
                     opts = {"cache_cap": 1 << 20}
-                    wl = f"container: experts {fmt}, dense {dense}, every expert cached"
+                    shown = dense
+                    if dense == "auto":
+                        with open(os.path.join(src, "manifest.json")) as f:
+                            shown = (f"{json.load(f)['dense']['format']} (glm-jax-convert's default"
+                                     + (", = the GGUF's bits)" if dense_formats is None else ")"))
+                    wl = f"container: experts {fmt}, dense {shown}, every expert cached"
                 opts.update(glmjax_options)
                 c = dict(model=label, fmt=fmt, fmt_label=fl, engine="glm-jax", decode=[], prefill=[], weights=wl)
                 cells.append(c)
@@ -995,11 +1015,12 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
                     notes.append(dn)
                 c = cells.setdefault((L, key), {"tok_s": [], "verdict": "ok", "note": ""})
                 if key == "glmjax":
-                    opts = {"direct_io": True}
+                    opts = {}           # no flags: the engine fits itself to the limit (glm_jax/fit.py)
                     if runtime_mb >= 0:
                         opts["ram_gb"] = ram_gb_for_limit(L, runtime_mb, margin_mb)
                     opts.update(glmjax_options)
-                    c["flags"] = " ".join(f"--{k}={v}" if v is not True else f"--{k}" for k, v in opts.items())
+                    c["flags"] = " ".join(f"--{k}={v}" if v is not True else f"--{k}"
+                                          for k, v in opts.items()) or "(none)"
                     started = False
                     spec = dict(engine="glm-jax", model=container, options=opts, prompt=prompt,
                                 new_tokens=new_tokens + 1, warm_tokens=2)

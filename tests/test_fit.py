@@ -1,0 +1,273 @@
+"""The memory plan (glm_jax/fit.py): its decisions on numbers, its estimates against what a load really holds, the
+refusal before any weights are read, the converter's default dense format, and a default run inside a memory
+cgroup whose limit made the previous engine refuse."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import glm_jax
+from glm_jax import fit as F
+
+MB = 1_000_000
+
+
+def inputs(**kw) -> F.FitInputs:
+    base = dict(budget=1000 * MB, budget_from="--ram_gb", runtime=100 * MB,
+                dense={"native": 200 * MB, "int8_row": 100 * MB, "int4_g64": 60 * MB}, dense_fixed=False,
+                load_extra={"native": 10 * MB, "int8_row": 10 * MB, "int4_g64": 10 * MB}, kv_per_token=10_000,
+                kv_tokens=4096, kv_fixed=False, workspace=150 * MB, rec_sum=10 * MB, buffers=20 * MB, pin_bytes=0,
+                num_experts=16)
+    base.update(kw)
+    return F.FitInputs(**base)
+
+
+def test_everything_fits_as_stored():
+    p = F.plan(inputs())
+    # 1000 - 100 - 150 - 200 - 41 - 20 = 489 MB -> 48 experts per layer >= 16
+    assert (p.dense_format, p.all_fit, p.direct_io, p.kv_tokens, p.notes) == ("native", True, False, 4096, ())
+
+
+def test_quantized_at_load_when_that_keeps_every_expert_resident():
+    # as stored: 700 - 100 - 150 - 200 - 41 - 20 = 189 MB -> 18 >= 16: fits; at 650: 13 < 16, int8 -> 23
+    assert F.plan(inputs(budget=700 * MB)).dense_format == "native"
+    p = F.plan(inputs(budget=650 * MB))
+    assert (p.dense_format, p.all_fit, p.direct_io) == ("int8_row", True, False)
+    assert "would keep experts out of RAM" in p.notes[0]
+
+
+def test_streaming_quantizes_the_dense_weights_and_reads_past_the_page_cache():
+    p = F.plan(inputs(budget=450 * MB))          # int8: 450 - 100 - 150 - 100 - 41 - 20 = 39 MB -> 3 of 16
+    assert (p.dense_format, p.all_fit, p.cap_fits, p.direct_io, p.kv_tokens) == ("int8_row", False, 3, True, 4096)
+    assert any("page cache" in n for n in p.notes)
+    # an explicit --direct_io=false, --dense_format: kept
+    p = F.plan(inputs(budget=450 * MB, direct_io=False, dense_fixed=True, dense={"native": 100 * MB}))
+    assert (p.dense_format, p.direct_io, p.cap_fits) == ("native", False, 3)
+    # a --cache_cap below what fits: the page cache has room, buffered reads stay
+    assert F.plan(inputs(budget=450 * MB, cache_cap=2)).direct_io is False
+    # a --cache_cap above the expert count (every expert cached) asks for no more than every expert
+    p = F.plan(inputs(cache_cap=10 ** 6))
+    assert (p.dense_format, p.all_fit, p.direct_io) == ("native", True, False)
+
+
+def test_int4_only_when_int8_leaves_no_expert_and_kv_lowered_before_refusing():
+    # int8: 415 - 100 - 150 - 100 - 41 - 20 = 4 MB < one expert; int4: 44 MB -> 4
+    p = F.plan(inputs(budget=415 * MB))
+    assert (p.dense_format, p.cap_fits, p.kv_tokens) == ("int4_g64", 4, 4096)
+    # int4 with the full KV leaves nothing; the reservation halves until one expert fits (not below 256)
+    p = F.plan(inputs(budget=385 * MB))          # 385 - 100 - 150 - 60 - 20 = 55 -> KV <= 45 MB: 4096 still
+    assert p.kv_tokens == 4096
+    p = F.plan(inputs(budget=360 * MB))          # 30 MB left before KV: 2048 positions (20.5 MB) leave 9.5 < 10
+    assert (p.dense_format, p.kv_tokens, p.cap_fits) == ("int4_g64", 1024, 1)
+    assert any("KV reservation lowered" in n for n in p.notes)
+    with pytest.raises(F.FitError):              # the run's own length (--max_seq_len / reserve_tokens) stays
+        F.plan(inputs(budget=360 * MB, kv_fixed=True))
+
+
+def test_prefill_chunk_lowered_with_the_kv_reservation():
+    # workspace 150 MB holds 512 positions of 0.1 MB activations; at 256 KV positions the chunk follows: 25.6 MB back
+    kw = dict(budget=330 * MB, prefill_chunk=512, act_per_position=100_000)
+    with pytest.raises(F.FitError):
+        F.plan(inputs(**kw))                              # --prefill_chunk given: kept
+    p = F.plan(inputs(chunk_fixed=False, **kw))
+    assert (p.kv_tokens, p.prefill_chunk, p.cap_fits, p.workspace) == (256, 256, 2, 150 * MB - 256 * 100_000)
+    assert "prefill chunk 256 tokens" in p.notes
+    assert F.plan(inputs(chunk_fixed=False, prefill_chunk=512, act_per_position=100_000)).prefill_chunk == 512
+
+
+def test_refusal_names_the_budget_that_fits_and_that_budget_starts():
+    inp = inputs(budget=300 * MB)
+    with pytest.raises(F.FitError) as e:
+        F.plan(inp)
+    msg = str(e.value)
+    assert "too small for one layer's experts" in msg and "decided before loading anything" in msg
+    need = float(msg.split("--ram_gb >= ")[1].split()[0])
+    p = F.plan(dataclasses.replace(inp, budget=int(need * 1e9) + 10 * MB))   # the printed figure is rounded
+    assert p.cap_fits >= 1
+
+
+def test_a_format_whose_load_does_not_fit_is_skipped():
+    # int8_row's load peak (runtime + result + temporaries) exceeds the budget: int4_g64 is taken
+    p = F.plan(inputs(budget=450 * MB, load_extra={"native": 0, "int8_row": 400 * MB, "int4_g64": 0}))
+    assert p.dense_format == "int4_g64"
+
+
+def _tree_bytes(tree):
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8_row", "int4_g64"])
+def test_dense_estimate_matches_the_loaded_params(fmt):
+    from glm_jax.experts import weights as W
+    from glm_jax.model.config import load_config
+
+    path = glm_jax.engine.default_model_path()
+    cfg = load_config(path)
+    est, extra = F.dense_bytes(F.header_tensors(path), cfg, fmt, packed=True)
+    params = W.load_dense_params(path, cfg, kernel="native", dense_fmt=fmt)
+    real = _tree_bytes(params)
+    assert abs(est - real) <= 0.1 * real, (est, real)
+    assert extra > 0
+
+
+def test_refused_before_the_dense_weights_are_read(monkeypatch):
+    """The old engine loaded the dense weights, then found the budget too small (an OOM kill at real widths)."""
+    from glm_jax.experts import weights as W
+
+    def boom(*a, **k):
+        raise AssertionError("dense weights read before the memory check")
+    monkeypatch.setattr(W, "load_dense_params", boom)
+    with pytest.raises(glm_jax.engine.RamBudgetError, match="decided before loading anything"):
+        glm_jax.Engine.load(None, ram_gb=0.01)
+
+
+def test_converter_default_dense_format_follows_the_experts(tmp_path):
+    from glm_jax.experts import convert as CV
+
+    src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "tiny_shakespeare_hf")
+    assert CV.auto_dense_format("int4_g64") == "int4_g64" and CV.auto_dense_format("int4_row") == "int4_g64"
+    assert CV.auto_dense_format("int8_row") == "int8" and CV.auto_dense_format("bf16") == "bf16"
+    assert CV.auto_dense_format("f32") == "f32"
+    for fmt, want in (("int4_g64", "int4_g64"), ("int8_row", "int8")):
+        dst = str(tmp_path / fmt)
+        assert CV.cli_main(["glm-jax-convert", f"--src={src}", f"--dst={dst}", f"--expert_format={fmt}",
+                            "--noprogress"]) == 0
+        with open(os.path.join(dst, "manifest.json")) as f:
+            man = json.load(f)
+        assert man["dense"]["format"] == want
+        eng = glm_jax.Engine.load(dst)
+        assert np.isfinite(eng.logits([5, 6, 7])).all()
+        eng.close()
+
+
+# ----------------------------------------------------------------------------- a memory cgroup
+def _cgroup():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    from tools.bench import peer as P
+
+    with open("/proc/self/cgroup") as f:
+        cg, why = P.detect_cgroup(f.read())
+    return P, cg, why
+
+
+@pytest.fixture(scope="module")
+def synth_bf16(tmp_path_factory):
+    """A synthetic GLM-MoE whose dense part dominates (H 512, vocab 32000, 4 layers + MTP: 146 MB of bf16 dense,
+    int4 experts), converted with bf16 dense weights as the old converter default wrote them."""
+    from glm_jax.experts.convert import convert
+    from tools.fixtures import synth_model as SM
+
+    d = tmp_path_factory.mktemp("synth_bf16")
+    c = SM.tiny_config(vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                       n_routed_experts=16, num_experts_per_tok=4, max_position_embeddings=4096,
+                       torch_dtype="bfloat16")
+    SM.write_hf_checkpoint(str(d / "hf"), c, dtype="bfloat16", keep_reference=False)
+    convert(str(d / "hf"), str(d / "c"), expert_format="int4_g64", dense_format="bf16", progress=False)
+    return str(d / "c")
+
+
+_LOAD_PEAK = r"""
+import sys, threading, time
+import jax.numpy as jnp
+from glm_jax import memory as M
+from glm_jax.experts import weights as W
+from glm_jax.model.config import load_config
+jnp.zeros(3).block_until_ready()
+peak = [0]
+def poll():
+    while True:
+        peak[0] = max(peak[0], M.private_bytes())
+        time.sleep(0.001)
+threading.Thread(target=poll, daemon=True).start()
+cfg = load_config(sys.argv[1])
+M.trim(); time.sleep(0.05)
+base = M.private_bytes()
+peak[0] = base
+W.load_dense_params(sys.argv[1], cfg, kernel="native", dense_fmt=sys.argv[2])
+time.sleep(0.05)
+print("PEAK", peak[0] - base)
+"""
+
+
+def test_quantizing_at_load_needs_no_more_than_keeping_bf16(synth_bf16):
+    """Before, int8_row at load quantized the [32000, 512] embedding / head matrices as whole float32 copies: peak
+    +352 MB against +256 MB for keeping bf16 (measured on 136367b); row blocks keep it at or below bf16's."""
+    peaks = {}
+    for fmt in ("native", "int8_row"):
+        r = subprocess.run([sys.executable, "-c", _LOAD_PEAK, synth_bf16, fmt], capture_output=True, text=True,
+                           timeout=300)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("PEAK")]
+        assert line, r.stderr[-2000:]
+        peaks[fmt] = int(line[0].split()[1])
+    assert peaks["int8_row"] <= 1.1 * peaks["native"], {k: v / 1e6 for k, v in peaks.items()}
+
+
+def test_default_run_starts_in_a_cgroup_where_it_refused_before(tmp_path, synth_bf16):
+    """A synthetic GLM-MoE (H 512, vocab 32000, 4 layers, int4 experts, bf16 dense as the old converter default
+    wrote it: 146 MB dense, 14 MB experts) in a 500 MB memory cgroup, no flags.  Before this change (136367b) the
+    same command exited 2 after loading the dense weights: "RAM budget 0.45 GB (0.9 x the memory cgroup's limit)
+    too small: the process (runtime, dense weights, compile reserve) 0.51 + KV 0.04 ...".  Now the dense weights
+    are quantized at load, the KV reservation is the run's length, and it generates."""
+    P, cg, why = _cgroup()
+    if cg is None:
+        pytest.skip(why)
+    from glm_jax import kernels
+
+    kernels.load(required=False)     # built here, not by the child inside the limit (g++ would be charged to it)
+    model = synth_bf16
+    log = str(tmp_path / "log.txt")
+    cmd = [sys.executable, "-m", "glm_jax.cli", f"--model={model}", "--prompt_ids=5,6,7,8", "--max_new_tokens=8"]
+    r = P.run_in_cgroup(cmd, cg, 500.0, 2, "fit", log, timeout=600)
+    with open(log) as f:
+        err = f.read()
+    assert r["rc"] == 0 and r["oom_kills"] == 0, (r["rc"], err[-2000:])
+    assert len(r["stdout"].split()) == 8
+    assert "glm-jax: memory: budget" in err and "quantized to" in err
+
+
+def test_grow_cap_hands_measured_room_to_the_cache():
+    """The compile transient is reserved at open (arena room only) and given to the cache once measured free."""
+    from glm_jax.experts.store import ExpertStore
+    from glm_jax.model.config import load_config
+
+    path = glm_jax.engine.default_model_path()
+    cfg = load_config(path)
+    probe = ExpertStore.open(path, cfg, ram_gb=100.0, io_threads=1, max_working_set=4)
+    sz = probe.sizing
+    probe.close(save_usage=False)
+    per = sz["per_cap_bytes"]
+    budget = sz["buffer_bytes"] + 3 * per + 10 ** 8              # used 1e8: room for 3 experts per layer
+    st = ExpertStore.open(path, cfg, ram_gb=budget / 1e9, used_bytes=10 ** 8, io_threads=1, max_working_set=4,
+                          headroom_bytes=5 * per, state_dir="off")
+    try:
+        assert st.cache_cap == 3
+        st._populate.join()
+        if not st._populated[0]:
+            pytest.skip("MADV_POPULATE_WRITE unavailable (kernel < 5.14): grow_cap measures nothing")
+        assert all(lc.S == 3 + 5 for lc in st.layers.values())   # room for 5 more, not yet the cache's
+        assert st.grow_cap(2 * per + per // 2) == 5                 # 2.5 experts' worth free: 2 more per layer
+        assert all(ix.cap == 5 for ix in st.index.values())
+        assert st.grow_cap(100 * per) == 8                          # never past the arena's slots
+        assert st.grow_cap(-per) == 8
+    finally:
+        st.close(save_usage=False)
+
+
+def test_an_explicit_cache_cap_is_kept_after_the_first_run():
+    eng = glm_jax.Engine.load(None, mtp=False, cache_cap=3)
+    try:
+        eng.generate("ROMEO:", max_new_tokens=4)
+        assert eng.store.cache_cap == 3 and all(lc.S <= 4 for lc in eng.store.layers.values())
+        assert eng.opts["direct_io"] is False        # the page cache holds what a small --cache_cap does not
+    finally:
+        eng.close()
