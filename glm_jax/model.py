@@ -26,10 +26,32 @@ F32 = jnp.float32
 
 
 # ----------------------------------------------------------------------------- basic pieces
+def row_sum(x):
+    """Sum over the last axis (keepdims) as a fixed tree of elementwise adds, zero-padded to a power of two.
+    XLA:CPU's reduce codegen changes its summation order with the number of rows, and a row's numbers must not
+    depend on how many rows share the forward (the scheduler's decode widths follow the running rows); zero
+    padding leaves the sum bitwise unchanged (an attention window of any power-of-two size)."""
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x
+
+
+def softmax(x):
+    """softmax over the last axis with ``row_sum`` (row-count invariant; max is exact in any order)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0)))
+    return e / row_sum(e)
+
+
 def rms_norm(x, w, eps):
     """transformers numerics: f32 statistics, cast back to the input dtype *before* the weight multiply."""
     x32 = x.astype(F32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + eps)
     return w * y.astype(x.dtype)
 
 
@@ -123,7 +145,7 @@ def gqa_attention(cfg: ModelConfig, p, x, cache, start, rows=None):
     scores = jnp.einsum("btngd,bsnd->bngts", qg, ck.astype(q.dtype), preferred_element_type=F32) * (hd ** -0.5)
     allowed = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]   # [B, T, S]
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    probs = softmax(scores).astype(q.dtype)
     out = jnp.einsum("bngts,bsnd->btngd", probs, cv.astype(q.dtype)).reshape(B, T, nh * hd)
     return linear(out, p["o_w"], rows=rows), {"k": ck, "v": cv}, None
 
@@ -150,7 +172,10 @@ def route(cfg: ModelConfig, mp, hn, positions_valid, resident, layer=None, seq_p
     handed to the plugins (None: unknown)."""
     T = hn.shape[0]
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
-    logits = jnp.einsum("th,eh->te", hn.astype(F32), mp["router_w"].astype(F32))
+    h32 = hn.astype(F32)
+    if T == 1:      # XLA:CPU runs a one-row dot as a matrix-vector product, whose sums differ in the last bits from
+        h32 = jnp.pad(h32, ((0, 1), (0, 0)))    # the GEMM of 2+ rows: a row's routing must not depend on the width
+    logits = jnp.einsum("th,eh->te", h32, mp["router_w"].astype(F32))[:T]
     scores = jax.nn.sigmoid(logits)
     biased = scores + mp["router_bias"].astype(F32)[None, :]
     if cfg.n_group > 1:
@@ -164,7 +189,7 @@ def route(cfg: ModelConfig, mp, hn, positions_valid, resident, layer=None, seq_p
     ids = ids.astype(jnp.int32)
     w = jnp.take_along_axis(scores, ids, axis=1)
     if cfg.norm_topk_prob:
-        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        w = w / (row_sum(w) + 1e-20)
     w = w * cfg.routed_scaling_factor
     valid = jnp.broadcast_to(positions_valid[:, None], (T, K))
     return RoutingState(ids=ids, weights=w, valid=valid, scores=scores, biased=biased,

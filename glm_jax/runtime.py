@@ -125,6 +125,18 @@ def write_back(full, part, row):
     return out
 
 
+def gather_rows(cache, rmap, window):
+    """Rows ``rmap`` ([w] int32, distinct) of ``cache``, positions [:window] (static, or None: all): the compact
+    [w, window] part a decode of w running rows works on (``scatter_rows`` puts it back)."""
+    return [{k: (v[rmap] if window is None else v[rmap, :window]) for k, v in c.items()} for c in cache]
+
+
+def scatter_rows(full, part, rmap):
+    """``full`` with ``part`` (from ``gather_rows``) written back at rows ``rmap``, positions 0.."""
+    return [{k: v.at[rmap, :cp[k].shape[1]].set(cp[k].astype(v.dtype)) for k, v in cf.items()}
+            for cf, cp in zip(full, part)]
+
+
 class Runner:
     """Forward passes over the cache.  The attributes are set by the subclass (``engine.Engine``): path, cfg,
     params, opts, store, plugin, dtype, device, kernel, moe_layers."""

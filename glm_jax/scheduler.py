@@ -49,7 +49,8 @@ import numpy as np
 from . import model as M
 from .config import GlmJaxError
 from .generate import _store_stats, route_stats, sample_rows
-from .runtime import BIG_POS, bucket, nonfinite_error, routing_summary, window_cache, write_back
+from .runtime import (BIG_POS, bucket, gather_rows, nonfinite_error, routing_summary, scatter_rows, window_cache,
+                      write_back)
 
 FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
 MIN_WINDOW = 64       # smallest attention window (cache positions)
@@ -478,23 +479,54 @@ class Scheduler:
             budget[i] = self._budget(r)
         return active, temp, topk, topp, eos_on, budget
 
+    def follows_rows(self, W: int) -> bool:
+        """Whether plain resident decode runs at the width of the running rows (the power-of-two bucket of their
+        number: 1, 2, 4, 8, ...) rather than ``max_batch``: where every per-row number is bitwise independent of
+        the width -- the native kernels (row-invariant by construction; float dense weights only up to
+        ``quant.NATIVE_MAX_ROWS`` rows), GQA attention, norms and softmax summed by ``model.row_sum``.  Elsewhere
+        (--kernels=xla, DSA models) every decode keeps the one width, so the guarantee holds either way."""
+        from .quant import NATIVE_MAX_ROWS
+
+        rt = self.rt
+        return rt.kernel == "native" and rt.cfg.model_type != "glm_moe_dsa" and self.B * W <= NATIVE_MAX_ROWS
+
+    def decode_rows(self, rows, W: int):
+        """The rows a decode of ``rows`` runs on: None (every row, the full width), or their indices (sorted) padded
+        with idle rows to the power-of-two bucket of their number (an idle row is padding: no K/V written)."""
+        if not self.follows_rows(W):
+            return None
+        w = min(self.B, bucket(len(rows), 1))
+        if w >= self.B:
+            return None
+        busy = sorted(r.row for r in rows)
+        idle = [i for i in range(self.B) if i not in set(busy)]
+        return np.asarray(busy + idle[:w - len(busy)], np.int32)
+
     def _fused(self, rows, n, W):
         rt = self.rt
         active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
         n = int(min(n, budget.max(), self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + n + W
         window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" else rt._cache_len
-        compiled = _fused_key(self.B, W, window) in rt._jits
-        fn = _fused_fn(rt, self.B, W, window)
+        rmap = self.decode_rows(rows, W)
+        w = self.B if rmap is None else len(rmap)
+        sel = slice(None) if rmap is None else rmap
+        compiled = _fused_key(self.B, W, window, w) in rt._jits
+        fn = _fused_fn(rt, self.B, W, window, w)
         t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
-        rt._cache, out, cnt, keys, acc = fn(rt.step_params(), rt._cache, jnp.asarray(self.tok, jnp.int32),
-                                            jnp.asarray(pos), jnp.asarray(self.keys), jnp.asarray(temp),
-                                            jnp.asarray(topk), jnp.asarray(topp), jnp.asarray(eos_on),
-                                            jnp.asarray(budget), jnp.int32(n), jnp.asarray(eos, jnp.int32),
-                                            rt._resident_masks())
+        extra = () if rmap is None else (jnp.asarray(rmap),)
+        rt._cache, out, cnt, keys, acc = fn(rt.step_params(), rt._cache, jnp.asarray(self.tok[sel], jnp.int32),
+                                            jnp.asarray(pos[sel]), jnp.asarray(self.keys[sel]),
+                                            jnp.asarray(temp[sel]), jnp.asarray(topk[sel]), jnp.asarray(topp[sel]),
+                                            jnp.asarray(eos_on[sel]), jnp.asarray(budget[sel]), jnp.int32(n),
+                                            jnp.asarray(eos, jnp.int32), rt._resident_masks(), *extra)
         cnt = np.asarray(cnt)
+        if rmap is not None:                              # back to row order
+            full = np.zeros(self.B, cnt.dtype)
+            full[rmap] = cnt
+            cnt = full
         finite = bool(acc.pop("_finite"))
         steps = int(acc.pop("_steps"))
         if compiled and steps:                            # a first call's time is mostly its compilation
@@ -504,7 +536,13 @@ class Scheduler:
             raise nonfinite_error(rt, int(self.pos[r.row]), int(self.pos[r.row]) + int(cnt[r.row]) - 1)
         rt._accumulate(acc)
         out = np.asarray(out)
-        self.keys = np.array(keys, np.uint32)
+        if rmap is None:
+            self.keys = np.array(keys, np.uint32)
+        else:
+            self.keys[rmap] = np.asarray(keys, np.uint32)
+            full = np.full((out.shape[0], self.B), -1, out.dtype)
+            full[:, rmap] = out
+            out = full
         self.counters["dispatches"] += 1
         self.counters["decode_steps"] += steps
         for r in rows:
@@ -589,18 +627,23 @@ def _sample_one(rt, logits, key, s: Sampling):
     return int(tok[0]), np.asarray(keys[0], np.uint32)
 
 
-def _fused_key(B: int, W: int, window: int):
-    return ("fused_decode", B, W, window)
+def _fused_key(B: int, W: int, window: int, w: Optional[int] = None):
+    return ("fused_decode", B, W, window, B if w is None else w)
 
 
-def _fused_fn(rt, B: int, W: int, window: int):
+def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None):
     """jit: up to ``n`` decode steps of every active row, on the device: step at [B, W] (row b's pending token at
     column 0, the rest padding) over the cache window [:window] -> per-row sampling -> per-row stop (EOS when the
-    row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats)."""
-    key_ = _fused_key(B, W, window)
+    row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats).
+    ``w`` < B: the program runs on w rows of the cache (a last argument ``rmap`` [w]: which; gathered once, the
+    loop runs at [w, W], written back at the end); the per-row arguments and results are then [w]."""
+    w = B if w is None else w
+    key_ = _fused_key(B, W, window, w)
     f = rt._jits.get(key_)
     if f is not None:
         return f
+    compact = w < B
+    B = w
     cfg = rt.cfg
     plugin = rt.plugin or M.identity_plugin
     want_stats = rt.plugin is not None
@@ -614,8 +657,11 @@ def _fused_fn(rt, B: int, W: int, window: int):
         summ = dict(routing_summary(routing, want_stats))
         return logits[:, 0], part, summ
 
-    def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident):
-        part = cache if full_window else window_cache(cache, None, window)
+    def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident, rmap=None):
+        if compact:
+            part = gather_rows(cache, rmap, None if full_window else window)
+        else:
+            part = cache if full_window else window_cache(cache, None, window)
         active = budget > 0
         shapes = jax.eval_shape(one, params, part, tok, pos, active, resident)[2]
         acc0 = {k: jnp.zeros(a.shape, a.dtype) for k, a in shapes.items()}
@@ -639,7 +685,10 @@ def _fused_fn(rt, B: int, W: int, window: int):
             lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"], body,
             dict(part=part, tok=tok, pos=pos, keys=keys, active=active, cnt=jnp.zeros((B,), jnp.int32),
                  i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0))
-        cache = c["part"] if full_window else write_back(cache, c["part"], None)
+        if compact:
+            cache = scatter_rows(cache, c["part"], rmap)
+        else:
+            cache = c["part"] if full_window else write_back(cache, c["part"], None)
         return cache, c["out"], c["cnt"], c["keys"], c["acc"]
 
     f = rt._jits[key_] = jax.jit(f, donate_argnums=(1,))
