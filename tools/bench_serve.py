@@ -117,7 +117,11 @@ def main(argv):
         stream_table()
         return 0
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    runs = [("baseline", FLAGS.baseline_src, {})] if FLAGS.baseline_src else []
+    runs = []
+    if FLAGS.baseline_src:
+        bl = [b for b in FLAGS.baseline_max_batch.split(",") if b]
+        runs = [(f"baseline, max_batch {b}", FLAGS.baseline_src, {"max_batch": int(b)}) for b in bl] or [
+            ("baseline", FLAGS.baseline_src, {})]
     for b in FLAGS.max_batch.split(","):
         runs.append((f"this tree, max_batch {b}", here, {"max_batch": int(b)}))
     res = {name: [] for name, _, _ in runs}
@@ -144,6 +148,8 @@ def main(argv):
 def run():
     flags.DEFINE_string("baseline_src", "", "another source tree to compare with (its glm_jax imported from there)")
     flags.DEFINE_string("max_batch", "1", "widths of this tree to measure (comma-separated)")
+    flags.DEFINE_string("baseline_max_batch", "", "widths of the baseline tree to measure (comma-separated; empty: "
+                        "its default)")
     flags.DEFINE_integer("tokens", 128, "tokens per generation")
     flags.DEFINE_integer("reps", 5, "timed generations per process")
     flags.DEFINE_integer("procs", 3, "processes per tree")
