@@ -145,6 +145,7 @@ class Runner:
         self._cache = None
         self._cache_len = 0
         self._cache_batch = 0
+        self.kv_epoch = 0          # bumped whenever the cache's rows stop holding what the scheduler put there
         self._jits = {}
         self._route_acc = {}
         self._view = None
@@ -165,10 +166,12 @@ class Runner:
             raise GlmJaxError(f"option 'max_seq_len': {cap} tokens is too small for this request ({need} needed)")
         if self._cache is None or self._cache_len < cap or self._cache_batch != batch:
             self._new_cache(batch, cap)
+        self.kv_epoch += 1         # its rows are about to be overwritten (the scheduler's prefix cache forgets them)
         return self._cache
 
     def _new_cache(self, batch: int, cap: int):
         self._cache = None         # free the old one first
+        self.kv_epoch += 1
         cache = M.init_cache(self.cfg, batch, cap, self.dtype, with_mtp=self.params.get("mtp") is not None)
         # one device, or the mesh: the KV cache split by heads where they divide the model axis (mesh.py)
         plan = getattr(self, "plan", None)

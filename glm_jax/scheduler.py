@@ -45,12 +45,14 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from . import model as M
 from .config import GlmJaxError
 from .generate import _store_stats, route_stats, sample_rows
 from .runtime import (BIG_POS, bucket, gather_rows, nonfinite_error, routing_summary, scatter_rows, window_cache,
                       write_back)
+from .speculative import draft_plan
 
 FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
 MIN_WINDOW = 64       # smallest attention window (cache positions)
@@ -152,8 +154,10 @@ class Request:
         self.prefill_s = self.decode_s = 0.0
         self.forwards = 0
         self.pf_done = 0
+        self.cached_tokens = 0       # prompt tokens whose KV a finished row still held (the prefix cache)
         self.done_event = threading.Event()
         self.spec = None
+        self.plan = None
         self.spec_stats = {}
         self.store_prefill = None
         self.route_prefill = {}      # the routing counters when its prefill ended: its stats cover decode only
@@ -170,8 +174,13 @@ class Request:
 
 class Scheduler:
     def __init__(self, rt, max_batch: int = 1, prefill_chunk: int = 512, max_queue: int = 0,
-                 dispatch_ms: float = 50.0):
+                 dispatch_ms: float = 50.0, stream_interval: int = 1, prefix_cache: bool = True):
         self.rt = rt
+        self.stream_interval = int(stream_interval)      # --stream_interval
+        self.prefix_cache = bool(prefix_cache)           # --prefix_cache
+        self.row_toks = [[] for _ in range(int(max_batch))]  # per row: the tokens whose K/V it holds at 0..len-1
+        self.row_freed = [0.0] * int(max_batch)          # when each row was last freed (LRU among free rows)
+        self.kv_epoch = None                             # rt.kv_epoch the rows' contents belong to
         self.dispatch_s = float(dispatch_ms) / 1000.0   # a fused dispatch runs what fits in this (--dispatch_ms)
         self.step_s = None                               # measured seconds per fused decode step (EMA)
         self.B = int(max_batch)
@@ -306,7 +315,7 @@ class Scheduler:
                 if not free or not self.queue:
                     return
                 req = self.queue.popleft()
-            i = free[0]
+            i = self._pick_row(free, req)
             s = req.sampling
             req.row, req.state, req.t_admit = i, "prefill", time.perf_counter()
             self.rows[i] = req
@@ -319,6 +328,42 @@ class Scheduler:
                 self._make_room(len(req.prompt) + s.max_new_tokens)
             except Exception as e:
                 self._fail(req, e)
+                continue
+            self._forget_if_replaced()
+            req.plan = draft_plan(self.rt)
+            m = self._match(i, req.prompt)
+            self.row_toks[i] = []                        # from here on the row is being rewritten
+            req.pf_done = req.cached_tokens = m
+            self.counters["cached_tokens"] += m
+
+    def _forget_if_replaced(self):
+        if self.kv_epoch != self.rt.kv_epoch:            # a new cache, or another caller wrote its rows
+            self.row_toks = [[] for _ in range(self.B)]
+            self.kv_epoch = self.rt.kv_epoch
+
+    def _match(self, i: int, prompt: list) -> int:
+        """Prompt tokens whose K/V row ``i`` holds already (the longest common prefix, leaving at least the last
+        prompt token to prefill: its logits give the first output token)."""
+        if not self.prefix_cache or self.draft_plan() is not None:
+            return 0
+        held = self.row_toks[i]
+        n = min(len(held), len(prompt) - 1)
+        m = 0
+        while m < n and held[m] == prompt[m]:
+            m += 1
+        return m
+
+    def _pick_row(self, free: list, req) -> int:
+        """A free row for ``req``: the one holding the longest prefix of its prompt; else the least recently freed
+        (the others keep their finished requests' K/V for later turns)."""
+        self._forget_if_replaced()
+        best = max(free, key=lambda i: (self._match(i, req.prompt), -self.row_freed[i]))
+        return best
+
+    def draft_plan(self):
+        if not hasattr(self, "_plan"):
+            self._plan = draft_plan(self.rt)
+        return self._plan
 
     def _make_room(self, need: int):
         rt = self.rt
@@ -350,10 +395,6 @@ class Scheduler:
         if last:
             lr[0, n - 1] = True
         c0, t0 = rt.compile_s, time.perf_counter()
-        if req.pf_done == 0:
-            from .speculative import draft_plan
-
-            req.plan = draft_plan(rt)
         logits, hidden = rt.forward(toks, np.array([req.pf_done], np.int32), np.array([n], np.int32), logit_rows=lr,
                                     row=req.row if self.B > 1 else None, window=self._window(req.pf_done + T))
         if req.plan is not None and req.plan.source == "mtp":
@@ -413,10 +454,16 @@ class Scheduler:
         if req.done:
             return
         req.finish_reason = reason
-        req.state = "done"
+        prev, req.state = req.state, "done"
         req.t_done = time.perf_counter()
         if req.row is not None and self.rows[req.row] is req:
             self.rows[req.row] = None
+            i = req.row
+            self.row_freed[i] = req.t_done
+            if req.spec is None and req.plan is None and reason != "error" and self.kv_epoch == self.rt.kv_epoch:
+                seq = req.prompt + req.out
+                held = req.pf_done if prev == "prefill" else min(int(self.pos[i]), len(seq))
+                self.row_toks[i] = seq[:held]
         if req.spec is not None:
             req.spec_stats = req.spec.stats()
             self.counters["drafts_proposed"] += req.spec_stats["drafts_proposed"]
@@ -511,8 +558,15 @@ class Scheduler:
         rmap = self.decode_rows(rows, W)
         w = self.B if rmap is None else len(rmap)
         sel = slice(None) if rmap is None else rmap
-        compiled = _fused_key(self.B, W, window, w) in rt._jits
-        fn = _fused_fn(rt, self.B, W, window, w)
+        # the host callback only where someone reads tokens as they come (a stream; its stop strings, its cancel)
+        # or waits to be admitted; one step: its tokens come back with it anyway
+        streamed = any(r.on_event is not None for r in rows)
+        every = self.stream_interval if n > 1 and streamed else 0
+        compiled = _fused_key(self.B, W, window, w, every) in rt._jits
+        fn = _fused_fn(rt, self.B, W, window, w, every)
+        live = dict(rows=[self.rows[int(i)] for i in (range(self.B) if rmap is None else rmap)],
+                    sent=np.zeros(w, np.int64), pos0=self.pos.copy())
+        rt._stream_sink = lambda out_, cnt_: self._on_steps(live, out_, cnt_)
         t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
@@ -533,7 +587,8 @@ class Scheduler:
             self.observe_step((time.perf_counter() - t0) / steps)
         if not finite:
             r = rows[0]
-            raise nonfinite_error(rt, int(self.pos[r.row]), int(self.pos[r.row]) + int(cnt[r.row]) - 1)
+            p0 = int(live["pos0"][r.row])
+            raise nonfinite_error(rt, p0, p0 + int(cnt[r.row]) - 1)
         rt._accumulate(acc)
         out = np.asarray(out)
         if rmap is None:
@@ -545,15 +600,37 @@ class Scheduler:
             out = full
         self.counters["dispatches"] += 1
         self.counters["decode_steps"] += steps
+        sent = np.zeros(self.B, np.int64)
+        sent[sel] = live["sent"]
         for r in rows:
             i = r.row
             c = int(cnt[i])
             toks = [int(t) for t in out[:c, i]]
             r.forwards += c
             if c:
-                self.pos[i] += c
+                self.pos[i] = live["pos0"][i] + c
                 self.tok[i] = toks[-1]
-                self._deliver(r, toks)
+                if not r.done and c > sent[i]:
+                    self._deliver(r, toks[sent[i]:])
+
+    def _on_steps(self, live, out, cnt):
+        """Inside a running fused dispatch (the host callback, every --stream_interval steps): hand each row's new
+        tokens to its stream.  Returns (stop [w]: rows the loop must stop -- finished on the host (a stop string),
+        cancelled, or gone; break: a request waits for a free row, so end the dispatch now and admit it)."""
+        out, cnt = np.asarray(out), np.asarray(cnt)
+        stop = np.zeros(len(cnt), bool)
+        for j, r in enumerate(live["rows"]):
+            if r is None:
+                continue
+            c, i = int(cnt[j]), r.row
+            if not r.done and c > live["sent"][j]:
+                self.pos[i] = live["pos0"][i] + c
+                self.tok[i] = int(out[c - 1, j])
+                self._deliver(r, [int(t) for t in out[live["sent"][j]:c, j]])
+                live["sent"][j] = c
+            stop[j] = r.done or r.cancelled
+        brk = bool(self.queue) and any(x is None for x in self.rows)
+        return stop, np.bool_(brk)
 
     def steps_per_dispatch(self) -> int:
         """Decode steps the next fused dispatch may run: as many as fit in ``--dispatch_ms`` at the measured step
@@ -599,7 +676,7 @@ class Scheduler:
             raise req.error
         n_dec = max(len(req.out) - 1, 0)
         stats = {
-            "prefill_tokens": len(req.prompt), "prefill_s": req.prefill_s,
+            "prefill_tokens": len(req.prompt), "prefill_s": req.prefill_s, "cached_tokens": req.cached_tokens,
             "decode_tokens": n_dec, "decode_s": req.decode_s,
             "decode_tok_s": (n_dec / req.decode_s) if req.decode_s > 0 and n_dec else 0.0,
             "new_tokens": len(req.out), "forwards": req.forwards,
@@ -627,18 +704,20 @@ def _sample_one(rt, logits, key, s: Sampling):
     return int(tok[0]), np.asarray(keys[0], np.uint32)
 
 
-def _fused_key(B: int, W: int, window: int, w: Optional[int] = None):
-    return ("fused_decode", B, W, window, B if w is None else w)
+def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0):
+    return ("fused_decode", B, W, window, B if w is None else w, every)
 
 
-def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None):
+def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: int = 0):
     """jit: up to ``n`` decode steps of every active row, on the device: step at [B, W] (row b's pending token at
     column 0, the rest padding) over the cache window [:window] -> per-row sampling -> per-row stop (EOS when the
     row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats).
     ``w`` < B: the program runs on w rows of the cache (a last argument ``rmap`` [w]: which; gathered once, the
-    loop runs at [w, W], written back at the end); the per-row arguments and results are then [w]."""
+    loop runs at [w, W], written back at the end); the per-row arguments and results are then [w].
+    ``every`` > 0: every that many steps the loop calls the host (``io_callback`` -> ``rt._stream_sink``, the
+    scheduler's ``_on_steps``) with the tokens so far, which streams them and may stop rows or the loop."""
     w = B if w is None else w
-    key_ = _fused_key(B, W, window, w)
+    key_ = _fused_key(B, W, window, w, every)
     f = rt._jits.get(key_)
     if f is not None:
         return f
@@ -677,14 +756,23 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None):
             acc = {k: c["acc"][k] + v for k, v in summ.items()}
             acc["_finite"] = c["acc"]["_finite"] & jnp.all(jnp.where(act[:, None], jnp.isfinite(lg), True))
             acc["_steps"] = c["acc"]["_steps"] + 1
+            out = c["out"].at[c["i"]].set(jnp.where(act, nxt, -1))
+            brk = c["brk"]
+            if every:
+                due = acc["_finite"] & ((c["i"] + 1) % every == 0) & (c["i"] + 1 < n)
+                shapes = (jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
+                host = jax.lax.cond(
+                    due, lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt, ordered=True),
+                    lambda: (jnp.zeros((B,), jnp.bool_), jnp.bool_(False)))
+                stop, brk = stop | host[0], host[1]
             return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
                         keys=jnp.where(act[:, None], nkeys, c["keys"]), active=act & ~stop, cnt=cnt, i=c["i"] + 1,
-                        out=c["out"].at[c["i"]].set(jnp.where(act, nxt, -1)), acc=acc)
+                        out=out, acc=acc, brk=brk)
 
         c = jax.lax.while_loop(
-            lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"], body,
+            lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"] & ~c["brk"], body,
             dict(part=part, tok=tok, pos=pos, keys=keys, active=active, cnt=jnp.zeros((B,), jnp.int32),
-                 i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0))
+                 i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0, brk=jnp.bool_(False)))
         if compact:
             cache = scatter_rows(cache, c["part"], rmap)
         else:

@@ -342,7 +342,8 @@ class Server:
 
         def usage():
             return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.out),
-                    "total_tokens": len(req.prompt) + len(req.out)}
+                    "total_tokens": len(req.prompt) + len(req.out),
+                    "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
 
         def finished():
             if req.t_first is not None and not getattr(req, "_ttft_seen", False):

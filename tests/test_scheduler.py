@@ -85,3 +85,80 @@ def test_a_lone_request_runs_at_width_1_and_matches_beside_others(eng):
         assert [one.generate(p, max_new_tokens=40).tokens for p in prompts] == alone
     finally:
         one.close()
+
+
+def _chat(eng, turns, prefix_cache):
+    """A multi-turn chat: every turn resends the whole history (as chat clients do); returns each turn's
+    (tokens, cached_tokens)."""
+    sched = eng.scheduler
+    sched.prefix_cache = prefix_cache
+    hist, out = [], []
+    for u in turns:
+        hist.append({"role": "user", "content": u})
+        r = eng.generate(hist, chat=True, max_new_tokens=12)
+        out.append((r.tokens, r.stats["cached_tokens"]))
+        hist.append({"role": "assistant", "content": r.text})
+    return out
+
+
+def test_prefix_cache_reuses_a_finished_rows_kv_with_the_same_output(eng):
+    """Each turn of a chat starts with the previous turn's prompt + reply: with the prefix cache it is admitted
+    into that row and prefills only the rest; greedy tokens identical to prefilling everything."""
+    turns = ["Who are you?", "Speak of love.", "And of death?", "Farewell."]
+    try:
+        off = _chat(eng, turns, False)
+        on = _chat(eng, turns, True)
+    finally:
+        eng.scheduler.prefix_cache = True
+    assert [t for t, _ in on] == [t for t, _ in off]
+    assert all(c == 0 for _, c in off)
+    assert all(c > 0 for _, c in on[1:])
+    # a prompt that diverges reuses only the common part; another caller's writes to the cache forget the rows
+    eng.generate(ROMEO + "Hark", max_new_tokens=4)
+    r = eng.generate(ROMEO + "Soft", max_new_tokens=4)
+    assert 0 < r.stats["cached_tokens"] < len(r.prompt_tokens)
+    eng.batch_logits([[1, 2, 3]] * 8)
+    again = eng.generate(ROMEO + "Soft", max_new_tokens=4)
+    assert again.stats["cached_tokens"] == 0 and again.tokens == r.tokens
+
+
+def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
+    """--stream_interval=1 (default): a streamed request gets each token as it is sampled, while the fused loop
+    keeps running (fewer dispatches than tokens); --stream_interval=4: 4 at a time; same tokens as not streamed.
+    A cancel or a stop string seen by the host stops the row inside the running dispatch."""
+    sched = eng.scheduler
+    ref = eng.generate(ROMEO, max_new_tokens=48, stop_on_eos=False)     # the step time is measured
+    try:
+        sched.dispatch_s = 60.0                                           # dispatches of 32 steps, whatever the load
+        assert sched.steps_per_dispatch() == 32
+        for every, size in ((1, 1), (4, 4)):
+            sched.stream_interval = every
+            sizes = []
+            d0 = sched.counters["dispatches"]
+            req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False,
+                              on_event=lambda r, text, toks, done: sizes.append(len(toks)) if toks else None)
+            sched.submit(req)
+            sched.run([req])
+            assert req.out == ref.tokens
+            assert sched.counters["dispatches"] - d0 < 48 / 4
+            assert max(sizes) == size and sizes.count(size) >= len(sizes) - 8
+        sched.stream_interval = 1
+        seen = []
+
+        def cancel_at_5(r, text, toks, done):
+            seen.extend(toks)
+            if len(seen) >= 5:
+                sched.cancel(r)
+        req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, on_event=cancel_at_5)
+        sched.submit(req)
+        sched.run([req])
+        assert req.finish_reason == "cancelled" and len(req.out) == 5
+        stop = eng.decode(ref.tokens[:12])[-3:]
+        req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, stop=[stop],
+                          on_event=lambda r, text, toks, done: None)
+        sched.submit(req)
+        sched.run([req])
+        assert req.finish_reason == "stop" and req.text == eng.decode(ref.tokens[:12])[:-3]
+    finally:
+        sched.stream_interval = eng.opts["stream_interval"]
+        sched.dispatch_s = eng.opts["dispatch_ms"] / 1000.0

@@ -230,6 +230,7 @@ def test_a_dispatch_runs_what_fits_in_dispatch_ms(eng, monkeypatch):
     assert sched.dispatch_s == 0.05 and SCH.FUSED_CHUNK == 32
     monkeypatch.setattr(sched, "step_s", 0.02)                 # as if each decode step took 20 ms ...
     monkeypatch.setattr(sched, "observe_step", lambda s: None)  # ... and kept taking it
+    monkeypatch.setattr(sched, "stream_interval", 0)           # tokens only between dispatches (--stream_interval=0)
     sizes = []
     req = eng.request(ROMEO, max_new_tokens=24, on_event=lambda r, text, toks, done: sizes.append(len(toks)))
     sched.submit(req)
