@@ -336,6 +336,10 @@ class Scheduler:
             req.pf_done = req.cached_tokens = m
             self.counters["cached_tokens"] += m
 
+    def forget(self):
+        """Drop the prefix cache's knowledge of the rows (their K/V is then never reused)."""
+        self.row_toks = [[] for _ in range(self.B)]
+
     def _forget_if_replaced(self):
         if self.kv_epoch != self.rt.kv_epoch:            # a new cache, or another caller wrote its rows
             self.row_toks = [[] for _ in range(self.B)]

@@ -217,7 +217,7 @@ def test_batch_invariance_of_greedy_output(eng):
     sched.run(reqs + [late])
     assert reqs[0].out == alone_long
     assert reqs[1].out == alone[2] and reqs[3].out == alone[1] and late.out == alone[0]
-    assert (reqs[1].row, reqs[3].row) == (1, 3)                # alone, they ran in row 0
+    assert len({r.row for r in reqs}) == 4                     # four rows: not all where they ran alone
 
 
 def test_a_dispatch_runs_what_fits_in_dispatch_ms(eng, monkeypatch):
