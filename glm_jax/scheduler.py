@@ -556,16 +556,17 @@ class Scheduler:
     def _fused(self, rows, n, W):
         rt = self.rt
         active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
-        n = int(min(n, budget.max(), self.steps_per_dispatch()))
+        # the host callback where someone reads tokens as they come (a stream; its stop strings, its cancel): the
+        # loop then hands them over, stops rows and ends early for a newcomer itself, so it may run FUSED_CHUNK
+        # steps; without it a dispatch runs what fits in --dispatch_ms
+        streamed = self.stream_interval > 0 and n > 1 and any(r.on_event is not None for r in rows)
+        n = int(min(n, budget.max(), FUSED_CHUNK if streamed else self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + n + W
         window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" else rt._cache_len
         rmap = self.decode_rows(rows, W)
         w = self.B if rmap is None else len(rmap)
         sel = slice(None) if rmap is None else rmap
-        # the host callback only where someone reads tokens as they come (a stream; its stop strings, its cancel)
-        # or waits to be admitted; one step: its tokens come back with it anyway
-        streamed = any(r.on_event is not None for r in rows)
-        every = self.stream_interval if n > 1 and streamed else 0
+        every = self.stream_interval if streamed and n > 1 else 0
         compiled = _fused_key(self.B, W, window, w, every) in rt._jits
         fn = _fused_fn(rt, self.B, W, window, w, every)
         live = dict(rows=[self.rows[int(i)] for i in (range(self.B) if rmap is None else rmap)],
