@@ -9,21 +9,24 @@ positions.  A request is admitted into a free row between decode dispatches, pre
 numbers do not depend on who else is running), then decodes together with the other rows.  A row that finishes
 (EOS, a stop string, ``max_new_tokens``, the context limit, or a cancelled request) is freed at once.
 
-**Batch invariance.**  Every decode runs at the one width (``max_batch`` rows x ``speculative.decode_width``
-positions; free rows are padding), so the compiled program is always the same and a row's result is bitwise
-independent of what the other rows hold (XLA's per-row arithmetic and the native kernels' rows alike).  A request's
-greedy output is therefore the same alone or beside others (``tests/test_server.py``).  The attention reads a
-window of the cache, ``[:S]`` with S the power-of-two bucket (>= 64) covering every active row's positions: measured
-bitwise identical to the full cache on the shipped model (the masked tail adds exact zeros), and the attention's
-cost is B x S.  Across *different* widths (``max_batch`` 1 vs 8) the logits can differ in the last bits (XLA
-vectorises reductions by the row count), so a near-tie may flip: compare runs at one width.
+**Batch invariance.**  Plain resident decode runs at the width of the running rows (the power-of-two bucket of
+their number; ``decode_rows``), on a compact copy of their cache rows; a row's numbers are bitwise independent of
+that width and of what the other rows hold (the native kernels are row-invariant; norms and softmaxes sum in a
+fixed tree, ``model.row_sum``), so a request's greedy output is the same alone, beside others, and at any
+``max_batch`` (``tests/test_scheduler.py``).  Where that does not hold (``follows_rows``: --kernels=xla, DSA) every
+decode runs at ``max_batch`` rows, one program.  The attention reads a window of the cache, ``[:S]`` with S the
+power-of-two bucket (>= 64) covering every active row's positions (the masked tail adds exact zeros).
+
+**Prefix cache.**  A finished row keeps its K/V and the tokens they belong to (``row_toks``); a request whose prompt
+starts with them is admitted into that row and prefills only the rest (``Request.cached_tokens``; --prefix_cache).
 
 **Decode.**  With every expert resident and no speculation, a dispatch is one compiled ``lax.while_loop`` of up
 to ``FUSED_CHUNK`` decode steps of all rows with per-row on-device sampling (temperature / top-k / top-p / seed)
-and per-row stops (EOS, budget), as many as fit in ``--dispatch_ms`` at the measured step time (tokens are streamed
-and cancelled rows freed between dispatches, so on a slow model a client still sees its tokens within ~50 ms of
-their sampling, and a disconnect frees its row as soon); it runs 1 step instead while a newcomer is being prefilled or waits for a free
-row, so admission and prefill interleave with the others' decode.  With an expert store (fetch=loop / callback)
+and per-row stops (EOS, budget).  With a streamed row the loop calls the host every ``--stream_interval`` steps
+(``_on_steps``: tokens to the streams, stop strings / cancels stop their rows, a waiting request ends the dispatch)
+and runs up to ``FUSED_CHUNK`` steps; otherwise as many as fit in ``--dispatch_ms`` at the measured step time
+(tokens then reach streams between dispatches).  It runs 1 step instead while a newcomer is being prefilled or
+waits for a free row, so admission and prefill interleave with the others' decode.  With an expert store (fetch=loop / callback)
 each step is one batched forward: the store reads the union of the batch's experts once.  Speculative decoding
 (``--mtp`` / ``--draft``) runs per row (``speculative.SpecRow``: draft, one verify forward on the row alone,
 accept); at ``max_batch`` 1 it is the former loop, greedy output identical to plain decode.
@@ -56,6 +59,7 @@ from .speculative import draft_plan
 
 FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
 MIN_WINDOW = 64       # smallest attention window (cache positions)
+CALLBACK_ORDERED = True   # the streaming callback's io_callback(ordered=...) (its results feed the loop either way)
 
 
 class QueueFull(GlmJaxError):
@@ -767,7 +771,8 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
                 due = acc["_finite"] & ((c["i"] + 1) % every == 0) & (c["i"] + 1 < n)
                 shapes = (jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
                 host = jax.lax.cond(
-                    due, lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt, ordered=True),
+                    due, lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt,
+                                             ordered=CALLBACK_ORDERED),
                     lambda: (jnp.zeros((B,), jnp.bool_), jnp.bool_(False)))
                 stop, brk = stop | host[0], host[1]
             return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,

@@ -92,7 +92,8 @@ def main(argv):
         print(f"| {t + 1} | {off[0]['prompt']} | {on[0]['cached']} | "
               f"{statistics.median(x['ttft'] for x in off) * 1e3:.1f} ms | "
               f"{statistics.median(x['ttft'] for x in on) * 1e3:.1f} ms | {off[0]['prefill_bytes'] / 1e3:.0f} kB | "
-              f"{on[0]['prefill_bytes'] / 1e3:.0f} kB | {off[0]['bytes'] / 1e3:.0f} kB | {on[0]['bytes'] / 1e3:.0f} kB |")
+              f"{on[0]['prefill_bytes'] / 1e3:.0f} kB | {off[0]['bytes'] / 1e3:.0f} kB | "
+              f"{on[0]['bytes'] / 1e3:.0f} kB |")
     return 0 if same else 1
 
 
