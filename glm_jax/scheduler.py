@@ -59,7 +59,6 @@ from .speculative import draft_plan
 
 FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
 MIN_WINDOW = 64       # smallest attention window (cache positions)
-CALLBACK_ORDERED = True   # the streaming callback's io_callback(ordered=...) (its results feed the loop either way)
 
 
 class QueueFull(GlmJaxError):
@@ -771,8 +770,7 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
                 due = acc["_finite"] & ((c["i"] + 1) % every == 0) & (c["i"] + 1 < n)
                 shapes = (jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
                 host = jax.lax.cond(
-                    due, lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt,
-                                             ordered=CALLBACK_ORDERED),
+                    due, lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt, ordered=True),
                     lambda: (jnp.zeros((B,), jnp.bool_), jnp.bool_(False)))
                 stop, brk = stop | host[0], host[1]
             return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
