@@ -318,6 +318,7 @@ class Scheduler:
                 if not free or not self.queue:
                     return
                 req = self.queue.popleft()
+            req.plan = draft_plan(self.rt)              # per request: the options may change between calls
             i = self._pick_row(free, req)
             s = req.sampling
             req.row, req.state, req.t_admit = i, "prefill", time.perf_counter()
@@ -333,8 +334,7 @@ class Scheduler:
                 self._fail(req, e)
                 continue
             self._forget_if_replaced()
-            req.plan = draft_plan(self.rt)
-            m = self._match(i, req.prompt)
+            m = self._match(i, req)
             self.row_toks[i] = []                        # from here on the row is being rewritten
             req.pf_done = req.cached_tokens = m
             self.counters["cached_tokens"] += m
@@ -348,10 +348,12 @@ class Scheduler:
             self.row_toks = [[] for _ in range(self.B)]
             self.kv_epoch = self.rt.kv_epoch
 
-    def _match(self, i: int, prompt: list) -> int:
+    def _match(self, i: int, req) -> int:
         """Prompt tokens whose K/V row ``i`` holds already (the longest common prefix, leaving at least the last
-        prompt token to prefill: its logits give the first output token)."""
-        if not self.prefix_cache or self.draft_plan() is not None:
+        prompt token to prefill: its logits give the first output token).  None under speculation (its drafter
+        needs the whole prompt's hidden states)."""
+        prompt = req.prompt
+        if not self.prefix_cache or req.plan is not None:
             return 0
         held = self.row_toks[i]
         n = min(len(held), len(prompt) - 1)
@@ -364,13 +366,7 @@ class Scheduler:
         """A free row for ``req``: the one holding the longest prefix of its prompt; else the least recently freed
         (the others keep their finished requests' K/V for later turns)."""
         self._forget_if_replaced()
-        best = max(free, key=lambda i: (self._match(i, req.prompt), -self.row_freed[i]))
-        return best
-
-    def draft_plan(self):
-        if not hasattr(self, "_plan"):
-            self._plan = draft_plan(self.rt)
-        return self._plan
+        return max(free, key=lambda i: (self._match(i, req), -self.row_freed[i]))
 
     def _make_room(self, need: int):
         rt = self.rt
