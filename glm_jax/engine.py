@@ -333,7 +333,9 @@ class Engine(Runner):
         """The engine's continuous-batching scheduler (``--max_batch`` rows, ``--prefill_chunk``)."""
         if self._scheduler is None:
             self._scheduler = Scheduler(self, max_batch=self.opts["max_batch"],
-                                        prefill_chunk=self.opts["prefill_chunk"], dispatch_ms=self.opts["dispatch_ms"])
+                                        prefill_chunk=self.opts["prefill_chunk"], dispatch_ms=self.opts["dispatch_ms"],
+                                        stream_interval=self.opts["stream_interval"],
+                                        prefix_cache=self.opts["prefix_cache"])
         return self._scheduler
 
     def request(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,

@@ -117,14 +117,22 @@ OPTIONS = [
         "limit, 4096), lowered down to 256 when memory is short; glm-jax passes its prompt + --max_new_tokens). The "
         "cache itself grows with the requests either way.", lo=0),
     Opt("max_batch", 1, "int", "Rows of the continuous-batching scheduler: sequences decoded together, each with its "
-        "own KV rows (glm-jax-serve: 8). Every decode runs at this width, so a sequence's output does not depend "
-        "on the others; the expert store sizes its working set for this many rows.", lo=1, hi=256),
+        "own KV rows (glm-jax-serve: 8). Decode runs at the width of the running rows (1, 2, 4, ...) with "
+        "native kernels, else at this one; either way a sequence's output does not depend on the others; the "
+        "expert store sizes its working set for this many rows.", lo=1, hi=256),
     Opt("prefill_chunk", 512, "int", "Prompt tokens per prefill forward: longer prompts are prefilled in chunks, "
         "interleaved with the other rows' decode steps.", lo=16, hi=1 << 20),
     Opt("dispatch_ms", 50.0, "float", "Plain resident decode runs several steps per dispatch of one compiled loop; "
-        "it runs as many as fit in this many milliseconds (from the measured step time, 1 to 32 steps). It bounds "
-        "how long streamed tokens wait to be printed or sent and how long a cancelled request keeps its row; 0: "
-        "one step per dispatch.", lo=0.0, hi=60000.0),
+        "without a stream reading from inside it (--stream_interval), it runs as many as fit in this many "
+        "milliseconds (from the measured step time, 1 to 32 steps): that bounds how long tokens wait to be printed "
+        "or sent and how long a cancelled request keeps its row; 0: one step per dispatch.", lo=0.0, hi=60000.0),
+    Opt("stream_interval", 1, "int", "Plain resident decode hands each streamed row's tokens to its stream "
+        "(printed, or sent as one server-sent event) every this many tokens from inside the running dispatch (a "
+        "host callback in the compiled loop, which keeps running up to 32 steps: a cancel or stop string stops its "
+        "row there, a waiting request ends it); 0: only between dispatches (--dispatch_ms).", lo=0, hi=1024),
+    Opt("prefix_cache", True, "bool", "Reuse KV the scheduler still holds: a request whose prompt starts with the "
+        "tokens of a finished request's row (its prompt and output) is admitted into that row and prefills only the "
+        "rest (no extra memory: the rows are the cache, the least recently used one is taken first)."),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
         "called from inside one compiled step via io_callback). auto: resident for plain HF dirs, and for containers "

@@ -453,7 +453,7 @@ def test_batch_invariance_of_greedy_output(eng):
     sched.run(reqs + [late])
     assert reqs[0].out == alone_long
     assert reqs[1].out == alone[2] and reqs[3].out == alone[1] and late.out == alone[0]
-    assert (reqs[1].row, reqs[3].row) == (1, 3)                # alone, they ran in row 0
+    assert len({r.row for r in reqs}) == 4                     # four rows: not all where they ran alone
 
 
 def test_a_processor_row_beside_plain_rows(eng):
@@ -484,6 +484,7 @@ def test_a_dispatch_runs_what_fits_in_dispatch_ms(eng, monkeypatch):
     assert sched.dispatch_s == 0.05 and SCH.FUSED_CHUNK == 32
     monkeypatch.setattr(sched, "step_s", 0.02)                 # as if each decode step took 20 ms ...
     monkeypatch.setattr(sched, "observe_step", lambda s: None)  # ... and kept taking it
+    monkeypatch.setattr(sched, "stream_interval", 0)           # tokens only between dispatches (--stream_interval=0)
     sizes = []
     req = eng.request(ROMEO, max_new_tokens=24, on_event=lambda r, text, toks, done: sizes.append(len(toks)))
     sched.submit(req)
@@ -603,7 +604,10 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
         c.request("POST", "/v1/completions", json.dumps({"prompt": ROMEO, "max_tokens": 200, "stream": True}),
                   {"Content-Type": "application/json"})
         r = c.getresponse()
-        assert r.readline().startswith(b"data: ")
+        line = r.readline()
+        while line.startswith(b": ping"):         # sse-starlette's keep-alive, every 15 s (a loaded machine compiling)
+            line = r.readline()
+        assert line.startswith(b"data: ")
         p.send_signal(signal.SIGTERM)
         rest = r.read().decode()
         assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]")

@@ -222,7 +222,8 @@ def test_prefill_output_does_not_depend_on_cache_state(int4_dir, exp):
 def test_second_generation_compiles_nothing(int4_dir, exp):
     """Params and cache are committed to the device from the start: jit keys its programs on each argument's
     committed-ness, and a mix that changed between calls made a second generate compile the same programs again."""
-    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=3, draft=0)
+    # prefix_cache off: a second run of the same prompt would reuse the first's K/V (a shorter prefill, compiled once)
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=3, draft=0, prefix_cache=False)
 
     def compiled():     # compiled variants of every jitted function the engine holds
         fs = list(eng._jits.values()) + list(getattr(eng, "_stream_fns", {}).values())

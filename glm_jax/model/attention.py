@@ -5,12 +5,11 @@ Shapes: B batch, T query tokens, S cache slots (= positions), H hidden, nh/nkv h
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from . import mla
 from .config import ModelConfig
-from .layers import F32, apply_rope_half, linear, positions_of, rms_norm, rope_cos_sin
+from .layers import F32, apply_rope_half, linear, positions_of, rms_norm, rope_cos_sin, softmax
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool = False) -> list:
@@ -59,7 +58,7 @@ def gqa_attention(cfg: ModelConfig, p, x, cache, start, rows=None):
     scores = jnp.einsum("btngd,bsnd->bngts", qg, ck.astype(q.dtype), preferred_element_type=F32) * (hd ** -0.5)
     allowed = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]   # [B, T, S]
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    probs = softmax(scores).astype(q.dtype)
     out = jnp.einsum("bngts,bsnd->btngd", probs, cv.astype(q.dtype)).reshape(B, T, nh * hd)
     return linear(out, p["o_w"], rows=rows), {"k": ck, "v": cv}, None
 

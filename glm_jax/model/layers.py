@@ -15,10 +15,32 @@ from ..kernels.formats import QWeight, qdot, qtake
 F32 = jnp.float32
 
 
+def row_sum(x):
+    """Sum over the last axis (keepdims) as a fixed tree of elementwise adds, zero-padded to a power of two.
+    XLA:CPU's reduce codegen changes its summation order with the number of rows, and a row's numbers must not
+    depend on how many rows share the forward (the scheduler's decode widths follow the running rows); zero
+    padding leaves the sum bitwise unchanged (an attention window of any power-of-two size)."""
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x
+
+
+def softmax(x):
+    """softmax over the last axis with ``row_sum`` (row-count invariant; max is exact in any order)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0)))
+    return e / row_sum(e)
+
+
 def rms_norm(x, w, eps):
     """transformers numerics: f32 statistics, cast back to the input dtype *before* the weight multiply."""
     x32 = x.astype(F32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + eps)
     return w * y.astype(x.dtype)
 
 def linear(x, w, b=None, rows=None):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from glm_jax_plugins.routing import RoutingState
 
 from .config import ModelConfig
-from .layers import F32
+from .layers import F32, row_sum
 
 
 def route(cfg: ModelConfig, mp, hn, positions_valid, resident, layer=None, seq_pos=None) -> RoutingState:
@@ -18,7 +18,10 @@ def route(cfg: ModelConfig, mp, hn, positions_valid, resident, layer=None, seq_p
     handed to the plugins (None: unknown)."""
     T = hn.shape[0]
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
-    logits = jnp.einsum("th,eh->te", hn.astype(F32), mp["router_w"].astype(F32))
+    h32 = hn.astype(F32)
+    if T == 1:      # XLA:CPU runs a one-row dot as a matrix-vector product, whose sums differ in the last bits from
+        h32 = jnp.pad(h32, ((0, 1), (0, 0)))    # the GEMM of 2+ rows: a row's routing must not depend on the width
+    logits = jnp.einsum("th,eh->te", h32, mp["router_w"].astype(F32))[:T]
     scores = jax.nn.sigmoid(logits)
     biased = scores + mp["router_bias"].astype(F32)[None, :]
     if cfg.n_group > 1:
@@ -32,7 +35,7 @@ def route(cfg: ModelConfig, mp, hn, positions_valid, resident, layer=None, seq_p
     ids = ids.astype(jnp.int32)
     w = jnp.take_along_axis(scores, ids, axis=1)
     if cfg.norm_topk_prob:
-        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        w = w / (row_sum(w) + 1e-20)
     w = w * cfg.routed_scaling_factor
     valid = jnp.broadcast_to(positions_valid[:, None], (T, K))
     return RoutingState(ids=ids, weights=w, valid=valid, scores=scores, biased=biased,

@@ -97,6 +97,18 @@ def write_back(full, part, row):
     return out
 
 
+def gather_rows(cache, rmap, window):
+    """Rows ``rmap`` ([w] int32, distinct) of ``cache``, positions [:window] (static, or None: all): the compact
+    [w, window] part a decode of w running rows works on (``scatter_rows`` puts it back)."""
+    return [{k: (v[rmap] if window is None else v[rmap, :window]) for k, v in c.items()} for c in cache]
+
+
+def scatter_rows(full, part, rmap):
+    """``full`` with ``part`` (from ``gather_rows``) written back at rows ``rmap``, positions 0.."""
+    return [{k: v.at[rmap, :cp[k].shape[1]].set(cp[k].astype(v.dtype)) for k, v in cf.items()}
+            for cf, cp in zip(full, part)]
+
+
 class Runner:
     """Forward passes over the cache.  The attributes are set by the subclass (``engine.Engine``): path, cfg,
     params, opts, store, plugin, dtype, device, kernel, moe_layers."""
@@ -105,6 +117,7 @@ class Runner:
         self._cache = None
         self._cache_len = 0
         self._cache_batch = 0
+        self.kv_epoch = 0          # bumped whenever the cache's rows stop holding what the scheduler put there
         self._jits = {}
         self._route_acc = {}
         self._view = None
@@ -125,10 +138,12 @@ class Runner:
             raise GlmJaxError(f"option 'max_seq_len': {cap} tokens is too small for this request ({need} needed)")
         if self._cache is None or self._cache_len < cap or self._cache_batch != batch:
             self._new_cache(batch, cap)
+        self.kv_epoch += 1         # its rows are about to be overwritten (the scheduler's prefix cache forgets them)
         return self._cache
 
     def _new_cache(self, batch: int, cap: int):
         self._cache = None         # free the old one first
+        self.kv_epoch += 1
         cache = M.init_cache(self.cfg, batch, cap, self.dtype, with_mtp=self.params.get("mtp") is not None)
         # one device, or the mesh: the KV cache split by heads where they divide the model axis (mesh.py)
         plan = getattr(self, "plan", None)

@@ -9,6 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..model.layers import softmax
+
 F32 = jnp.float32
 
 
@@ -59,7 +61,7 @@ def filtered_probs_rows(logits, temperature, top_k, top_p):
         return jnp.where(use_k[:, None] & (z < kth), -jnp.inf, z)
 
     z = jax.lax.cond(jnp.any(use_k), cut_k, lambda z: z, z)
-    p = jax.nn.softmax(z, -1)
+    p = softmax(z)              # row-count invariant (model.layers.row_sum): a row's draw must not depend on the width
     use_p = top_p < 1.0
 
     def cut_p(p):

@@ -9,21 +9,24 @@ positions.  A request is admitted into a free row between decode dispatches, pre
 numbers do not depend on who else is running), then decodes together with the other rows.  A row that finishes
 (EOS, a stop string, ``max_new_tokens``, the context limit, or a cancelled request) is freed at once.
 
-**Batch invariance.**  Every decode runs at the one width (``max_batch`` rows x ``speculative.decode_width``
-positions; free rows are padding), so the compiled program is always the same and a row's result is bitwise
-independent of what the other rows hold (XLA's per-row arithmetic and the native kernels' rows alike).  A request's
-greedy output is therefore the same alone or beside others (``tests/test_server.py``).  The attention reads a
-window of the cache, ``[:S]`` with S the power-of-two bucket (>= 64) covering every active row's positions: measured
-bitwise identical to the full cache on the shipped model (the masked tail adds exact zeros), and the attention's
-cost is B x S.  Across *different* widths (``max_batch`` 1 vs 8) the logits can differ in the last bits (XLA
-vectorises reductions by the row count), so a near-tie may flip: compare runs at one width.
+**Batch invariance.**  Plain resident decode runs at the width of the running rows (the power-of-two bucket of
+their number; ``decode_rows``), on a compact copy of their cache rows; a row's numbers are bitwise independent of
+that width and of what the other rows hold (the native kernels are row-invariant; norms and softmaxes sum in a
+fixed tree, ``model.layers.row_sum``), so a request's greedy output is the same alone, beside others, and at any
+``max_batch`` (``tests/test_scheduler.py``).  Where that does not hold (``follows_rows``: --kernels=xla, DSA) every
+decode runs at ``max_batch`` rows, one program.  The attention reads a window of the cache, ``[:S]`` with S the
+power-of-two bucket (>= 64) covering every active row's positions (the masked tail adds exact zeros).
+
+**Prefix cache.**  A finished row keeps its K/V and the tokens they belong to (``row_toks``); a request whose prompt
+starts with them is admitted into that row and prefills only the rest (``Request.cached_tokens``; --prefix_cache).
 
 **Decode.**  With every expert resident and no speculation, a dispatch is one compiled ``lax.while_loop`` of up
 to ``FUSED_CHUNK`` decode steps of all rows with per-row on-device sampling (temperature / top-k / top-p / seed)
-and per-row stops (EOS, budget), as many as fit in ``--dispatch_ms`` at the measured step time (tokens are streamed
-and cancelled rows freed between dispatches, so on a slow model a client still sees its tokens within ~50 ms of
-their sampling, and a disconnect frees its row as soon); it runs 1 step instead while a newcomer is being prefilled or waits for a free
-row, so admission and prefill interleave with the others' decode.  With an expert store (fetch=loop / callback)
+and per-row stops (EOS, budget).  With a streamed row the loop calls the host every ``--stream_interval`` steps
+(``_on_steps``: tokens to the streams, stop strings / cancels stop their rows, a waiting request ends the dispatch)
+and runs up to ``FUSED_CHUNK`` steps; otherwise as many as fit in ``--dispatch_ms`` at the measured step time
+(tokens then reach streams between dispatches).  It runs 1 step instead while a newcomer is being prefilled or
+waits for a free row, so admission and prefill interleave with the others' decode.  With an expert store (fetch=loop / callback)
 each step is one batched forward: the store reads the union of the batch's experts once.  Speculative decoding
 (``--mtp`` / ``--draft``) runs per row (``speculative.SpecRow``: draft, one verify forward on the row alone,
 accept); at ``max_batch`` 1 it is the former loop, greedy output identical to plain decode.
@@ -45,11 +48,22 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from .. import model as M
 from ..errors import GlmJaxError
+from ..kernels.formats import NATIVE_MAX_ROWS
 from ..memory import trim
-from .runner import BIG_POS, GenerationResult, bucket, nonfinite_error, window_cache, write_back
+from .runner import (
+    BIG_POS,
+    GenerationResult,
+    bucket,
+    gather_rows,
+    nonfinite_error,
+    scatter_rows,
+    window_cache,
+    write_back,
+)
 from .sampling import sample_rows
 from .speculative import SpecRow, decode_width, draft_plan
 from .stats import route_stats, routing_summary, store_stats
@@ -154,8 +168,10 @@ class Request:
         self.prefill_s = self.decode_s = 0.0
         self.forwards = 0
         self.pf_done = 0
+        self.cached_tokens = 0       # prompt tokens whose KV a finished row still held (the prefix cache)
         self.done_event = threading.Event()
         self.spec = None
+        self.plan = None
         self.spec_stats = {}
         self.store_prefill = None
         self.route_prefill = {}      # the routing counters when its prefill ended: its stats cover decode only
@@ -175,8 +191,13 @@ class Request:
 
 class Scheduler:
     def __init__(self, rt, max_batch: int = 1, prefill_chunk: int = 512, max_queue: int = 0,
-                 dispatch_ms: float = 50.0):
+                 dispatch_ms: float = 50.0, stream_interval: int = 1, prefix_cache: bool = True):
         self.rt = rt
+        self.stream_interval = int(stream_interval)      # --stream_interval
+        self.prefix_cache = bool(prefix_cache)           # --prefix_cache
+        self.row_toks = [[] for _ in range(int(max_batch))]  # per row: the tokens whose K/V it holds at 0..len-1
+        self.row_freed = [0.0] * int(max_batch)          # when each row was last freed (LRU among free rows)
+        self.kv_epoch = None                             # rt.kv_epoch the rows' contents belong to
         self.dispatch_s = float(dispatch_ms) / 1000.0   # a fused dispatch runs what fits in this (--dispatch_ms)
         self.step_s = None                               # measured seconds per fused decode step (EMA)
         self.B = int(max_batch)
@@ -309,7 +330,8 @@ class Scheduler:
                 if not free or not self.queue:
                     return
                 req = self.queue.popleft()
-            i = free[0]
+            req.plan = draft_plan(self.rt)              # per request: the options may change between calls
+            i = self._pick_row(free, req)
             s = req.sampling
             req.row, req.state, req.t_admit = i, "prefill", time.perf_counter()
             self.rows[i] = req
@@ -322,6 +344,41 @@ class Scheduler:
                 self._make_room(len(req.prompt) + s.max_new_tokens)
             except Exception as e:
                 self._fail(req, e)
+                continue
+            self._forget_if_replaced()
+            m = self._match(i, req)
+            self.row_toks[i] = []                        # from here on the row is being rewritten
+            req.pf_done = req.cached_tokens = m
+            self.counters["cached_tokens"] += m
+
+    def forget(self):
+        """Drop the prefix cache's knowledge of the rows (their K/V is then never reused)."""
+        self.row_toks = [[] for _ in range(self.B)]
+
+    def _forget_if_replaced(self):
+        if self.kv_epoch != self.rt.kv_epoch:            # a new cache, or another caller wrote its rows
+            self.row_toks = [[] for _ in range(self.B)]
+            self.kv_epoch = self.rt.kv_epoch
+
+    def _match(self, i: int, req) -> int:
+        """Prompt tokens whose K/V row ``i`` holds already (the longest common prefix, leaving at least the last
+        prompt token to prefill: its logits give the first output token).  None under speculation (its drafter
+        needs the whole prompt's hidden states)."""
+        prompt = req.prompt
+        if not self.prefix_cache or req.plan is not None:
+            return 0
+        held = self.row_toks[i]
+        n = min(len(held), len(prompt) - 1)
+        m = 0
+        while m < n and held[m] == prompt[m]:
+            m += 1
+        return m
+
+    def _pick_row(self, free: list, req) -> int:
+        """A free row for ``req``: the one holding the longest prefix of its prompt; else the least recently freed
+        (the others keep their finished requests' K/V for later turns)."""
+        self._forget_if_replaced()
+        return max(free, key=lambda i: (self._match(i, req), -self.row_freed[i]))
 
     def _make_room(self, need: int):
         rt = self.rt
@@ -353,8 +410,6 @@ class Scheduler:
         if last:
             lr[0, n - 1] = True
         c0, t0 = rt.compile_s, time.perf_counter()
-        if req.pf_done == 0:
-            req.plan = draft_plan(rt)
         logits, hidden = rt.forward(toks, np.array([req.pf_done], np.int32), np.array([n], np.int32), logit_rows=lr,
                                     row=req.row if self.B > 1 else None, window=self._window(req.pf_done + T))
         if req.plan is not None and req.plan.source == "mtp":
@@ -416,10 +471,16 @@ class Scheduler:
         if req.done:
             return
         req.finish_reason = reason
-        req.state = "done"
+        prev, req.state = req.state, "done"
         req.t_done = time.perf_counter()
         if req.row is not None and self.rows[req.row] is req:
             self.rows[req.row] = None
+            i = req.row
+            self.row_freed[i] = req.t_done
+            if req.spec is None and req.plan is None and reason != "error" and self.kv_epoch == self.rt.kv_epoch:
+                seq = req.prompt + req.out
+                held = req.pf_done if prev == "prefill" else min(int(self.pos[i]), len(seq))
+                self.row_toks[i] = seq[:held]
         if req.spec is not None:
             req.spec_stats = req.spec.stats()
             self.counters["drafts_proposed"] += req.spec_stats["drafts_proposed"]
@@ -489,44 +550,110 @@ class Scheduler:
             budget[i] = self._budget(r)
         return active, temp, topk, topp, eos_on, budget
 
+    def follows_rows(self, W: int) -> bool:
+        """Whether plain resident decode runs at the width of the running rows (the power-of-two bucket of their
+        number: 1, 2, 4, 8, ...) rather than ``max_batch``: where every per-row number is bitwise independent of
+        the width -- the native kernels (row-invariant by construction; float dense weights only up to
+        ``formats.NATIVE_MAX_ROWS`` rows), GQA attention, norms and softmax summed by ``model.layers.row_sum``.  Elsewhere
+        (--kernels=xla, DSA models) every decode keeps the one width, so the guarantee holds either way."""
+        rt = self.rt
+        return rt.kernel == "native" and rt.cfg.model_type != "glm_moe_dsa" and self.B * W <= NATIVE_MAX_ROWS
+
+    def decode_rows(self, rows, W: int):
+        """The rows a decode of ``rows`` runs on: None (every row, the full width), or their indices (sorted) padded
+        with idle rows to the power-of-two bucket of their number (an idle row is padding: no K/V written)."""
+        if not self.follows_rows(W):
+            return None
+        w = min(self.B, bucket(len(rows), 1))
+        if w >= self.B:
+            return None
+        busy = sorted(r.row for r in rows)
+        idle = [i for i in range(self.B) if i not in set(busy)]
+        return np.asarray(busy + idle[:w - len(busy)], np.int32)
+
     def _fused(self, rows, n, W):
         rt = self.rt
         active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
-        n = int(min(n, budget.max(), self.steps_per_dispatch()))
+        # the host callback where someone reads tokens as they come (a stream; its stop strings, its cancel): the
+        # loop then hands them over, stops rows and ends early for a newcomer itself, so it may run FUSED_CHUNK
+        # steps; without it a dispatch runs what fits in --dispatch_ms
+        streamed = self.stream_interval > 0 and n > 1 and any(r.on_event is not None for r in rows)
+        n = int(min(n, budget.max(), FUSED_CHUNK if streamed else self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + n + W
         window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" else rt._cache_len
-        compiled = _fused_key(self.B, W, window) in rt._jits
-        fn = _fused_fn(rt, self.B, W, window)
+        rmap = self.decode_rows(rows, W)
+        w = self.B if rmap is None else len(rmap)
+        sel = slice(None) if rmap is None else rmap
+        every = self.stream_interval if streamed and n > 1 else 0
+        compiled = _fused_key(self.B, W, window, w, every) in rt._jits
+        fn = _fused_fn(rt, self.B, W, window, w, every)
+        live = dict(rows=[self.rows[int(i)] for i in (range(self.B) if rmap is None else rmap)],
+                    sent=np.zeros(w, np.int64), pos0=self.pos.copy())
+        rt._stream_sink = lambda out_, cnt_: self._on_steps(live, out_, cnt_)
         t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
-        rt._cache, out, cnt, keys, acc = fn(rt.step_params(), rt._cache, jnp.asarray(self.tok, jnp.int32),
-                                            jnp.asarray(pos), jnp.asarray(self.keys), jnp.asarray(temp),
-                                            jnp.asarray(topk), jnp.asarray(topp), jnp.asarray(eos_on),
-                                            jnp.asarray(budget), jnp.int32(n), jnp.asarray(eos, jnp.int32),
-                                            rt._resident_masks())
+        extra = () if rmap is None else (jnp.asarray(rmap),)
+        rt._cache, out, cnt, keys, acc = fn(rt.step_params(), rt._cache, jnp.asarray(self.tok[sel], jnp.int32),
+                                            jnp.asarray(pos[sel]), jnp.asarray(self.keys[sel]),
+                                            jnp.asarray(temp[sel]), jnp.asarray(topk[sel]), jnp.asarray(topp[sel]),
+                                            jnp.asarray(eos_on[sel]), jnp.asarray(budget[sel]), jnp.int32(n),
+                                            jnp.asarray(eos, jnp.int32), rt._resident_masks(), *extra)
         cnt = np.asarray(cnt)
+        if rmap is not None:                              # back to row order
+            full = np.zeros(self.B, cnt.dtype)
+            full[rmap] = cnt
+            cnt = full
         finite = bool(acc.pop("_finite"))
         steps = int(acc.pop("_steps"))
         if compiled and steps:                            # a first call's time is mostly its compilation
             self.observe_step((time.perf_counter() - t0) / steps)
         if not finite:
             r = rows[0]
-            raise nonfinite_error(rt, int(self.pos[r.row]), int(self.pos[r.row]) + int(cnt[r.row]) - 1)
+            p0 = int(live["pos0"][r.row])
+            raise nonfinite_error(rt, p0, p0 + int(cnt[r.row]) - 1)
         rt._accumulate(acc)
         out = np.asarray(out)
-        self.keys = np.array(keys, np.uint32)
+        if rmap is None:
+            self.keys = np.array(keys, np.uint32)
+        else:
+            self.keys[rmap] = np.asarray(keys, np.uint32)
+            full = np.full((out.shape[0], self.B), -1, out.dtype)
+            full[:, rmap] = out
+            out = full
         self.counters["dispatches"] += 1
         self.counters["decode_steps"] += steps
+        sent = np.zeros(self.B, np.int64)
+        sent[sel] = live["sent"]
         for r in rows:
             i = r.row
             c = int(cnt[i])
             toks = [int(t) for t in out[:c, i]]
             r.forwards += c
             if c:
-                self.pos[i] += c
+                self.pos[i] = live["pos0"][i] + c
                 self.tok[i] = toks[-1]
-                self._deliver(r, toks)
+                if not r.done and c > sent[i]:
+                    self._deliver(r, toks[sent[i]:])
+
+    def _on_steps(self, live, out, cnt):
+        """Inside a running fused dispatch (the host callback, every --stream_interval steps): hand each row's new
+        tokens to its stream.  Returns (stop [w]: rows the loop must stop -- finished on the host (a stop string),
+        cancelled, or gone; break: a request waits for a free row, so end the dispatch now and admit it)."""
+        out, cnt = np.asarray(out), np.asarray(cnt)
+        stop = np.zeros(len(cnt), bool)
+        for j, r in enumerate(live["rows"]):
+            if r is None:
+                continue
+            c, i = int(cnt[j]), r.row
+            if not r.done and c > live["sent"][j]:
+                self.pos[i] = live["pos0"][i] + c
+                self.tok[i] = int(out[c - 1, j])
+                self._deliver(r, [int(t) for t in out[live["sent"][j]:c, j]])
+                live["sent"][j] = c
+            stop[j] = r.done or r.cancelled
+        brk = bool(self.queue) and any(x is None for x in self.rows)
+        return stop, np.bool_(brk)
 
     def steps_per_dispatch(self) -> int:
         """Decode steps the next fused dispatch may run: as many as fit in ``--dispatch_ms`` at the measured step
@@ -594,7 +721,7 @@ class Scheduler:
             raise req.error
         n_dec = max(len(req.out) - 1, 0)
         stats = {
-            "prefill_tokens": len(req.prompt), "prefill_s": req.prefill_s,
+            "prefill_tokens": len(req.prompt), "prefill_s": req.prefill_s, "cached_tokens": req.cached_tokens,
             "decode_tokens": n_dec, "decode_s": req.decode_s,
             "decode_tok_s": (n_dec / req.decode_s) if req.decode_s > 0 and n_dec else 0.0,
             "new_tokens": len(req.out), "forwards": req.forwards,
@@ -622,18 +749,25 @@ def _sample_one(rt, logits, key, s: Sampling):
     return int(tok[0]), np.asarray(keys[0], np.uint32)
 
 
-def _fused_key(B: int, W: int, window: int):
-    return ("fused_decode", B, W, window)
+def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0):
+    return ("fused_decode", B, W, window, B if w is None else w, every)
 
 
-def _fused_fn(rt, B: int, W: int, window: int):
+def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: int = 0):
     """jit: up to ``n`` decode steps of every active row, on the device: step at [B, W] (row b's pending token at
     column 0, the rest padding) over the cache window [:window] -> per-row sampling -> per-row stop (EOS when the
-    row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats)."""
-    key_ = _fused_key(B, W, window)
+    row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats).
+    ``w`` < B: the program runs on w rows of the cache (a last argument ``rmap`` [w]: which; gathered once, the
+    loop runs at [w, W], written back at the end); the per-row arguments and results are then [w].
+    ``every`` > 0: every that many steps the loop calls the host (``io_callback`` -> ``rt._stream_sink``, the
+    scheduler's ``_on_steps``) with the tokens so far, which streams them and may stop rows or the loop."""
+    w = B if w is None else w
+    key_ = _fused_key(B, W, window, w, every)
     f = rt._jits.get(key_)
     if f is not None:
         return f
+    compact = w < B
+    B = w
     cfg = rt.cfg
     plugin = rt.plugin or M.identity_plugin
     want_stats = rt.plugin is not None
@@ -647,8 +781,11 @@ def _fused_fn(rt, B: int, W: int, window: int):
         summ = dict(routing_summary(routing, want_stats))
         return logits[:, 0], part, summ
 
-    def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident):
-        part = cache if full_window else window_cache(cache, None, window)
+    def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident, rmap=None):
+        if compact:
+            part = gather_rows(cache, rmap, None if full_window else window)
+        else:
+            part = cache if full_window else window_cache(cache, None, window)
         active = budget > 0
         shapes = jax.eval_shape(one, params, part, tok, pos, active, resident)[2]
         acc0 = {k: jnp.zeros(a.shape, a.dtype) for k, a in shapes.items()}
@@ -664,15 +801,27 @@ def _fused_fn(rt, B: int, W: int, window: int):
             acc = {k: c["acc"][k] + v for k, v in summ.items()}
             acc["_finite"] = c["acc"]["_finite"] & jnp.all(jnp.where(act[:, None], jnp.isfinite(lg), True))
             acc["_steps"] = c["acc"]["_steps"] + 1
+            out = c["out"].at[c["i"]].set(jnp.where(act, nxt, -1))
+            brk = c["brk"]
+            if every:
+                due = acc["_finite"] & ((c["i"] + 1) % every == 0) & (c["i"] + 1 < n)
+                shapes = (jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
+                host = jax.lax.cond(
+                    due, lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt, ordered=True),
+                    lambda: (jnp.zeros((B,), jnp.bool_), jnp.bool_(False)))
+                stop, brk = stop | host[0], host[1]
             return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
                         keys=jnp.where(act[:, None], nkeys, c["keys"]), active=act & ~stop, cnt=cnt, i=c["i"] + 1,
-                        out=c["out"].at[c["i"]].set(jnp.where(act, nxt, -1)), acc=acc)
+                        out=out, acc=acc, brk=brk)
 
         c = jax.lax.while_loop(
-            lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"], body,
+            lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"] & ~c["brk"], body,
             dict(part=part, tok=tok, pos=pos, keys=keys, active=active, cnt=jnp.zeros((B,), jnp.int32),
-                 i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0))
-        cache = c["part"] if full_window else write_back(cache, c["part"], None)
+                 i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0, brk=jnp.bool_(False)))
+        if compact:
+            cache = scatter_rows(cache, c["part"], rmap)
+        else:
+            cache = c["part"] if full_window else write_back(cache, c["part"], None)
         return cache, c["out"], c["cnt"], c["keys"], c["acc"]
 
     f = rt._jits[key_] = jax.jit(f, donate_argnums=(1,))

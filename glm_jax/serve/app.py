@@ -935,8 +935,6 @@ def main(argv):
         engine = Engine.from_options(FLAGS.model or None, opts)
         import socket
 
-        import uvicorn
-
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         LOG.addHandler(handler)

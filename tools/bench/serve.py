@@ -68,6 +68,61 @@ print(json.dumps(min(out, key=lambda d: -d["tok_s"])))
 """
 
 
+INTERVAL_CHILD = r"""
+import json, statistics, sys
+import glm_jax
+kw = json.loads(sys.argv[1])
+n, reps, prompt, intervals = kw.pop("tokens"), kw.pop("reps"), kw.pop("prompt"), kw.pop("intervals")
+e = glm_jax.Engine.load(**kw)
+s = e.scheduler
+res = {str(i): [] for i in intervals}
+events = {}
+def one(i):
+    s.stream_interval = i
+    ev = []
+    req = e.request(prompt, max_new_tokens=n, stop_on_eos=False, on_event=lambda r, t, k, d: ev.append(len(k)))
+    s.submit(req)
+    s.run([req])
+    events[str(i)] = (n - 1) / max(1, sum(1 for x in ev[1:] if x))
+    return s.result(req).stats["decode_tok_s"]
+for i in intervals:
+    one(i); one(i)
+for _ in range(reps):
+    for i in intervals:
+        res[str(i)].append(one(i))
+print(json.dumps({"tok_s": {k: statistics.median(v) for k, v in res.items()}, "per_event": events}))
+"""
+
+
+def interval_table():
+    """A streamed request (on_event set, as the server's) at each --stream_interval: decode tok/s and tokens per
+    stream event, interleaved in each process."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    iv = [int(x) for x in FLAGS.intervals.split(",")]
+    res = {i: [] for i in iv}
+    per = {}
+    for _ in range(FLAGS.procs):
+        for b in FLAGS.max_batch.split(","):
+            kw = dict(tokens=FLAGS.tokens, reps=FLAGS.reps, prompt=FLAGS.prompt, intervals=iv, max_batch=int(b))
+            out = subprocess.run([sys.executable, "-c", INTERVAL_CHILD, json.dumps(kw)], cwd=here,
+                                 capture_output=True, text=True, timeout=900)
+            if out.returncode:
+                raise SystemExit(out.stderr.strip().splitlines()[-1])
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            for i in iv:
+                res[i].append((b, r["tok_s"][str(i)]))
+                per[i] = r["per_event"][str(i)]
+            print(f"  max_batch {b}: {r}", file=sys.stderr, flush=True)
+    print(f"\none streamed request (on_event, as the server's), embedded model, {FLAGS.tokens} tokens, median of "
+          f"{FLAGS.reps} per process, {FLAGS.procs} processes, intervals interleaved\n")
+    print("| --stream_interval | max_batch | decode tok/s per process | median | tokens per stream event |")
+    print("|---|---|---|---|---|")
+    for i in iv:
+        for b in FLAGS.max_batch.split(","):
+            v = [x for bb, x in res[i] if bb == b]
+            print(f"| {i} | {b} | {', '.join(f'{x:.0f}' for x in v)} | {np.median(v):.0f} | {per[i]:.1f} |")
+
+
 def stream_table():
     """Batched expert streaming: the embedded container with fetch=loop and a small cache, B sequences decoded
     together (one expert read serves every row that routes to it)."""
@@ -116,8 +171,15 @@ def main(argv):
     if FLAGS.mode == "stream":
         stream_table()
         return 0
+    if FLAGS.mode == "interval":
+        interval_table()
+        return 0
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    runs = [("baseline", FLAGS.baseline_src, {})] if FLAGS.baseline_src else []
+    runs = []
+    if FLAGS.baseline_src:
+        bl = [b for b in FLAGS.baseline_max_batch.split(",") if b]
+        runs = [(f"baseline, max_batch {b}", FLAGS.baseline_src, {"max_batch": int(b)}) for b in bl] or [
+            ("baseline", FLAGS.baseline_src, {})]
     for b in FLAGS.max_batch.split(","):
         runs.append((f"this tree, max_batch {b}", here, {"max_batch": int(b)}))
     res = {name: [] for name, _, _ in runs}
@@ -144,12 +206,15 @@ def main(argv):
 def run():
     flags.DEFINE_string("baseline_src", "", "another source tree to compare with (its glm_jax imported from there)")
     flags.DEFINE_string("max_batch", "1", "widths of this tree to measure (comma-separated)")
+    flags.DEFINE_string("baseline_max_batch", "", "widths of the baseline tree to measure (comma-separated; empty: "
+                        "its default)")
     flags.DEFINE_integer("tokens", 128, "tokens per generation")
     flags.DEFINE_integer("reps", 5, "timed generations per process")
     flags.DEFINE_integer("procs", 3, "processes per tree")
     flags.DEFINE_string("prompt", "ROMEO:\n", "prompt")
-    flags.DEFINE_enum("mode", "single", ["single", "stream"], "single: one request vs a baseline tree; stream: "
-                      "batched expert streaming table")
+    flags.DEFINE_string("intervals", "0,1,4", "--mode=interval: --stream_interval values")
+    flags.DEFINE_enum("mode", "single", ["single", "stream", "interval"], "single: one request vs a baseline tree; "
+                      "stream: batched expert streaming table; interval: a streamed request at each --intervals")
     flags.DEFINE_string("batches", "1,2,4,8", "--mode=stream: sequences decoded together")
     flags.DEFINE_integer("cache_cap", 2, "--mode=stream: experts cached per layer in the cold runs")
     flags.DEFINE_bool("budget", True, "--mode=stream: also EXPERT_BUDGET=2 union vs position scope")

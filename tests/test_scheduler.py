@@ -1,0 +1,164 @@
+"""The scheduler's decode widths (they follow the running rows) and what they must not change: a row's numbers are
+bitwise the same at every width, so a request's greedy output is the same alone (width 1) or beside others.
+One engine (the shipped model, 8 rows) for the module."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm_jax
+from glm_jax import model as M
+from glm_jax.runtime import BIG_POS
+
+ROMEO = "ROMEO:\n"
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = glm_jax.Engine.load(max_batch=8, prefill_chunk=16)
+    yield e
+    e.close()
+
+
+def test_a_rows_logits_are_bitwise_the_same_at_every_width(eng):
+    """model.step on one decode row beside 0, 1, 3 or 7 others (padding rows, or rows with other contents): the
+    row's logits are bitwise equal.  Before model.row_sum (XLA's reductions in rms_norm / softmax change their
+    order with the row count) and the one-row router pad, widths 1 and 4 differed in the last bits."""
+    cfg, p, res = eng.cfg, eng.step_params(), eng._resident_masks()
+    ids = eng.encode("ROMEO:\nWhat say you, my lord")
+    P = len(ids)
+    step = jax.jit(lambda p, c, t, s, l: M.step(cfg, p, c, t, s, l, res)[:3])
+    cache = M.init_cache(cfg, 1, 64, eng.dtype, with_mtp=eng.params.get("mtp") is not None)
+    toks = np.zeros((1, 16), np.int32)
+    toks[0, :P] = ids
+    lg, _, cache = step(p, cache, jnp.asarray(toks), jnp.array([0], jnp.int32), jnp.array([P], jnp.int32))
+    nxt = int(np.argmax(np.asarray(lg[0, P - 1])))
+    rng = np.random.default_rng(0)
+    got = {}
+    for w in (1, 2, 4, 8):
+        for pad in (True, False):
+            c = [{k: jnp.concatenate([v, jnp.asarray(rng.standard_normal((w - 1,) + v.shape[1:]), v.dtype)])
+                  for k, v in d.items()} for d in cache]
+            t = np.zeros((w, 4), np.int32)                    # the scheduler's decode width: 4 columns, 1 real
+            t[:, 0] = nxt
+            t[1:, 0] = rng.integers(0, cfg.vocab_size, w - 1)
+            start = np.full(w, P, np.int32)
+            n = np.ones(w, np.int32)
+            if pad:
+                start[1:], n[1:] = BIG_POS, 0
+            else:
+                start[1:] = rng.integers(1, 60, w - 1)
+            out = step(p, c, jnp.asarray(t), jnp.asarray(start), jnp.asarray(n))[0]
+            got[w, pad] = np.asarray(out[0, 0])
+    ref = got[1, True]
+    for k, v in got.items():
+        assert np.array_equal(v, ref), k
+
+
+def test_a_lone_request_runs_at_width_1_and_matches_beside_others(eng):
+    """Alone, a request decodes at width 1 (not max_batch 8); beside 3 others at width 4; its greedy tokens (and a
+    sampled one's, seeded) are the same either way, and the same as a max_batch 1 engine's."""
+    sched = eng.scheduler
+    widths = []
+    real = sched.decode_rows
+
+    def spy(rows, W):
+        m = real(rows, W)
+        widths.append(sched.B if m is None else len(m))
+        return m
+    sched.decode_rows = spy
+    try:
+        prompts = [ROMEO, "JULIET:\n", "To be, or not", "KING HENRY:\nOnce more"]
+        alone = [eng.generate(p, max_new_tokens=40).tokens for p in prompts]
+        assert set(widths) == {1}
+        widths.clear()
+        together = [r.tokens for r in eng.generate(prompts, max_new_tokens=40)]
+        assert 4 in widths and 8 not in widths
+        assert together == alone
+        kw = dict(max_new_tokens=40, temperature=0.9, top_p=0.9, top_k=20, seed=7)
+        assert [r.tokens for r in eng.generate(prompts, **kw)] == [eng.generate(p, **kw).tokens for p in prompts]
+    finally:
+        del sched.decode_rows
+    one = glm_jax.Engine.load(max_batch=1, prefill_chunk=16)
+    try:
+        assert [one.generate(p, max_new_tokens=40).tokens for p in prompts] == alone
+    finally:
+        one.close()
+
+
+def _chat(eng, turns, prefix_cache):
+    """A multi-turn chat: every turn resends the whole history (as chat clients do); returns each turn's
+    (tokens, cached_tokens)."""
+    sched = eng.scheduler
+    sched.prefix_cache = prefix_cache
+    hist, out = [], []
+    for u in turns:
+        hist.append({"role": "user", "content": u})
+        r = eng.generate(hist, chat=True, max_new_tokens=12)
+        out.append((r.tokens, r.stats["cached_tokens"]))
+        hist.append({"role": "assistant", "content": r.text})
+    return out
+
+
+def test_prefix_cache_reuses_a_finished_rows_kv_with_the_same_output(eng):
+    """Each turn of a chat starts with the previous turn's prompt + reply: with the prefix cache it is admitted
+    into that row and prefills only the rest; greedy tokens identical to prefilling everything."""
+    turns = ["Who are you?", "Speak of love.", "And of death?", "Farewell."]
+    try:
+        off = _chat(eng, turns, False)
+        on = _chat(eng, turns, True)
+    finally:
+        eng.scheduler.prefix_cache = True
+    assert [t for t, _ in on] == [t for t, _ in off]
+    assert all(c == 0 for _, c in off)
+    assert all(c > 0 for _, c in on[1:])
+    # a prompt that diverges reuses only the common part; another caller's writes to the cache forget the rows
+    eng.generate(ROMEO + "Hark", max_new_tokens=4)
+    r = eng.generate(ROMEO + "Soft", max_new_tokens=4)
+    assert 0 < r.stats["cached_tokens"] < len(r.prompt_tokens)
+    eng.batch_logits([[1, 2, 3]] * 8)
+    again = eng.generate(ROMEO + "Soft", max_new_tokens=4)
+    assert again.stats["cached_tokens"] == 0 and again.tokens == r.tokens
+
+
+def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
+    """--stream_interval=1 (default): a streamed request gets each token as it is sampled, while the fused loop
+    keeps running (fewer dispatches than tokens); --stream_interval=4: 4 at a time; same tokens as not streamed.
+    A cancel or a stop string seen by the host stops the row inside the running dispatch."""
+    sched = eng.scheduler
+    ref = eng.generate(ROMEO, max_new_tokens=48, stop_on_eos=False)     # the step time is measured
+    try:
+        sched.dispatch_s = 60.0                                           # dispatches of 32 steps, whatever the load
+        assert sched.steps_per_dispatch() == 32
+        for every, size in ((1, 1), (4, 4)):
+            sched.stream_interval = every
+            sizes = []
+            d0 = sched.counters["dispatches"]
+            req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False,
+                              on_event=lambda r, text, toks, done: sizes.append(len(toks)) if toks else None)
+            sched.submit(req)
+            sched.run([req])
+            assert req.out == ref.tokens
+            assert sched.counters["dispatches"] - d0 < 48 / 4
+            assert max(sizes) == size and sizes.count(size) >= len(sizes) - 8
+        sched.stream_interval = 1
+        seen = []
+
+        def cancel_at_5(r, text, toks, done):
+            seen.extend(toks)
+            if len(seen) >= 5:
+                sched.cancel(r)
+        req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, on_event=cancel_at_5)
+        sched.submit(req)
+        sched.run([req])
+        assert req.finish_reason == "cancelled" and len(req.out) == 5
+        stop = eng.decode(ref.tokens[:12])[-3:]
+        req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, stop=[stop],
+                          on_event=lambda r, text, toks, done: None)
+        sched.submit(req)
+        sched.run([req])
+        assert req.finish_reason == "stop" and req.text == eng.decode(ref.tokens[:12])[:-3]
+    finally:
+        sched.stream_interval = eng.opts["stream_interval"]
+        sched.dispatch_s = eng.opts["dispatch_ms"] / 1000.0
