@@ -9,7 +9,7 @@ import pytest
 
 import glm_jax
 from glm_jax import model as M
-from glm_jax.runtime import BIG_POS
+from glm_jax.runtime.runner import BIG_POS
 
 ROMEO = "ROMEO:\n"
 
