@@ -387,12 +387,8 @@ def main(argv):
             print(f"glm-jax-eval: error: {e}", file=sys.stderr)
             return 2
         print(contract_report(r))
-        if FLAGS.output_json:
-            try:
-                O.write_json_output(FLAGS.output_json, r)
-            except GlmJaxError as e:
-                print(f"glm-jax-eval: error: {e}", file=sys.stderr)
-                return 2
+        if not _write_output(r):
+            return 2
         return 0 if r["identical"] else 1
     try:
         opts = O.from_flags()
@@ -432,13 +428,18 @@ def main(argv):
         print(f"| next-line MC acc_norm | {r['mc_acc_norm']:.3f} | {r['mc_acc_norm_ref']:.3f} |")
         print(f"| next-line MC acc_pmi | {r['mc_acc_pmi']:.3f} | {r['mc_acc_pmi_ref']:.3f} |")
     print(f"| experts dropped | {int(r['experts_dropped'])} | 0 |")
+    return 0 if _write_output(r) else 2
+
+
+def _write_output(r: dict) -> bool:
+    """--output_json (if given) <- r; False after its one error line."""
     if FLAGS.output_json:
         try:
             O.write_json_output(FLAGS.output_json, r)
         except GlmJaxError as e:
             print(f"glm-jax-eval: error: {e}", file=sys.stderr)
-            return 2
-    return 0
+            return False
+    return True
 
 
 EVAL_FLAGS = ("model", "text", "items", "windows", "window_len", "context_lines", "score_chunk", "eval_batch",

@@ -109,10 +109,7 @@ def write_output(path: str, data, fifo_wait_s: float = 5.0):
                     os.lseek(fd, 0, os.SEEK_END)
                 else:                        # a hard-linked file: its content replaced, every name sees it
                     os.ftruncate(fd, 0)
-            view = memoryview(b)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            _write_all(fd, b)
         finally:
             os.close(fd)
         return
@@ -132,6 +129,14 @@ def write_output(path: str, data, fifo_wait_s: float = 5.0):
         raise
 
 
+def _write_all(fd: int, b: bytes):
+    """os.write until every byte of ``b`` is written (a pipe or device may take less per call)."""
+    view = memoryview(b)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
 def append_output(path: str, data, fifo_wait_s: float = 5.0):
     """Append ``data`` to ``path`` (created if absent); a FIFO / device is written through, a FIFO without a reader
     is OSError(ENXIO) after the wait, never a hang."""
@@ -145,10 +150,7 @@ def append_output(path: str, data, fifo_wait_s: float = 5.0):
     else:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
-        view = memoryview(b)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        _write_all(fd, b)
     finally:
         os.close(fd)
 

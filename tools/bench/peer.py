@@ -187,6 +187,23 @@ def ram_gb_for_limit(limit_mb: float, runtime_mb: float, margin_mb: float) -> fl
     return round(max(0.0, limit_mb - runtime_mb - margin_mb) / 1000.0, 3)
 
 
+def worker_result(res: dict) -> tuple:
+    """(the decode result or None, the error text, whether the worker got as far as ready) from a glm-jax worker
+    run's stdout (run_in_cgroup's result)."""
+    err, out, started = "", None, False
+    for line in res["stdout"].splitlines():
+        if line.startswith(RESULT_TAG):
+            o = json.loads(line[len(RESULT_TAG):])
+            started = started or bool(o.get("ready"))
+            if "error" in o:
+                err = o["error"]
+            elif "decode_tok_s" in o:
+                out = o
+    if res["rc"] == 0 and out is None and not err:
+        err = "no result"
+    return out, err, started
+
+
 def classify_run(rc: Optional[int], timed_out: bool, oom_kills: int, error: str = "", started: bool = False) -> str:
     """A one-phrase verdict from a child's exit: rc < 0 is -signal (subprocess convention); ``started``: it had
     loaded and was measuring when it failed."""
@@ -1021,22 +1038,11 @@ def run_lowram(model: str, limits: list, llamacpp: str, workdir: str, threads: i
                     opts.update(glmjax_options)
                     c["flags"] = " ".join(f"--{k}={v}" if v is not True else f"--{k}"
                                           for k, v in opts.items()) or "(none)"
-                    started = False
                     spec = dict(engine="glm-jax", model=container, options=opts, prompt=prompt,
                                 new_tokens=new_tokens + 1, warm_tokens=2)
                     res = run_in_cgroup(_worker_cmd(), cg, L, threads, f"{run_no}", os.path.join(
                         logs, "lowram-glm-jax.log"), timeout, json.dumps(spec) + "\nrun\nquit\n")
-                    err, out = "", None
-                    for line in res["stdout"].splitlines():
-                        if line.startswith(RESULT_TAG):
-                            o = json.loads(line[len(RESULT_TAG):])
-                            started = started or bool(o.get("ready"))
-                            if "error" in o:
-                                err = o["error"]
-                            elif "decode_tok_s" in o:
-                                out = o
-                    if res["rc"] == 0 and out is None and not err:
-                        err = "no result"
+                    out, err, started = worker_result(res)
                     tok_s = out["decode_tok_s"] if out else None
                     if out:
                         extra = f"hit rate {out.get('hit_rate', 0):.2f}, cache {out.get('cache_cap')}/layer"

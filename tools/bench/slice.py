@@ -110,17 +110,7 @@ def _glmjax_run(cg, limit_mb, container, prompt, new_tokens, threads, opts, logp
                 warm_tokens=2)
     res = bp.run_in_cgroup(bp._worker_cmd(), cg, limit_mb, threads, tag, logp, timeout,
                            json.dumps(spec) + "\nrun\nquit\n")
-    err, out, started = "", None, False
-    for line in res["stdout"].splitlines():
-        if line.startswith(bp.RESULT_TAG):
-            o = json.loads(line[len(bp.RESULT_TAG):])
-            started = started or bool(o.get("ready"))
-            if "error" in o:
-                err = o["error"]
-            elif "decode_tok_s" in o:
-                out = o
-    if res["rc"] == 0 and out is None and not err:
-        err = "no result"
+    out, err, started = bp.worker_result(res)
     verdict = bp.classify_run(res["rc"], res["timed_out"], res["oom_kills"], err, started)
     if verdict != "ok":
         verdict += " (after loading)" if started else " (while loading)"
