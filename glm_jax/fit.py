@@ -29,6 +29,7 @@ import numpy as np
 
 from .experts.container import DENSE_SCALE_SUFFIX, SafeTensorsDir, is_routed_expert_key
 from .kernels.formats import head_format, quantized_nbytes
+from .memory import round_up_gb
 
 QUANT_STEPS = ("int8_row", "int4_g64")        # what the dense weights are quantized to at load, in this order
 KV_DEFAULT_TOKENS = 4096                      # reserved when the run's length is unknown (the Python API, a server)
@@ -161,7 +162,7 @@ def plan(inp: FitInputs) -> FitPlan:
             f"{inp.kv_per_token * kv / 1e9:.2f} "
             f"({kv} positions) + workspace {ws / 1e9:.2f} + I/O buffers and one layer's working set "
             f"{inp.buffers / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
-            f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {need / 1e9:.2f} would fit (decided before loading anything)")
+            f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {round_up_gb(need / 1e9):.2f} would fit (decided before loading anything)")
     f, kv = choice
     cap = max(0, min(E, _cap(inp, inp.dense[f], inp.kv_per_token * kv)))
     all_fit = cap >= E
