@@ -2,12 +2,11 @@
 the scheduler: batch invariance of greedy output, chunked prefill, disconnects freeing their row, the context limit;
 the CLI's streamed output and Ctrl-C.  One engine (the shipped model, 4 rows) and one server for the module."""
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
+import serving
 
 import glm_jax
 from glm_jax.runtime import scheduler as SCH
@@ -26,25 +25,11 @@ def eng():
 
 @pytest.fixture(scope="module")
 def server(eng):
-    import uvicorn
-
     from glm_jax.serve.app import Server
 
     srv = Server(eng, api_key=KEY, max_queue=16)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(srv.uvicorn_config())
-    th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    srv.base = f"http://127.0.0.1:{port}"
-    yield srv
-    uv.should_exit = True
-    th.join(timeout=30)
+    with serving.running(srv) as th:
+        yield srv
     assert not th.is_alive()
     assert srv.thread is not None and not srv.thread.is_alive()      # lifespan shutdown stopped the engine thread
 

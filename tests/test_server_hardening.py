@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,25 +31,11 @@ def eng():
 
 @pytest.fixture(scope="module")
 def server(eng):
-    import uvicorn
-
     from glm_jax.serve.app import Server
 
     srv = Server(eng, api_key=KEY, max_queue=16, max_body_mb=1.0, read_timeout_s=READ_TIMEOUT)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv.port = sock.getsockname()[1]
-    uv = uvicorn.Server(srv.uvicorn_config())
-    th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    srv.base = f"http://127.0.0.1:{srv.port}"
-    yield srv
-    uv.should_exit = True
-    th.join(timeout=30)
+    with serving.running(srv):
+        yield srv
 
 
 H = {"Authorization": f"Bearer {KEY}"}
