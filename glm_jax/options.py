@@ -144,7 +144,7 @@ OPTIONS = [
         "variable of the same name changes nothing. A flag given on the command line still wins."),
     Opt("cache_cap", 0, "int", "Expert-store cache capacity in experts per layer (0: size from --ram_gb).",
         env=("CAP",), lo=0, main=True),
-    Opt("ram_gb", 0.0, "float", "RAM budget in GB of the whole process: dense + KV + expert cache + buffers (0: what is in use + 0.8 x "
+    Opt("ram_gb", 0.0, "float", "RAM budget in GB of the whole process's private memory (RssAnon + RssShmem): dense + KV + expert cache + buffers (0: what is in use + 0.8 x "
         "MemAvailable, at most 0.9 x the memory cgroup's limit; above that limit: refused).",
         env=("RAM_GB",), lo=0.0, main=True),
     Opt("direct_io", False, "bool", "Read experts with O_DIRECT (bypass the page cache). Not given: on when the "
