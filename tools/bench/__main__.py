@@ -101,8 +101,13 @@ flags.DEFINE_float("slice_runtime_mb", 1000.0, "--mode=slice: MB of each box (an
                    lower_bound=0.0)
 flags.DEFINE_float("slice_nolimit_mb", 16000.0, "--mode=slice: the cgroup limit of box 0 (no limit).",
                    lower_bound=1.0)
-flags.DEFINE_string("slice_dense_formats", "bf16,int4_g64", "--mode=slice: glm-jax containers (int4_g64 experts) "
-                    "by --dense_format: bf16 = the converter's default, int4_g64 = the same bits as Q4_0.")
+flags.DEFINE_string("slice_dense_formats", "auto", "--mode=slice: glm-jax containers (int4_g64 experts) "
+                    "by --dense_format (auto = the converter's default: int4_g64 dense, heads int8, as Q4_0 keeps them; bf16, int8_row: other rows).")
+flags.DEFINE_string("slice_fracs", "0.7,0.45,0.3", "--mode=slice: memory limits as fractions of the model's "
+                    "size (llama.cpp's Q4_0 GGUF, else the first glm-jax container), the same for every engine.")
+flags.DEFINE_integer("slice_experts", 0, "--mode=slice: routed experts per layer of the slice (0: the "
+                    "architecture's own; fewer when the disk can't hold a full layer: the rows then say so).",
+                    lower_bound=0)
 flags.DEFINE_string("slice_engines", "llama,glm-jax", "--mode=slice: engines to run (llama: only where --llamacpp "
                     "has llama-bench).")
 flags.DEFINE_string("contexts", "1024,2048,4096,16384,65536", "--mode=dsa: context lengths (cache slots).")
@@ -363,7 +368,9 @@ def peer_main(argv):
                                         FLAGS.run_timeout, opts, P.parse_list(FLAGS.slice_dense_formats,
                                                                               "slice_dense_formats"),
                                         log=lambda m: print(m, file=sys.stderr, flush=True),
-                                        engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")))
+                                        engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")),
+                                        fracs=tuple(P.parse_list(FLAGS.slice_fracs, "slice_fracs", float)),
+                                        experts=FLAGS.slice_experts)
         else:
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):

@@ -138,7 +138,8 @@ def _llama_run(cg, limit_mb, prefix, gguf, prompt_tokens, new_tokens, threads, l
 def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int, new_tokens: int,
               prompt_tokens: int, boxes: list, os_reserve_mb: float, runtime_mb: float, nolimit_mb: float,
               timeout: float, glmjax_options: dict, dense_formats: list, log=print,
-              proc_cgroup: Optional[str] = None, engines_wanted: tuple = ("llama", "glm-jax")) -> str:
+              proc_cgroup: Optional[str] = None, engines_wanted: tuple = ("llama", "glm-jax"),
+              fracs: tuple = (), experts: int = 0) -> str:
     if proc_cgroup is None:
         with open("/proc/self/cgroup") as f:
             proc_cgroup = f.read()
@@ -151,7 +152,10 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     hf = os.path.join(workdir, "slices", f"{arch}-L{layers}", "hf")
-    synth_slice.write_slice(hf, arch, layers, log=log)
+    over = dict(n_routed_experts=experts) if experts else {}
+    if experts:
+        hf = os.path.join(workdir, "slices", f"{arch}-L{layers}-E{experts}", "hf")
+    synth_slice.write_slice(hf, arch, layers, log=log, **over)
     mdir = bp.model_workdir(workdir, hf)
     with open(os.path.join(hf, "config.json")) as f:
         c_slice = json.load(f)
@@ -168,7 +172,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
         cont = bp.ensure_container(hf, mdir, "int4_g64", df, log)
         facts = _container_facts(cont)
         facts["convert_s"] = time.time() - t0
-        label = "glm-jax defaults" if df == "bf16" else f"glm-jax, dense {df}"
+        label = "glm-jax defaults" if df == "auto" else f"glm-jax, dense {df}"
         engines.append((f"glmjax-{df}", label, "glm-jax", cont, facts))
     notes = []
     if have_llama and "llama" in engines_wanted:
@@ -198,21 +202,28 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     log(f"disk: O_DIRECT {disk['direct']:.2f} GB/s, buffered cold {disk['buffered']:.2f} GB/s")
     rows, t_c = [], {}
     run_no = 0
-    for box in boxes:
+    # --slice_fracs: limits that are a fraction of the model's size as llama.cpp ships it (the Q4_0 GGUF; the first
+    # glm-jax container without llama.cpp), the same limit for every engine
+    model_mb = engines[0][4]["total"] / 1e6
+    for box in list(boxes) + [("frac", f) for f in fracs]:
         for key, label, kind, path, facts in engines:
             run_no += 1
             d_s = facts["dense_bytes"] / 1e6
             d_f = d_s * dp_f / dp_s
-            if box:
+            if isinstance(box, tuple):
+                limit, per_layer = box[1] * model_mb, 0.0
+            elif box:
                 limit, per_layer = box_limit_mb(box, d_s, d_f, n_moe_s, n_moe_f, os_reserve_mb, runtime_mb)
             else:
                 limit, per_layer = nolimit_mb, float("inf")
-            row = {"box": f"{box:g} GB" if box else "none", "engine": label,
+            box_name = (f"{box[1]:g}x model" if isinstance(box, tuple) else f"{box:g} GB" if box else "none")
+            row = {"box": box_name, "engine": label,
                    "limit MB": f"{limit:.0f}" if limit else "-",
                    "per layer MB (experts)": ("all" if per_layer == float("inf") else
+                                              "-" if isinstance(box, tuple) else
                                               f"{per_layer:.0f} ({per_layer * 1e6 / facts['record_len']:.0f})")}
             if limit is None:
-                row["result"] = f"dense part does not fit ({d_f / 1e3:.1f} GB of dense weights in a {box:g} GB box)"
+                row["result"] = f"dense part does not fit ({d_f / 1e3:.1f} GB of dense weights in a {box_name} box)"
                 rows.append(row)
                 log(f"{row['box']} {label}: {row['result']}")
                 continue
@@ -232,7 +243,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
                 log(f"{row['box']} {label}: {verdict}")
                 continue
             t = 1.0 / out["decode_tok_s"]
-            if not box:
+            if box == 0:
                 t_c[key] = t
             row["decode tok/s"] = f"{out['decode_tok_s']:.3g}"
             row["prefill tok/s"] = f"{out['prefill_tok_s']:.3g}"
@@ -271,7 +282,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
                       f"record {f['record_len'] / 1e6:.2f} MB, ready in {f['convert_s']:.0f} s: converted in this "
                       "run, or found)"
                       for _, lbl, _, _, f in engines)
-    head = (f"{arch} slice, {layers} layers ({n_moe_s} MoE), vocab {c_slice['vocab_size']}, real widths "
+    head = (f"{arch} slice, {layers} layers ({n_moe_s} MoE), vocab {c_slice['vocab_size']}, real widths" + (f", but {experts} routed experts per layer (the architecture has {c_full['n_routed_experts']})" if experts else "") + " "
             f"(tools/fixtures/synth_slice.py, random bf16 weights, Zipf-skewed router bias); full model: {n_moe_f} MoE layers, "
             f"vocab {c_full['vocab_size']}, {dp_f / 1e9:.2f} B dense parameters (slice: {dp_s / 1e9:.3f} B). "
             f"Files: {sizes}. Decode: {new_tokens} tokens after a {prompt_tokens}-token prompt, {threads} threads, "
@@ -280,7 +291,8 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
             f"warm-up generation, a 2-token warm-up, then the median of 3 generations). Box -> limit: {rt_note} "
             f"and OS {os_reserve_mb:g} MB reserved of the box, then the engine's full dense part "
             "(its slice dense bytes scaled by dense parameters), the rest split over the full model's MoE layers; "
-            "limit = runtime + slice dense + per-layer x slice MoE layers. Projection and disk bound: see "
+            "limit = runtime + slice dense + per-layer x slice MoE layers; an 'Nx model' row's limit is N x "
+            f"{model_mb:.0f} MB ({engines[0][1]}'s files), for every engine. Projection and disk bound: see "
             f"tools/bench/slice.py; disk measured in this run: O_DIRECT {disk['direct']:.2f} GB/s, buffered cold "
             f"{disk['buffered']:.2f} GB/s (bound uses {gbps:.2f}). 'read GB' = the process's storage reads "
             "(getrusage), load included.")

@@ -1,0 +1,154 @@
+"""glm-jax-serve against llama-server on the same model at the same bits, interleaved (issue 24 item 5).
+
+    python -m tools.bench.serve_peer --model=CONTAINER --gguf=MODEL-Q4_0.gguf --llamacpp=PREFIX
+                                     [--clients=1,2,4,8] [--requests=3] [--max_tokens=64] [--rounds=2]
+
+Both servers are started once (127.0.0.1, each on a free port, ``--threads`` threads): glm-jax-serve with its
+defaults but the model (``--serve_args`` adds flags), llama-server with ``-np --np -c --np x --ctx_per_slot -t``
+(its other defaults).  Each is warmed with two requests.  Then, per round, per concurrency level, both are load-tested
+one after the other (the order alternates between rounds) with ``tools/bench/load_test.py``'s clients: the official
+``openai`` client, streaming completions, the same prompts (windows of the shipped model's held-out text) and seeds.
+The table gives per level the median over rounds of each server's aggregate tok/s and p50 TTFT, and the ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from absl import app, flags
+
+from tools.bench import load_test as LT
+
+FLAGS = flags.FLAGS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc, log_path: str, timeout: float = 600.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}; log {log_path}:\n" + open(log_path).read()[-2000:])
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s (log {log_path})")
+
+
+def start_servers(logdir: str):
+    os.makedirs(logdir, exist_ok=True)
+    servers = {}
+    pg = _free_port()
+    cmd = [sys.executable, "-m", "glm_jax.serve.app", f"--model={FLAGS.model}", "--host=127.0.0.1", f"--port={pg}",
+           *FLAGS.serve_args.split()]
+    lg = os.path.join(logdir, "glm-jax-serve.log")
+    env = dict(os.environ, OMP_NUM_THREADS=str(FLAGS.threads))
+    servers["glm-jax-serve"] = (subprocess.Popen(cmd, stdout=open(lg, "w"), stderr=subprocess.STDOUT, env=env),
+                                f"http://127.0.0.1:{pg}", lg, " ".join(cmd[1:]))
+    pl = _free_port()
+    cmd = [os.path.join(FLAGS.llamacpp, "bin", "llama-server"), "-m", FLAGS.gguf, "--host", "127.0.0.1", "--port",
+           str(pl), "-t", str(FLAGS.threads), "-np", str(FLAGS.np), "-c", str(FLAGS.np * FLAGS.ctx_per_slot)]
+    ll = os.path.join(logdir, "llama-server.log")
+    servers["llama-server"] = (subprocess.Popen(cmd, stdout=open(ll, "w"), stderr=subprocess.STDOUT),
+                               f"http://127.0.0.1:{pl}", ll, " ".join(cmd[1:]))
+    for name, (p, url, lp, _) in servers.items():
+        _wait_healthy(url + "/health", p, lp)
+    return servers
+
+
+def main(argv):
+    import openai
+
+    levels = [int(x) for x in FLAGS.clients.split(",") if x.strip()]
+    ps = LT.prompts(max(levels) * FLAGS.requests + 4, FLAGS.prompt_chars, FLAGS.seed)
+    args = dict(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature)
+    servers = start_servers(FLAGS.logdir)
+    load0 = os.getloadavg()[0]
+    t_start = time.time()
+    try:
+        clients = {}
+        for name, (_, url, _, _) in servers.items():
+            c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            model = c.models.list().data[0].id
+            for i in range(2):
+                LT.one_request(c, model, ps[-1 - i], FLAGS.max_tokens, FLAGS.temperature, i)
+            clients[name] = (c, model)
+        res = {(n, lv): [] for n in servers for lv in levels}
+        names = list(servers)
+        for rnd in range(FLAGS.rounds):
+            for lv in levels:
+                for name in (names if rnd % 2 == 0 else names[::-1]):
+                    c, model = clients[name]
+                    r = LT.run_level(c, model, lv, FLAGS.requests, ps, args)
+                    res[(name, lv)].append(r)
+                    print(f"round {rnd} {name} {lv} clients: {r['agg']:.1f} tok/s, TTFT p50 {1e3 * r['ttft50']:.0f} "
+                          f"ms, {r['tok_per_chunk']:.1f} tok/chunk, errors {r['errors']} {r['error_text']}",
+                          file=sys.stderr, flush=True)
+    finally:
+        for p, _, _, _ in servers.values():
+            p.terminate()
+        for p, _, _, _ in servers.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    med = lambda xs: statistics.median(xs)       # noqa: E731
+    g, ll = names
+    print(f"glm-jax-serve vs llama-server, {FLAGS.requests} streaming completions per client per level, max_tokens "
+          f"{FLAGS.max_tokens}, temperature {FLAGS.temperature:g}, {FLAGS.threads} threads each, medians of "
+          f"{FLAGS.rounds} interleaved rounds\n")
+    print("| clients | glm-jax-serve aggregate tok/s | llama-server aggregate tok/s | ratio | glm-jax TTFT p50 ms | "
+          "llama TTFT p50 ms | glm-jax tokens/chunk | llama tokens/chunk | errors (glm-jax / llama) | rounds glm-jax "
+          "| rounds llama |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for lv in levels:
+        a, b = res[(g, lv)], res[(ll, lv)]
+        ag, al = med([r["agg"] for r in a]), med([r["agg"] for r in b])
+        ra, rb = (", ".join(f"{r['agg']:.0f}" for r in x) for x in (a, b))
+        print(f"| {lv} | {ag:.1f} | {al:.1f} | {ag / al if al else 0:.2f}x | {1e3 * med([r['ttft50'] for r in a]):.0f} "
+              f"| {1e3 * med([r['ttft50'] for r in b]):.0f} | {med([r['tok_per_chunk'] for r in a]):.1f} | "
+              f"{med([r['tok_per_chunk'] for r in b]):.1f} | {sum(r['errors'] for r in a)} / "
+              f"{sum(r['errors'] for r in b)} | {ra} | {rb} |")
+    print()
+    for name, (_, _, _, cmd) in servers.items():
+        print(f"- {name}: `{cmd}`")
+    print(f"- load average (1 min) at the start / end: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} "
+          f"CPUs; wall {time.time() - t_start:.0f} s")
+    return 0
+
+
+def run():
+    flags.DEFINE_string("model", "", "glm-jax-serve --model (a container)")
+    flags.DEFINE_string("gguf", "", "llama-server -m (the same model at the same bits)")
+    flags.DEFINE_string("llamacpp", "/work/llamacpp", "llama.cpp prefix (bin/llama-server)")
+    flags.DEFINE_string("serve_args", "", "extra glm-jax-serve flags (space-separated)")
+    flags.DEFINE_string("clients", "1,2,4,8", "concurrency levels")
+    flags.DEFINE_integer("requests", 3, "requests per client per level per round")
+    flags.DEFINE_integer("max_tokens", 64, "max_tokens per request")
+    flags.DEFINE_float("temperature", 0.8, "sampling temperature")
+    flags.DEFINE_integer("prompt_chars", 120, "characters of held-out text per prompt")
+    flags.DEFINE_integer("seed", 1, "prompt selection seed")
+    flags.DEFINE_integer("rounds", 2, "interleaved rounds (medians)")
+    flags.DEFINE_integer("threads", 2, "threads of each server")
+    flags.DEFINE_integer("np", 8, "llama-server -np (parallel slots)")
+    flags.DEFINE_integer("ctx_per_slot", 512, "llama-server context per slot (-c = np x this)")
+    flags.DEFINE_string("logdir", "/tmp/glm-jax-serve-peer", "server logs")
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
