@@ -231,7 +231,7 @@ OPTIONS = [
 
 BY_NAME = {o.name: o for o in OPTIONS}
 
-# glm-jax-serve's request limits: flags of that command only (not engine options), checked like the table above
+# glm-jax-serve's request limits and --warmup: flags of that command only (not engine options), checked like the table above
 SERVE_OPTIONS = [
     Opt("max_body_mb", 8.0, "float", "Largest request body in MB; a larger one is refused with HTTP 413 before it is "
         "read (its Content-Length, or as soon as the bytes received pass the limit).", lo=0.0, hi=4096.0,
@@ -241,6 +241,9 @@ SERVE_OPTIONS = [
         "closed after --keep_alive_s.", lo=0.0, hi=86400.0, lo_open=True),
     Opt("keep_alive_s", 5.0, "float", "Seconds an idle keep-alive connection stays open.", lo=0.0, hi=3600.0,
         lo_open=True),
+    Opt("warmup", True, "bool", "Before listening, compile the programs the first requests need (a short prefill, "
+        "decode at every batch width up to --max_batch, a prefix-cache hit), so no client waits for a compile; "
+        "with the persistent --compile_cache a later start loads them."),
 ]
 SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
 
@@ -600,11 +603,15 @@ def define_flags(flags_module=None):
 
 
 def define_serve_flags():
-    """glm-jax-serve's request-limit flags (SERVE_OPTIONS; idempotent)."""
+    """glm-jax-serve's own flags (SERVE_OPTIONS: request limits, --warmup; idempotent)."""
     from absl import flags
 
     for o in SERVE_OPTIONS:
-        if o.name not in flags.FLAGS:
+        if o.name in flags.FLAGS:
+            continue
+        if o.kind == "bool":
+            flags.DEFINE_boolean(o.name, o.default, o.help)
+        else:
             flags.DEFINE_float(o.name, o.default, o.help + f" [{_range_text(o)}]")
 
 

@@ -569,7 +569,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     import sys
 
     p = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv[0] = 'glm-jax-serve'; "
-                          "from glm_jax.serve.app import run; run()", "--port=0", "--max_batch=2"],
+                          "from glm_jax.serve.app import run; run()", "--port=0", "--max_batch=2", "--nowarmup"],
                          stderr=subprocess.PIPE, text=True)
     try:
         port = None

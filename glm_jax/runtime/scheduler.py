@@ -264,6 +264,47 @@ class Scheduler:
             else:
                 self.step()
 
+    def warmup(self, lengths: tuple = (8, 72)) -> tuple:
+        """Compile, before the first client, what the first requests would otherwise compile while they wait: for a
+        prompt of each of ``lengths`` tokens (8: the smallest prefill and attention window; 72: the next ones, where
+        a chat turn with its template lands), its prefill and the decode program at every width the loop runs for
+        1, 2, 4, ... max_batch streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache
+        hit's prefill.  Longer contexts still compile their window's programs on first use (once: the persistent
+        compile cache keeps them), and so does each real length of a prompt shorter than 16 tokens (its prefill
+        computes the real rows' experts only).  Everything it wrote is then forgotten (the rows' prefix knowledge,
+        the counters).  Returns (seconds compiling, seconds)."""
+        t0, c0 = time.perf_counter(), self.rt.compile_s
+        vocab = self.rt.cfg.vocab_size
+        lim = self.rt.context_limit
+
+        def batch(prompt, w, streamed=True):
+            reqs = [Request(prompt, Sampling(max_new_tokens=w + 8, stop_on_eos=False, seed=i),
+                            on_event=(lambda *a: None) if streamed else None) for i in range(w)]
+            for r in reqs:
+                self.submit(r)
+            self.run(reqs)
+            for r in reqs:
+                if r.error is not None:
+                    raise r.error
+
+        prompt = []
+        for n in lengths:
+            if n + 2 * self.B + 16 > lim:
+                break
+            prompt = [1 + i % max(1, vocab - 1) for i in range(n)]
+            w = 1
+            while True:
+                batch(prompt, w)
+                if w >= self.B:
+                    break
+                w = min(self.B, 2 * w)
+            batch(prompt, 1, streamed=False)
+        if self.prefix_cache and prompt:
+            batch(prompt + [prompt[0]], 1)               # the prompt + 1 token: a row holds the rest
+        self.forget()
+        self.counters.clear()
+        return self.rt.compile_s - c0, time.perf_counter() - t0
+
     def serve_forever(self, stop: threading.Event):
         """Drive the loop until ``stop`` is set (the server's engine thread); waits for work when idle."""
         self.serving = True

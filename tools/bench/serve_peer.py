@@ -24,6 +24,7 @@ import urllib.request
 from absl import app, flags
 
 from tools.bench import load_test as LT
+from tools.bench import peer as bp
 
 FLAGS = flags.FLAGS
 
@@ -38,7 +39,7 @@ def _wait_healthy(url: str, proc, log_path: str, timeout: float = 600.0):
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}; log {log_path}:\n" + open(log_path).read()[-2000:])
+            raise RuntimeError(f"server exited {proc.returncode}; log {log_path}:\n{bp.tail(log_path)}")
         try:
             with urllib.request.urlopen(url, timeout=5) as r:
                 if r.status == 200:
@@ -57,13 +58,17 @@ def start_servers(logdir: str):
            *FLAGS.serve_args.split()]
     lg = os.path.join(logdir, "glm-jax-serve.log")
     env = dict(os.environ, OMP_NUM_THREADS=str(FLAGS.threads))
-    servers["glm-jax-serve"] = (subprocess.Popen(cmd, stdout=open(lg, "w"), stderr=subprocess.STDOUT, env=env),
+    with open(lg, "w") as out:                  # the child keeps its own copy of the descriptor
+        srv = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    servers["glm-jax-serve"] = (srv,
                                 f"http://127.0.0.1:{pg}", lg, " ".join(cmd[1:]))
     pl = _free_port()
     cmd = [os.path.join(FLAGS.llamacpp, "bin", "llama-server"), "-m", FLAGS.gguf, "--host", "127.0.0.1", "--port",
            str(pl), "-t", str(FLAGS.threads), "-np", str(FLAGS.np), "-c", str(FLAGS.np * FLAGS.ctx_per_slot)]
     ll = os.path.join(logdir, "llama-server.log")
-    servers["llama-server"] = (subprocess.Popen(cmd, stdout=open(ll, "w"), stderr=subprocess.STDOUT),
+    with open(ll, "w") as out:
+        srv = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    servers["llama-server"] = (srv,
                                f"http://127.0.0.1:{pl}", ll, " ".join(cmd[1:]))
     for name, (p, url, lp, _) in servers.items():
         _wait_healthy(url + "/health", p, lp)
@@ -87,6 +92,11 @@ def main(argv):
             for i in range(2):
                 LT.one_request(c, model, ps[-1 - i], FLAGS.max_tokens, FLAGS.temperature, i)
             clients[name] = (c, model)
+        if FLAGS.warm_levels:        # one untimed pass of every level: each width's first compile is not timed
+            for name in servers:
+                c, model = clients[name]
+                for lv in levels:
+                    LT.run_level(c, model, lv, 1, ps, args)
         res = {(n, lv): [] for n in servers for lv in levels}
         names = list(servers)
         for rnd in range(FLAGS.rounds):
@@ -110,7 +120,8 @@ def main(argv):
     g, ll = names
     print(f"glm-jax-serve vs llama-server, {FLAGS.requests} streaming completions per client per level, max_tokens "
           f"{FLAGS.max_tokens}, temperature {FLAGS.temperature:g}, {FLAGS.threads} threads each, medians of "
-          f"{FLAGS.rounds} interleaved rounds\n")
+          f"{FLAGS.rounds} interleaved rounds" + (" after an untimed pass of every level" if FLAGS.warm_levels else "")
+          + "\n")
     print("| clients | glm-jax-serve aggregate tok/s | llama-server aggregate tok/s | ratio | glm-jax TTFT p50 ms | "
           "llama TTFT p50 ms | glm-jax tokens/chunk | llama tokens/chunk | errors (glm-jax / llama) | rounds glm-jax "
           "| rounds llama |")
@@ -142,6 +153,8 @@ def run():
     flags.DEFINE_float("temperature", 0.8, "sampling temperature")
     flags.DEFINE_integer("prompt_chars", 120, "characters of held-out text per prompt")
     flags.DEFINE_integer("seed", 1, "prompt selection seed")
+    flags.DEFINE_bool("warm_levels", True, "an untimed pass of every level first (compiles each decode width; "
+                      "without it the first round times glm-jax-serve's first compile of each width)")
     flags.DEFINE_integer("rounds", 2, "interleaved rounds (medians)")
     flags.DEFINE_integer("threads", 2, "threads of each server")
     flags.DEFINE_integer("np", 8, "llama-server -np (parallel slots)")
