@@ -264,14 +264,15 @@ class Scheduler:
             else:
                 self.step()
 
-    def warmup(self, lengths: tuple = (8, 72)) -> tuple:
+    def warmup(self, lengths: tuple = (72,)) -> tuple:
         """Compile, before the first client, what the first requests would otherwise compile while they wait: for a
-        prompt of each of ``lengths`` tokens (8: the smallest prefill and attention window; 72: the next ones, where
-        a chat turn with its template lands), its prefill and the decode program at every width the loop runs for
-        1, 2, 4, ... max_batch streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache
-        hit's prefill.  Longer contexts still compile their window's programs on first use (once: the persistent
-        compile cache keeps them), and so does each real length of a prompt shorter than 16 tokens (its prefill
-        computes the real rows' experts only).  Everything it wrote is then forgotten (the rows' prefix knowledge,
+        prompt of each of ``lengths`` tokens (72: the 128-position attention window, where a short chat turn with its
+        template lands), its prefill and the decode program at every width the loop runs for 1, 2, 4, ... max_batch
+        streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache hit's prefill.  Other
+        windows and prefill buckets still compile on first use, and so does each real length of a prompt shorter
+        than 16 tokens (its prefill computes the real rows' experts only); the persistent compile cache keeps
+        those programs for the next start, but not the streamed decode loops (JAX's cache key includes a host
+        callback's address, so such a program never hits it in a new process), which is why this pass is worth running at every start.  Everything it wrote is then forgotten (the rows' prefix knowledge,
         the counters).  Returns (seconds compiling, seconds)."""
         t0, c0 = time.perf_counter(), self.rt.compile_s
         vocab = self.rt.cfg.vocab_size
