@@ -212,7 +212,7 @@ def dense_bytes(tensors, cfg, fmt: str, packed: bool, itemsize: int = 4) -> tupl
     (routed experts left out by the caller).  ``packed``: the dense matrices become QWeights (native kernels or a
     quantized format: a stored bf16 / int8 / int4 matrix stays so), else every float is cast to the compute dtype
     (``itemsize`` bytes).  Follows weights.load_params: norms, biases and the router f32; the embedding table as
-    stored; lm_head (and a tied one, a second copy) in ``quant.head_format``; MLA attention float."""
+    stored; lm_head (and a tied one, a second copy) in ``quant.head_format``; MLA's kv_b float, its linears packed."""
     infos = {k: (dt, tuple(sh)) for k, dt, sh in tensors}
     total, extra = 0, 0
 
@@ -262,8 +262,12 @@ def dense_bytes(tensors, cfg, fmt: str, packed: bool, itemsize: int = 4) -> tupl
                 b += as_fmt(key, out, n_in, head_format(fmt) if fmt != "native" else "native")
         elif key == "lm_head.weight" or key.endswith("shared_head.head.weight"):
             b = as_fmt(key, out, n_in, head_format(fmt) if fmt != "native" else "native")
+        elif mla and key.endswith("weights_proj.weight"):
+            b = out * n_in * 4                           # the DSA indexer's head weights: f32 (as transformers)
+        elif mla and key.endswith(("kv_b_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight")):
+            b = out * n_in * itemsize                    # kv_b reshaped for absorption, the indexer's: float
         elif mla and ".self_attn." in key:
-            b = out * n_in * itemsize
+            b = as_fmt(key, out, n_in, fmt)              # MLA's linears: packed like any dense matrix
         else:
             b = as_fmt(key, out, n_in, fmt)
         total += b

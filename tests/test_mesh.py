@@ -142,7 +142,8 @@ def test_nnx_model_holds_every_parameter_with_its_axes(name):
     lp = model.layers[1]
     assert lp.experts.gate_up.get_metadata()["out_sharding"][0] == "expert"
     if name.startswith("dsa"):
-        assert lp.attn.q_b_w.get_metadata()["out_sharding"] == ("heads", "lora")
+        w = lp.attn.q_b_w                      # a packed QWeight (a Linear node) for the native kernels
+        assert (w.q if hasattr(w, "q") else w).get_metadata()["out_sharding"] == ("heads", "lora")
     elif "qkv" in lp.attn.keys_:               # fused for the native kernels: not split (mesh.py loads it unfused)
         assert lp.attn.qkv.q.get_metadata()["out_sharding"] == ("qkv", "embed")
     else:

@@ -322,3 +322,43 @@ def test_use_gather_decision():
     big = dataclasses.replace(cfg, kv_lora_rank=512, qk_rope_head_dim=64)
     assert mla.use_gather(big, 1, 2048, 65536)                   # decode at GLM-5 widths
     assert not mla.use_gather(big, 512, 2048, 65536)             # a 512-token prefill chunk: dense masked
+
+
+def test_mla_linears_stay_quantized_in_memory(tmp_path):
+    """Real scale found it (docs/real-scale.md, GLM-5.2 slice): every MLA matrix was dequantized to f32 at load
+    ("reshaped for absorption: always float"), so an int4 container's 0.37 GB of non-expert weights took 1.56 GB
+    resident at H 6144 (o_proj alone 4x its bf16 size; ~50 GB for GLM-5.2's 78 layers).  Only kv_b is reshaped
+    for absorption: q_a, q_b, kv_a and o are plain linears and now stay as stored (int8 here), through the native
+    kernels; the memory plan counts them so; the output stays as close to the reference as before (top-1 0.92,
+    median |error| 0.025 vs 0.026 with every MLA matrix dequantized)."""
+    import glm_jax
+    from glm_jax import fit
+    from glm_jax.experts.convert import convert
+    from glm_jax.kernels import formats as Q
+
+    if not glm_jax.kernels.load():
+        pytest.skip("native kernels unavailable")
+    src = os.path.join(os.path.dirname(__file__), "golden", "dsa_sparse")
+    exp = dict(np.load(os.path.join(src, "expected.npz")))
+    dst = str(tmp_path / "dsa4")
+    convert(src, dst, expert_format="int8_row", mtp_format="int8_row", dense_format="int8", progress=False)
+    eng = glm_jax.Engine.load(dst, fetch="resident")
+    try:
+        a = eng.params["layers"][0]["attn"]
+        for k in Q.MLA_LINEARS:
+            assert isinstance(a[k], Q.QWeight) and a[k].fmt == "int8_row", (k, type(a[k]))
+        # the indexer's projections stay float: int8 activations there flipped top-k picks (top-1 0.92 -> 0.67)
+        assert "indexer" in a and not any(isinstance(a["indexer"][k], Q.QWeight) for k in ("wq_b", "wk"))
+        assert not isinstance(a["kv_b_w"], Q.QWeight) and a["kv_b_w"].dtype == jnp.float32
+        got = eng.logits(exp["input_ids"][0].tolist())
+        ref = exp["logits"][0]
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9 and np.median(np.abs(got - ref)) < 0.05
+        # the memory plan's dense bytes: int8 matrices counted at their stored size (plus scales), not as f32
+        tensors = fit.header_tensors(dst)
+        planned, _ = fit.dense_bytes(tensors, eng.cfg, "native", packed=True)
+        o_key = next(k for k, dt, sh in tensors if k.endswith("layers.0.self_attn.o_proj.weight"))
+        assert dict((k, dt) for k, dt, _ in tensors)[o_key] == "int8"
+        f32_all = sum(int(np.prod(sh)) * 4 for k, _, sh in tensors if k.endswith(".weight") and len(sh) == 2)
+        assert planned < 0.6 * f32_all
+    finally:
+        eng.close()

@@ -193,8 +193,13 @@ def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     lp = {"input_norm": get(pre + "input_layernorm.weight", (H,)),
           "post_norm": get(pre + "post_attention_layernorm.weight", (H,))}
     if cfg.model_type == "glm_moe_dsa":
-        # MLA's matrices are reshaped for absorption: always float here
-        lp["attn"] = mla.load_mla_params(lambda *a: _float(get(*a)), pre + "self_attn.", cfg, i)
+        # kv_b is reshaped for absorption (per-head W_UK / W_UV), the indexer's weights_proj is f32: always float.
+        # The projections (q_a, q_b, kv_a, o) are plain linears: kept as stored, packed by formats.pack_layer
+        # (which keeps the indexer's wq_b / wk float: its top-k is discrete, int8 activations flipped picks)
+        def get_mla(key, shape=None):
+            a = get(key, shape)
+            return _float(a) if key.endswith(("kv_b_proj.weight", "weights_proj.weight")) else a
+        lp["attn"] = mla.load_mla_params(get_mla, pre + "self_attn.", cfg, i)
     else:
         lp["attn"] = _attn_gqa(get, pre + "self_attn.", cfg)
     if moe:
