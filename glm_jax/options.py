@@ -136,7 +136,7 @@ OPTIONS = [
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
         "called from inside one compiled step via io_callback). auto: resident for plain HF dirs, and for containers "
-        "whose experts all fit the RAM budget (all loaded at start); loop otherwise.", ("auto", "resident", "loop", "callback"), main=True),
+        "whose experts all fit the RAM budget (all loaded at start); loop otherwise.", ("auto", "resident", "loop", "callback", "fused"), main=True),
     Opt("expert_format", "native", "str", "Storage format of resident experts: native (checkpoint dtype), f32, bf16, "
         "int8_row, int4_row, int4_g<N> (N even, e.g. int4_g64).", check=_expert_format),
     Opt("colibri_env", False, "bool", "Also read the original engine's environment variables (CAP, RAM_GB, TOPP, "

@@ -21,6 +21,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from .. import fileio
 from .. import model as M
@@ -149,9 +150,11 @@ def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
 
 
 def stream_step(engine, tokens, start, lengths, logit_rows=None):
-    """engine.forward for fetch=loop|callback.  Returns (logits, hidden, cache)."""
-    if engine.opts["fetch"] == "callback":
+    """engine.forward for fetch=loop|callback|fused.  Returns (logits, hidden, cache)."""
+    if engine.opts["fetch"] == "callback" or (engine.opts["fetch"] == "fused" and not engine.store.aliased):
         return _callback_step(engine, tokens, start, lengths, logit_rows)
+    if engine.opts["fetch"] == "fused" and fused_applies(engine, *tokens.shape, lengths):
+        return _fused_step(engine, tokens, start, lengths, logit_rows)
     cfg, params, store = engine.cfg, engine.params, engine.store
     f = _fns(engine)
     B, T = tokens.shape
@@ -314,8 +317,6 @@ def _build_callback_step(engine, n_pos, rows=None):
         return out, compact, np.int32(len(union))
 
     def f(params, cache, tokens, start, lengths, resident):
-        from jax.experimental import io_callback
-
         B, T = tokens.shape
         valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
         x = M.embed(params, tokens)
@@ -354,3 +355,131 @@ def _build_callback_step(engine, n_pos, rows=None):
         return M.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats), jnp.stack(unions)
 
     return jax.jit(f, donate_argnums=(1,))
+
+
+# ----------------------------------------------------------------------------- fused mode
+# One compiled program per forward (and, in the scheduler, per up-to-32-step decode dispatch), with the store's
+# slot arenas as jit ARGUMENTS.  On XLA:CPU those arrays alias the arenas (store.aliased), so the ordered
+# io_callback of a MoE layer only runs ``store.fetch`` (which reads the misses straight into the arena) and returns
+# the small ``slot_of [E]``; the seam then reads the arena where it is: no compact copy.  ``optimization_barrier``
+# ties each bank to its layer's slot_of, so nothing that reads the bank (a kernel, a layout change, a loop-invariant
+# computation hoisted out of the decode loop) can run before that layer's fetch.  The ops are the loop's, one for
+# one (attn_route + moe_part), so the outputs are bitwise fetch=loop's; the callback also returns what the plugins
+# see as resident in the next MoE layer, read after this layer's fetch and prefetch as the loop reads it.
+
+def fused_applies(engine, B: int, T: int, lengths) -> bool:
+    """Whether a forward of tokens [B, T] runs as one fused program (else the loop's path): the store's banks alias
+    its arenas (else --fetch=fused runs the callback program), no --overlap, and the union of every MoE layer fits
+    one fetch (a larger one -- a long prefill under a small budget -- is fetched in chunks by the loop)."""
+    store, cfg = engine.store, engine.cfg
+    if engine.opts["overlap"]:
+        return False
+    n_pos = B * T if engine.plugin is not None else int(np.minimum(np.asarray(lengths), T).sum())
+    need = min(cfg.n_routed_experts, cfg.num_experts_per_tok * n_pos)
+    return all(need <= store.call_limit(i) for i in cfg.moe_layers if i < cfg.num_hidden_layers)
+
+
+def fused_banks(engine) -> list:
+    """The MoE layers' banks (aliasing the store's slot arenas), in layer order: the fused program's arguments."""
+    return [engine.store._layer(i).bank for i in engine.cfg.moe_layers if i < engine.cfg.num_hidden_layers]
+
+
+def _fused_host(engine, layer: int, nxt, first: int, ids, valid, pred=None, valid_pos=None):
+    """The ordered callback of MoE layer ``layer``: what the loop does between its two jits (union, recall of the
+    previous layer's prediction, fetch, trace, prefetch of the next layer, counters).  Returns (slot_of [E] int32,
+    the next MoE layer's resident mask [E] -- ``first``'s after the last layer, for a decode loop's next step)."""
+    store = engine.store
+    ids, valid = np.asarray(ids), np.asarray(valid)
+    union = np.unique(ids[valid])
+    pend = engine._fused_pred.pop(layer, None)
+    if pend is not None:
+        _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pend, union)))
+        _acc(engine, "prefetch_recall_total", len(union))
+    _, slot_of = store.fetch(layer, union)
+    if engine.opts["route_trace"]:
+        engine._fused_trace.append([layer, union.tolist()])
+        if nxt is None:
+            tr, engine._fused_trace = engine._fused_trace, []
+            write_route_trace(engine, tr)
+    if pred is not None:
+        pn = np.unique(np.asarray(pred)[np.asarray(valid_pos)])
+        engine._fused_pred[nxt] = pn
+        store.prefetch(nxt, pn)                     # background loads while this layer computes
+    _acc(engine, "union_experts", len(union))
+    _acc(engine, "moe_layer_forwards", 1)
+    return np.asarray(slot_of, np.int32), np.asarray(engine.resident_for(first if nxt is None else nxt), bool)
+
+
+def fused_forward(engine, B: int, T: int, short_rows=None):
+    """The traceable streamed forward of tokens [B, T] (fetch=loop's ops, one program):
+    ``f(params, banks, cache, tokens, start, lengths, resident [n_moe, E], logit_rows=None)`` ->
+    (logits, hidden, cache, routing summary, resident for the next forward).  ``short_rows``: the real rows of a
+    padded decode / verify (fetch=loop's ``rows``)."""
+    cfg, store = engine.cfg, engine.store
+    plugin = engine.plugin or M.identity_plugin
+    want_stats = engine.plugin is not None
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    moe_idx = [i for i in cfg.moe_layers if i < cfg.num_hidden_layers]
+    prefetch = bool(engine.opts["prefetch"])
+    shapes = (jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((E,), jnp.bool_))
+    slots = {i: store._layer(i).S for i in moe_idx}
+    engine._fused_pred, engine._fused_trace = {}, []
+
+    def f(params, banks, cache, tokens, start, lengths, resident, logit_rows=None):
+        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+        x = M.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
+        cache = list(cache)
+        sel, summs, mi, res = None, [], 0, resident[0]
+        layers = params["layers"]
+        for i, lp in enumerate(layers):
+            k = _layer_key(cfg, i)
+            h, cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, k, sel, valid_bt)
+            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+            if "moe" not in lp:
+                x = h + M.mlp(lp["mlp"], hn, valid_bt)
+                continue
+            flat = hn.reshape(B * T, -1)
+            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), res, jnp.int32(i),
+                             M.positions_of(start, T))
+            after = plugin(before)
+            later = [j for j in moe_idx if j > i]
+            nxt = later[0] if later else None
+            args = (after.ids, after.valid)
+            if prefetch and nxt is not None:
+                pred = M.route(cfg, layers[nxt]["moe"], flat, valid_bt.reshape(B * T), res).ids
+                args += (pred, valid_bt.reshape(-1))
+            slot_of, res = io_callback(functools.partial(_fused_host, engine, i, nxt, moe_idx[0]), shapes, *args,
+                                       ordered=True)
+            # the bank is read only after this layer's fetch: every use of it depends on slot_of
+            slot_of, bank = jax.lax.optimization_barrier((slot_of, banks[mi]))
+            mi += 1
+            rows = short_rows if short_rows is not None and B * T * K <= slots[i] else None
+            real = after.valid.any(-1).reshape(B, T)
+            if rows is None:
+                routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of).reshape(B, T, -1)
+            else:
+                part = M.moe_routed(flat[:rows], after.ids[:rows], after.weights[:rows], after.valid[:rows], bank,
+                                    slot_of, gather=True)
+                routed = jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, -1)
+            x = M.moe_finish(lp["moe"], h, hn, routed, real)
+            summs.append((before, after))
+        hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        logits = M.head_logits(hidden, params["lm_head"], valid_bt if logit_rows is None else logit_rows)
+        return logits, hidden, cache, _routing_summary(summs, want_stats), resident.at[0].set(res)
+
+    return f
+
+
+def _fused_step(engine, tokens, start, lengths, logit_rows=None):
+    B, T = tokens.shape
+    n_real = int(np.max(np.asarray(lengths)))
+    short = n_real if (B == 1 and T <= 16 and n_real < T) else None
+    key = ("fused_step", B, T, engine._cache_len, short, logit_rows is None, bool(engine.opts["prefetch"]))
+    fn = engine._jits.get(key)
+    if fn is None:
+        fn = engine._jits[key] = jax.jit(fused_forward(engine, B, T, short), donate_argnums=(2,))
+    engine._fused_pred, engine._fused_trace = {}, []
+    logits, hidden, engine._cache, summ, _ = fn(engine.params, fused_banks(engine), engine._cache, tokens, start,
+                                                lengths, engine._resident_masks(), logit_rows)
+    engine._accumulate(summ)
+    return logits, hidden, engine._cache
