@@ -67,7 +67,7 @@ from .runner import (
 from .sampling import sample_rows
 from .speculative import SpecRow, decode_width, draft_plan
 from .stats import route_stats, routing_summary, store_stats
-from .streaming import fused_applies, fused_banks, fused_forward
+from .streaming import fused_applies, fused_banks, fused_finish, fused_forward, fused_state
 
 FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
 MIN_WINDOW = 64       # smallest attention window (cache positions)
@@ -607,13 +607,13 @@ class Scheduler:
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
         extra = () if rmap is None else (jnp.asarray(rmap),)
         params = (rt.params, fused_banks(rt)) if streamed_store else rt.step_params()
-        if streamed_store:
-            rt._fused_pred, rt._fused_trace = {}, []
-        rt._cache, out, cnt, keys, acc = fn(params, rt._cache, jnp.asarray(self.tok[sel], jnp.int32),
+        # what changes from step to step besides the cache: the store's state (streamed) or the resident masks
+        state = fused_state(rt, FUSED_CHUNK, w, W) if streamed_store else rt._resident_masks()
+        rt._cache, out, cnt, keys, acc, state = fn(params, rt._cache, jnp.asarray(self.tok[sel], jnp.int32),
                                             jnp.asarray(pos[sel]), jnp.asarray(self.keys[sel]),
                                             jnp.asarray(temp[sel]), jnp.asarray(topk[sel]), jnp.asarray(topp[sel]),
                                             jnp.asarray(eos_on[sel]), jnp.asarray(budget[sel]), jnp.int32(n),
-                                            jnp.asarray(eos, jnp.int32), rt._resident_masks(), *extra)
+                                            jnp.asarray(eos, jnp.int32), state, *extra)
         cnt = np.asarray(cnt)
         if rmap is not None:                              # back to row order
             full = np.zeros(self.B, cnt.dtype)
@@ -621,6 +621,8 @@ class Scheduler:
             cnt = full
         finite = bool(acc.pop("_finite"))
         steps = int(acc.pop("_steps"))
+        if streamed_store:
+            fused_finish(rt, state, steps)
         if compiled and steps:                            # a first call's time is mostly its compilation
             self.observe_step((time.perf_counter() - t0) / steps)
         if not finite:
@@ -790,8 +792,8 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
 
     if rt.opts["fetch"] == "fused":
         # experts from the store: fetch=loop's ops with the store called from inside (streaming.fused_forward);
-        # params = (the params pytree, the MoE layers' banks); what the plugins see as resident comes back from
-        # the callbacks, read where the loop reads it
+        # params = (the params pytree, the MoE layers' banks); ``resident`` is the store's state (fused_state:
+        # slot maps, resident masks, the routing log its bookkeeping is replayed from), carried step to step
         fwd = fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None)
 
         def one(params, part, tok, pos, active, resident):
@@ -851,7 +853,7 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
             cache = scatter_rows(cache, c["part"], rmap)
         else:
             cache = c["part"] if full_window else write_back(cache, c["part"], None)
-        return cache, c["out"], c["cnt"], c["keys"], c["acc"]
+        return cache, c["out"], c["cnt"], c["keys"], c["acc"], c["res"]
 
     f = rt._jits[key_] = jax.jit(f, donate_argnums=(1,))
     return f
