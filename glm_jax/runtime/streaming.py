@@ -375,12 +375,18 @@ def _build_callback_step(engine, n_pos, rows=None):
 # that layer's fetch.  The ops are the loop's, one for one (attn_route + moe_part): the outputs are bitwise
 # fetch=loop's.
 
+FUSED_MAX_T = 16     # forwards of fewer positions per row run fused: decode and verify (a prefill is padded to >= 16)
+
+
 def fused_applies(engine, B: int, T: int, lengths) -> bool:
-    """Whether a forward of tokens [B, T] runs as one fused program (else the loop's path): no --overlap, and the
-    union of every MoE layer fits one fetch (a larger one -- a long prefill under a small budget -- is fetched in
-    chunks by the loop).  (A store whose banks do not alias its arenas runs --fetch=fused as the callback program.)"""
+    """Whether a forward of tokens [B, T] runs as one fused program (else the loop's path): a decode or verify
+    (T < FUSED_MAX_T), no --overlap, and the union of every MoE layer fits one fetch.  A prefill runs the loop's
+    way: its round trip per layer is shared by all its tokens, a union beyond one fetch is fetched in chunks there,
+    and its logits stay bitwise the loop's (a 16-token prefill compiled as one program differed from the loop's in
+    the last bits on the 333 M model: XLA fuses the larger program's dense ops differently).  (A store whose banks
+    do not alias its arenas runs --fetch=fused as the callback program.)"""
     store, cfg = engine.store, engine.cfg
-    if engine.opts["overlap"]:
+    if engine.opts["overlap"] or T >= FUSED_MAX_T:
         return False
     n_pos = B * T if engine.plugin is not None else int(np.minimum(np.asarray(lengths), T).sum())
     need = min(cfg.n_routed_experts, cfg.num_experts_per_tok * n_pos)

@@ -113,9 +113,8 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
             assert r.stats.get("decode_misses", 0) == 0, "compute-alone run had misses"
             comps[f].append(per_token(r))
             check(r)
-        r = resident.generate(prompt, max_new_tokens=new_tokens, stop_on_eos=False)
-        res_s.append(per_token(r))
-        check(r)
+        r = resident.generate(prompt, max_new_tokens=new_tokens, stop_on_eos=False)    # one compiled step of
+        res_s.append(per_token(r))              # other shapes: equal to the streamed logits within 1e-4, not bitwise
     read = statistics.median(reads)
     rows = []
     for (f, pf) in cold:
@@ -140,6 +139,6 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
     return markdown(rows, list(rows[0])) + "\n\n" + markdown(speed, list(speed[0])) + (
         f"\n\nmodel {model_dir}; cache {cache_cap} experts per layer (cold: store and page cache dropped before every "
         f"rep{', O_DIRECT reads' if direct_io else ''}); {new_tokens} greedy tokens after a {len(prompt)}-token "
-        f"prompt (every configuration the same tokens); medians of {reps} interleaved reps; read alone = the run's "
+        f"prompt (every streamed configuration the same tokens); medians of {reps} interleaved reps; read alone = the run's "
         f"routing replayed through a cold store of the same cap; compute alone = the same tokens with every expert in "
         f"RAM (streamed, warmed); load average {os.getloadavg()[0]:.1f} at the end")
