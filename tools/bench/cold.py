@@ -1,7 +1,7 @@
 """Cold streaming end to end: is a cold token max(read, compute) or their sum?  (tools/bench.py --mode=cold)
 
     python -m tools.bench --mode=cold --model=CONTAINER [--cache_cap=2] [--new_tokens=32] [--reps=3]
-                          [--prefetch=0,1] [--direct_io] [--fetches=loop,fused]
+                          [--prefetch=0,1] [--direct_io] [--fetches=loop,fused] [--dispatch_ms=50]
 
 For each configuration, interleaved over reps (medians printed):
 
@@ -57,13 +57,13 @@ def _replay(store, trace_path, n_prompt_forwards: int) -> tuple[float, int]:
 
 
 def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 3, prefetch=(0, 1),
-          direct_io: bool = False, prompt=None, fetches=("loop", "fused")) -> str:
+          direct_io: bool = False, prompt=None, fetches=("loop", "fused"), dispatch_ms: float = 50.0) -> str:
     import glm_jax
     from glm_jax.experts.store import ExpertStore
     from tools.bench.tables import markdown
 
     prompt = prompt or list(range(5, 21))
-    base = dict(mtp=False, draft=0, direct_io=direct_io)
+    base = dict(mtp=False, draft=0, direct_io=direct_io, dispatch_ms=dispatch_ms)
     cold = {(f, pf): glm_jax.Engine.load(model_dir, fetch=f, cache_cap=cache_cap, prefetch=bool(pf), **base)
             for f in fetches for pf in prefetch}
     E = next(iter(cold.values())).cfg.n_routed_experts
@@ -141,4 +141,4 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
         f"rep{', O_DIRECT reads' if direct_io else ''}); {new_tokens} greedy tokens after a {len(prompt)}-token "
         f"prompt (every streamed configuration the same tokens); medians of {reps} interleaved reps; read alone = the run's "
         f"routing replayed through a cold store of the same cap; compute alone = the same tokens with every expert in "
-        f"RAM (streamed, warmed); load average {os.getloadavg()[0]:.1f} at the end")
+        f"RAM (streamed, warmed); --dispatch_ms={dispatch_ms:g}; load average {os.getloadavg()[0]:.1f} at the end")
