@@ -155,3 +155,17 @@ def test_fused_program_reads_the_banks_in_place(int4_dir, exp):
             made.append(ln.strip()[:200])
     assert hlo.count(f"[{dims}]") >= 1 and not made, made[:3]
     eng.close()
+
+
+def test_fused_mtp_speculation_matches_loop(int4_dir, exp):
+    """MTP drafting (its layer's experts fetched the loop's way) with fused verify forwards: the loop's tokens and
+    store counters."""
+    out = {}
+    for fetch in ("loop", "fused"):
+        eng = _load(int4_dir, fetch, cache_cap=2, mtp=True, draft=2)
+        g = eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=16, stop_on_eos=False)
+        out[fetch] = (g.tokens, {k: eng.store.stats()[k] for k in COUNTERS})
+        if fetch == "fused":
+            assert any(k[0] == "fused_step" for k in eng._jits)
+        eng.close()
+    assert out["loop"] == out["fused"]
