@@ -1,6 +1,6 @@
 """Forward passes whose routed experts come from an ExpertStore (glm_jax/store.py).
 
-Two fetch modes, same math (tested to give identical outputs):
+Three fetch modes, same math (tested to give identical outputs; loop and fused bitwise):
 
 * ``loop``: a Python layer loop.  Per MoE layer: jit(attention + router + plugins) -> the routing decision is read
   back to the host -> ``store.fetch(layer, union)`` reads the misses straight into the layer's slot arena (aliased by
@@ -8,6 +8,8 @@ Two fetch modes, same math (tested to give identical outputs):
   All jits are shared by every layer of the same kind (one compile).
 * ``callback``: the whole step is one jit; each MoE layer calls the store through an ordered ``io_callback``, which
   gathers the union's slots into a compact [W, ...] buffer (W = min(E, K x T)); XLA copies that buffer once more.
+* ``fused``: a decode / verify forward as one program over the store's slot arenas (jit arguments, aliased on CPU),
+  the store called only for a layer with a miss (see "fused mode" below); prefills run the loop's way.
 
 Every byte moved is counted by the store; this module only adds routing-side numbers (union sizes, prefetch recall).
 """
