@@ -447,8 +447,8 @@ class Engine(Runner):
 # ----------------------------------------------------------------------------- helpers
 def _check_mesh_options(opts, plan, fetch: str):
     """What a mesh does not run (one line naming the option)."""
-    if fetch == "callback":
-        raise GlmJaxError(f"{opts.label('fetch')}=callback: runs on one device (the mesh {plan.describe()} needs "
+    if fetch in ("callback", "fused"):
+        raise GlmJaxError(f"{opts.label('fetch')}={fetch}: runs on one device (the mesh {plan.describe()} needs "
                           f"--fetch=resident or loop)")
     if opts["pin"]:
         raise GlmJaxError(f"{opts.label('pin')}={opts['pin']}: pinned experts are not supported on a mesh yet "

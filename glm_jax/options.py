@@ -135,8 +135,11 @@ OPTIONS = [
         "rest (no extra memory: the rows are the cache, the least recently used one is taken first)."),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
-        "called from inside one compiled step via io_callback). auto: resident for plain HF dirs, and for containers "
-        "whose experts all fit the RAM budget (all loaded at start); loop otherwise.", ("auto", "resident", "loop", "callback"), main=True),
+        "called from inside one compiled step via io_callback, copying the union into a compact buffer), fused (decode "
+        "and verify as one compiled program over the store's slot arenas, the store called only for a layer with a "
+        "miss; the multi-step decode loop runs it too; prefills and --overlap the loop's way; bitwise loop's output). "
+        "auto: resident for plain HF dirs, and for containers whose experts all fit the RAM budget (all loaded at "
+        "start); loop otherwise (fused measured slower at the default --dispatch_ms, docs/benchmarks.md).", ("auto", "resident", "loop", "callback", "fused"), main=True),
     Opt("expert_format", "native", "str", "Storage format of resident experts: native (checkpoint dtype), f32, bf16, "
         "int8_row, int4_row, int4_g<N> (N even, e.g. int4_g64).", check=_expert_format),
     Opt("colibri_env", False, "bool", "Also read the original engine's environment variables (CAP, RAM_GB, TOPP, "

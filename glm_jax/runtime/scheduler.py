@@ -67,6 +67,7 @@ from .runner import (
 from .sampling import sample_rows
 from .speculative import SpecRow, decode_width, draft_plan
 from .stats import route_stats, routing_summary, store_stats
+from .streaming import fused_applies, fused_banks, fused_finish, fused_forward, fused_state
 
 FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
 MIN_WINDOW = 64       # smallest attention window (cache positions)
@@ -551,7 +552,7 @@ class Scheduler:
         if rt.opts["fetch"] != "resident":         # one batched forward for all of them (the store's union)
             plain, hosted = plain + hosted, []
         if plain:
-            if rt.opts["fetch"] == "resident":
+            if rt.opts["fetch"] == "resident" or self._fused_streams(plain, W):
                 self._fused(plain, n, W)
             else:
                 self._one_step(plain, W)
@@ -613,8 +614,18 @@ class Scheduler:
         idle = [i for i in range(self.B) if i not in set(busy)]
         return np.asarray(busy + idle[:w - len(busy)], np.int32)
 
+    def _fused_streams(self, rows, W: int) -> bool:
+        """fetch=fused: whether these rows' decode runs as the compiled multi-step loop with the store called from
+        inside it (every row plain -- no host-side logits processor --, the store's banks aliased, each step's
+        union within one fetch); else one forward per step."""
+        rt = self.rt
+        if rt.opts["fetch"] != "fused" or not rt.store.aliased or any(r.processor is not None for r in rows):
+            return False
+        return fused_applies(rt, self.B, W, self._rows_arrays(rows)[0].astype(np.int32))
+
     def _fused(self, rows, n, W):
         rt = self.rt
+        streamed_store = rt.opts["fetch"] == "fused"
         active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
         # the host callback where someone reads tokens as they come (a stream; its stop strings, its cancel): the
         # loop then hands them over, stops rows and ends early for a newcomer itself, so it may run FUSED_CHUNK
@@ -622,8 +633,9 @@ class Scheduler:
         streamed = self.stream_interval > 0 and n > 1 and any(r.on_event is not None for r in rows)
         n = int(min(n, budget.max(), FUSED_CHUNK if streamed else self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + n + W
-        window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" else rt._cache_len
-        rmap = self.decode_rows(rows, W)
+        # the store's path runs at max_batch over the whole cache, as fetch=loop's one step does (bitwise its output)
+        window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" and not streamed_store else rt._cache_len
+        rmap = None if streamed_store else self.decode_rows(rows, W)
         w = self.B if rmap is None else len(rmap)
         sel = slice(None) if rmap is None else rmap
         every = self.stream_interval if streamed and n > 1 else 0
@@ -636,11 +648,14 @@ class Scheduler:
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
         extra = () if rmap is None else (jnp.asarray(rmap),)
-        rt._cache, out, cnt, keys, acc = fn(rt.step_params(), rt._cache, jnp.asarray(self.tok[sel], jnp.int32),
+        params = (rt.params, fused_banks(rt)) if streamed_store else rt.step_params()
+        # what changes from step to step besides the cache: the store's state (streamed) or the resident masks
+        state = fused_state(rt, FUSED_CHUNK, w, W) if streamed_store else rt._resident_masks()
+        rt._cache, out, cnt, keys, acc, state = fn(params, rt._cache, jnp.asarray(self.tok[sel], jnp.int32),
                                             jnp.asarray(pos[sel]), jnp.asarray(self.keys[sel]),
                                             jnp.asarray(temp[sel]), jnp.asarray(topk[sel]), jnp.asarray(topp[sel]),
                                             jnp.asarray(eos_on[sel]), jnp.asarray(budget[sel]), jnp.int32(n),
-                                            jnp.asarray(eos, jnp.int32), rt._resident_masks(), *extra)
+                                            jnp.asarray(eos, jnp.int32), state, *extra)
         cnt = np.asarray(cnt)
         if rmap is not None:                              # back to row order
             full = np.zeros(self.B, cnt.dtype)
@@ -648,6 +663,8 @@ class Scheduler:
             cnt = full
         finite = bool(acc.pop("_finite"))
         steps = int(acc.pop("_steps"))
+        if streamed_store:
+            fused_finish(rt, state, steps)
         if compiled and steps:                            # a first call's time is mostly its compilation
             self.observe_step((time.perf_counter() - t0) / steps)
         if not finite:
@@ -815,13 +832,26 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     want_stats = rt.plugin is not None
     full_window = window >= rt._cache_len
 
-    def one(params, part, tok, pos, active, resident):
-        toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
-        start = jnp.where(active, pos, BIG_POS)
-        logits, _, part, routing = M.step(cfg, params, part, toks, start, active.astype(jnp.int32), resident,
-                                          plugin, moe_rows=1 if B == 1 else None)
-        summ = dict(routing_summary(routing, want_stats))
-        return logits[:, 0], part, summ
+    if rt.opts["fetch"] == "fused":
+        # experts from the store: fetch=loop's ops with the store called from inside (streaming.fused_forward);
+        # params = (the params pytree, the MoE layers' banks); ``resident`` is the store's state (fused_state:
+        # slot maps, resident masks, the routing log its bookkeeping is replayed from), carried step to step
+        fwd = fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None)
+
+        def one(params, part, tok, pos, active, resident):
+            toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
+            start = jnp.where(active, pos, BIG_POS)
+            logits, _, part, summ, resident = fwd(params[0], params[1], part, toks, start,
+                                                  active.astype(jnp.int32), resident)
+            return logits[:, 0], part, dict(summ), resident
+    else:
+        def one(params, part, tok, pos, active, resident):
+            toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
+            start = jnp.where(active, pos, BIG_POS)
+            logits, _, part, routing = M.step(cfg, params, part, toks, start, active.astype(jnp.int32), resident,
+                                              plugin, moe_rows=1 if B == 1 else None)
+            summ = dict(routing_summary(routing, want_stats))
+            return logits[:, 0], part, summ, resident
 
     def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident, rmap=None):
         if compact:
@@ -835,7 +865,7 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
         acc0["_steps"] = jnp.int32(0)
 
         def body(c):
-            lg, part, summ = one(params, c["part"], c["tok"], c["pos"], c["active"], resident)
+            lg, part, summ, res = one(params, c["part"], c["tok"], c["pos"], c["active"], c["res"])
             act = c["active"]
             nxt, nkeys = sample_rows(lg, c["keys"], temp, topk, topp)
             cnt = c["cnt"] + act
@@ -854,17 +884,18 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
                 stop, brk = stop | host[0], host[1]
             return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
                         keys=jnp.where(act[:, None], nkeys, c["keys"]), active=act & ~stop, cnt=cnt, i=c["i"] + 1,
-                        out=out, acc=acc, brk=brk)
+                        out=out, acc=acc, brk=brk, res=res)
 
         c = jax.lax.while_loop(
             lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"] & ~c["brk"], body,
             dict(part=part, tok=tok, pos=pos, keys=keys, active=active, cnt=jnp.zeros((B,), jnp.int32),
-                 i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0, brk=jnp.bool_(False)))
+                 i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0, brk=jnp.bool_(False),
+                 res=resident))
         if compact:
             cache = scatter_rows(cache, c["part"], rmap)
         else:
             cache = c["part"] if full_window else write_back(cache, c["part"], None)
-        return cache, c["out"], c["cnt"], c["keys"], c["acc"]
+        return cache, c["out"], c["cnt"], c["keys"], c["acc"], c["res"]
 
     f = rt._jits[key_] = jax.jit(f, donate_argnums=(1,))
     return f

@@ -1,6 +1,6 @@
 """Forward passes whose routed experts come from an ExpertStore (glm_jax/store.py).
 
-Two fetch modes, same math (tested to give identical outputs):
+Three fetch modes, same math (tested to give identical outputs; loop and fused bitwise):
 
 * ``loop``: a Python layer loop.  Per MoE layer: jit(attention + router + plugins) -> the routing decision is read
   back to the host -> ``store.fetch(layer, union)`` reads the misses straight into the layer's slot arena (aliased by
@@ -8,6 +8,8 @@ Two fetch modes, same math (tested to give identical outputs):
   All jits are shared by every layer of the same kind (one compile).
 * ``callback``: the whole step is one jit; each MoE layer calls the store through an ordered ``io_callback``, which
   gathers the union's slots into a compact [W, ...] buffer (W = min(E, K x T)); XLA copies that buffer once more.
+* ``fused``: a decode / verify forward as one program over the store's slot arenas (jit arguments, aliased on CPU),
+  the store called only for a layer with a miss (see "fused mode" below); prefills run the loop's way.
 
 Every byte moved is counted by the store; this module only adds routing-side numbers (union sizes, prefetch recall).
 """
@@ -21,6 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from .. import fileio
 from .. import model as M
@@ -149,9 +152,11 @@ def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
 
 
 def stream_step(engine, tokens, start, lengths, logit_rows=None):
-    """engine.forward for fetch=loop|callback.  Returns (logits, hidden, cache)."""
-    if engine.opts["fetch"] == "callback":
+    """engine.forward for fetch=loop|callback|fused.  Returns (logits, hidden, cache)."""
+    if engine.opts["fetch"] == "callback" or (engine.opts["fetch"] == "fused" and not engine.store.aliased):
         return _callback_step(engine, tokens, start, lengths, logit_rows)
+    if engine.opts["fetch"] == "fused" and fused_applies(engine, *tokens.shape, lengths):
+        return _fused_step(engine, tokens, start, lengths, logit_rows)
     cfg, params, store = engine.cfg, engine.params, engine.store
     f = _fns(engine)
     B, T = tokens.shape
@@ -314,8 +319,6 @@ def _build_callback_step(engine, n_pos, rows=None):
         return out, compact, np.int32(len(union))
 
     def f(params, cache, tokens, start, lengths, resident):
-        from jax.experimental import io_callback
-
         B, T = tokens.shape
         valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
         x = M.embed(params, tokens)
@@ -354,3 +357,212 @@ def _build_callback_step(engine, n_pos, rows=None):
         return M.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats), jnp.stack(unions)
 
     return jax.jit(f, donate_argnums=(1,))
+
+
+# ----------------------------------------------------------------------------- fused mode
+# One compiled program per forward (and, in the scheduler, per up-to-32-step decode dispatch), with the store's
+# slot arenas as jit ARGUMENTS.  On XLA:CPU those arrays alias the arenas (store.aliased), so nothing is copied:
+# the seam reads the arena where it is.
+#
+# Per MoE layer the program checks on the device whether every expert the layer routes to is in the store (its
+# current slot map, carried in the program).  If so the layer runs with no host call at all; otherwise an ordered
+# io_callback runs ``store.fetch`` (the misses are read straight into the arena) and returns the call's slot map,
+# the store's slot map after it (evictions) and what the plugins see as resident in that layer.  The store's
+# bookkeeping of the layers that skipped the call (LRU order, hit counters, usage, route trace) is replayed, in
+# order, as the same ``store.fetch`` calls (all hits: no reads) before the next real fetch and at the end of the
+# program: every fetch sees the store as fetch=loop would, so the bytes read, evictions and counters are the
+# loop's.  Membership changes only inside fetch (prefetch: every layer calls the host), so a carried mask is the
+# one the loop would read.  ``optimization_barrier`` ties each bank to its layer's slot map, so nothing that reads
+# the bank (a kernel, a layout change, a loop-invariant computation hoisted out of the decode loop) can run before
+# that layer's fetch.  The ops are the loop's, one for one (attn_route + moe_part): the outputs are bitwise
+# fetch=loop's.
+
+FUSED_MAX_T = 16     # forwards of fewer positions per row run fused: decode and verify (a prefill is padded to >= 16)
+
+
+def fused_applies(engine, B: int, T: int, lengths) -> bool:
+    """Whether a forward of tokens [B, T] runs as one fused program (else the loop's path): a decode or verify
+    (T < FUSED_MAX_T), no --overlap, and the union of every MoE layer fits one fetch.  A prefill runs the loop's
+    way: its round trip per layer is shared by all its tokens, a union beyond one fetch is fetched in chunks there,
+    and its logits stay bitwise the loop's (a 16-token prefill compiled as one program differed from the loop's in
+    the last bits on the 333 M model: XLA fuses the larger program's dense ops differently).  (A store whose banks
+    do not alias its arenas runs --fetch=fused as the callback program.)"""
+    store, cfg = engine.store, engine.cfg
+    if engine.opts["overlap"] or T >= FUSED_MAX_T:
+        return False
+    n_pos = B * T if engine.plugin is not None else int(np.minimum(np.asarray(lengths), T).sum())
+    need = min(cfg.n_routed_experts, cfg.num_experts_per_tok * n_pos)
+    return all(need <= store.call_limit(i) for i in _moe_idx(cfg))
+
+
+def _moe_idx(cfg) -> list:
+    return [i for i in cfg.moe_layers if i < cfg.num_hidden_layers]
+
+
+def fused_banks(engine) -> list:
+    """The MoE layers' banks (aliasing the store's slot arenas), in layer order: the fused program's arguments."""
+    return [engine.store._layer(i).bank for i in _moe_idx(engine.cfg)]
+
+
+def fused_state(engine, steps: int, B: int, T: int) -> dict:
+    """The store's state a fused program starts from (its current slot maps, what the plugins see as resident) and
+    the routing log of its MoE layers ([steps, n_moe, B*T, K]); resets the host side of the replay."""
+    cfg, store = engine.cfg, engine.store
+    idx = _moe_idx(cfg)
+    K = cfg.num_experts_per_tok
+    engine._fused_pred, engine._fused_trace, engine._fused_next = {}, [], 0
+    return dict(cur=jnp.asarray(np.stack([store._layer(i).slot_of for i in idx]).astype(np.int32)),
+                res=engine._resident_masks(), step=jnp.int32(0),
+                log_ids=jnp.zeros((steps, len(idx), B * T, K), jnp.int32),
+                log_valid=jnp.zeros((steps, len(idx), B * T, K), jnp.bool_))
+
+
+def _fused_access(engine, layer: int, last: bool, ids, valid):
+    """One MoE layer's store call, as fetch=loop makes it: the union, the fetch, the trace, the counters."""
+    union = np.unique(ids[valid])
+    pend = engine._fused_pred.pop(layer, None)
+    if pend is not None:
+        _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pend, union)))
+        _acc(engine, "prefetch_recall_total", len(union))
+    _, slot_of = engine.store.fetch(layer, union)
+    if engine.opts["route_trace"]:
+        engine._fused_trace.append([layer, union.tolist()])
+        if last:
+            tr, engine._fused_trace = engine._fused_trace, []
+            write_route_trace(engine, tr)
+    _acc(engine, "union_experts", len(union))
+    _acc(engine, "moe_layer_forwards", 1)
+    return slot_of
+
+
+def fused_replay(engine, log_ids, log_valid, upto: int):
+    """The store calls of the layers that skipped the host (every expert resident), in order, up to linear index
+    ``upto`` (step * n_moe + layer) exclusive: all hits (no reads), so the LRU order, counters and usage are the
+    loop's when the next real fetch runs."""
+    idx = _moe_idx(engine.cfg)
+    n = len(idx)
+    q = engine._fused_next
+    if q >= upto:
+        return
+    log_ids, log_valid = np.asarray(log_ids), np.asarray(log_valid)
+    for j in range(q, upto):
+        s, mi = divmod(j, n)
+        _fused_access(engine, idx[mi], mi == n - 1, log_ids[s, mi], log_valid[s, mi])
+    engine._fused_next = upto
+
+
+def _fused_host(engine, mi: int, nxt, step, ids, valid, log_ids, log_valid, pred=None, valid_pos=None):
+    """The ordered callback of MoE layer ``mi`` (index among the MoE layers) at ``step``: first the skipped layers'
+    calls before it (fused_replay), then the loop's work between its two jits (fetch, trace, prefetch of the next
+    layer, counters).  Returns (the call's slot map [E], the store's slot map after it [E], this layer's resident
+    mask after it [E], the next layer's resident mask [E] (after its prefetch))."""
+    idx = _moe_idx(engine.cfg)
+    layer = idx[mi]
+    q = int(step) * len(idx) + mi
+    fused_replay(engine, log_ids, log_valid, q)
+    slot_of = _fused_access(engine, layer, mi == len(idx) - 1, np.asarray(ids), np.asarray(valid))
+    engine._fused_next = q + 1
+    nres = engine.resident_for(layer)
+    if pred is not None:
+        pn = np.unique(np.asarray(pred)[np.asarray(valid_pos)])
+        engine._fused_pred[nxt] = pn
+        engine.store.prefetch(nxt, pn)                     # background loads while this layer computes
+        nres = engine.resident_for(nxt)
+    return (np.asarray(slot_of, np.int32), np.asarray(engine.store._layer(layer).slot_of, np.int32),
+            np.asarray(engine.resident_for(layer), bool), np.asarray(nres, bool))
+
+
+def fused_forward(engine, B: int, T: int, short_rows=None):
+    """The traceable streamed forward of tokens [B, T] (fetch=loop's ops, one program):
+    ``f(params, banks, cache, tokens, start, lengths, state, logit_rows=None)`` -> (logits, hidden, cache, routing
+    summary, state) with ``state`` from ``fused_state`` (carried from step to step by a decode loop).
+    ``short_rows``: the real rows of a padded decode / verify (fetch=loop's ``rows``)."""
+    cfg, store = engine.cfg, engine.store
+    plugin = engine.plugin or M.identity_plugin
+    want_stats = engine.plugin is not None
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    moe_idx = _moe_idx(cfg)
+    prefetch = bool(engine.opts["prefetch"])
+    shapes = (jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((E,), jnp.int32),
+              jax.ShapeDtypeStruct((E,), jnp.bool_), jax.ShapeDtypeStruct((E,), jnp.bool_))
+    slots = {i: store._layer(i).S for i in moe_idx}
+
+    def f(params, banks, cache, tokens, start, lengths, st, logit_rows=None):
+        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+        x = M.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
+        cache = list(cache)
+        sel, summs, mi = None, [], 0
+        cur, resm, step = st["cur"], st["res"], st["step"]
+        log_ids, log_valid = st["log_ids"], st["log_valid"]
+        layers = params["layers"]
+        for i, lp in enumerate(layers):
+            k = _layer_key(cfg, i)
+            h, cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, k, sel, valid_bt)
+            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+            if "moe" not in lp:
+                x = h + M.mlp(lp["mlp"], hn, valid_bt)
+                continue
+            flat = hn.reshape(B * T, -1)
+            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resm[mi], jnp.int32(i),
+                             M.positions_of(start, T))
+            after = plugin(before)
+            ids, valid = after.ids, after.valid
+            log_ids = log_ids.at[step, mi].set(ids)
+            log_valid = log_valid.at[step, mi].set(valid)
+            later = [j for j in moe_idx if j > i]
+            nxt = later[0] if later else None
+            args = (step, ids, valid, log_ids, log_valid)
+            if prefetch and nxt is not None:
+                pred = M.route(cfg, layers[nxt]["moe"], flat, valid_bt.reshape(B * T), resm[mi]).ids
+                args += (pred, valid_bt.reshape(-1))
+            host = functools.partial(_fused_host, engine, mi, nxt)
+            call = lambda: io_callback(host, shapes, *args, ordered=True)     # noqa: E731
+            if prefetch:        # the host computes recall and starts the next layer's loads at every layer
+                got = call()
+            else:               # every routed expert resident: no host call (its bookkeeping is replayed)
+                have = jnp.all(jnp.where(valid, cur[mi][jnp.clip(ids, 0, E - 1)] >= 0, True))
+                got = jax.lax.cond(have, lambda: (cur[mi], cur[mi], resm[mi], resm[mi]), call)
+            slot_of, now, mres, nres = got
+            cur = cur.at[mi].set(now)
+            resm = resm.at[mi].set(mres)
+            if nxt is not None:
+                resm = resm.at[mi + 1].set(jnp.where(prefetch, nres, resm[mi + 1]))
+            # the bank is read only after this layer's fetch: every use of it depends on slot_of
+            slot_of, bank = jax.lax.optimization_barrier((slot_of, banks[mi]))
+            rows = short_rows if short_rows is not None and B * T * K <= slots[i] else None
+            real = valid.any(-1).reshape(B, T)
+            if rows is None:
+                routed = M.moe_routed(flat, ids, after.weights, valid, bank, slot_of).reshape(B, T, -1)
+            else:
+                part = M.moe_routed(flat[:rows], ids[:rows], after.weights[:rows], valid[:rows], bank, slot_of,
+                                    gather=True)
+                routed = jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, -1)
+            x = M.moe_finish(lp["moe"], h, hn, routed, real)
+            summs.append((before, after))
+            mi += 1
+        hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        logits = M.head_logits(hidden, params["lm_head"], valid_bt if logit_rows is None else logit_rows)
+        st = dict(cur=cur, res=resm, step=step + 1, log_ids=log_ids, log_valid=log_valid)
+        return logits, hidden, cache, _routing_summary(summs, want_stats), st
+
+    return f
+
+
+def fused_finish(engine, st, steps: int):
+    """After a fused program: the skipped layers' store calls of its ``steps`` steps not replayed yet."""
+    fused_replay(engine, st["log_ids"], st["log_valid"], steps * len(_moe_idx(engine.cfg)))
+
+
+def _fused_step(engine, tokens, start, lengths, logit_rows=None):
+    B, T = tokens.shape
+    n_real = int(np.max(np.asarray(lengths)))
+    short = n_real if (B == 1 and T <= 16 and n_real < T) else None
+    key = ("fused_step", B, T, engine._cache_len, short, logit_rows is None, bool(engine.opts["prefetch"]))
+    fn = engine._jits.get(key)
+    if fn is None:
+        fn = engine._jits[key] = jax.jit(fused_forward(engine, B, T, short), donate_argnums=(2,))
+    logits, hidden, engine._cache, summ, st = fn(engine.params, fused_banks(engine), engine._cache, tokens, start,
+                                                 lengths, fused_state(engine, 1, B, T), logit_rows)
+    fused_finish(engine, st, 1)
+    engine._accumulate(summ)
+    return logits, hidden, engine._cache

@@ -12,7 +12,7 @@
         perplexity (default: the shipped model's HF original on its held-out text; a golden fixture is compared
         with transformers' logits in expected.npz).
     python -m tools.bench --mode=stream ...      -> tools/bench/stream.py (cold-cache streaming vs disk bandwidth)
-    python -m tools.bench --mode=cold --model=CONTAINER [--cache_cap=2] [--prefetch=0,1]
+    python -m tools.bench --mode=cold --model=CONTAINER [--cache_cap=2] [--prefetch=0,1] [--fetches=loop,fused]
         cold streaming end to end vs read alone and compute alone (tools/bench/cold.py): max(read, compute) or sum?
     python -m tools.bench --mode=defaults [--model=CONTAINER]
         the tables behind the defaults: MTP / draft K, fetch mode, kernels (shipped model), I/O threads (a container
@@ -55,6 +55,9 @@ flags.DEFINE_enum("mode", "hf", ["hf", "fetch", "stream", "plugins", "formats", 
                   "Which benchmark.")
 flags.DEFINE_string("prefetch", "0,1", "--mode=cold: router-lookahead prefetch settings to run (comma list of 0/1).")
 flags.DEFINE_bool("direct_io", False, "--mode=cold: O_DIRECT expert reads.")
+flags.DEFINE_string("fetches", "loop,fused", "--mode=cold: the streamed fetch modes to run (comma list).")
+flags.DEFINE_float("dispatch_ms", 50.0, "--mode=cold: the engines' --dispatch_ms (decode steps per compiled dispatch: "
+                   "as many as fit in this many ms, 1 to 32).")
 flags.DEFINE_integer("cache_cap", 8, "--mode=plugins: expert cache cap per layer.")
 flags.DEFINE_string("model", "", "Model directory (default: tests/golden/glm4moe_full for hf, the default model "
                     "otherwise). --mode=peer: a comma-separated list of HF dirs, 'shipped' (models/tiny_shakespeare_hf, "
@@ -419,7 +422,8 @@ def main(argv):
         if not FLAGS.model:
             raise app.UsageError("--mode=cold needs --model=CONTAINER (a converted model larger than its cache)")
         out = bench_cold.bench(FLAGS.model, cache_cap=FLAGS.cache_cap, new_tokens=FLAGS.new_tokens, reps=FLAGS.reps,
-                               prefetch=tuple(int(x) for x in FLAGS.prefetch.split(",")), direct_io=FLAGS.direct_io)
+                               prefetch=tuple(int(x) for x in FLAGS.prefetch.split(",")), direct_io=FLAGS.direct_io,
+                               fetches=tuple(FLAGS.fetches.split(",")), dispatch_ms=FLAGS.dispatch_ms)
     elif FLAGS.mode == "dsa":
         from tools.bench import dsa as bench_dsa
 
