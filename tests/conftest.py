@@ -6,11 +6,20 @@ The suite is hermetic: XDG_CACHE_HOME and XDG_STATE_HOME point at one temp dir (
 per-user defaults (the compilation cache in $XDG_CACHE_HOME/glm-jax/xla, the native kernels built once per session
 in $XDG_CACHE_HOME/glm-jax/kernels, usage histories in
 $XDG_STATE_HOME/glm-jax) land there, for this process and every subprocess a test starts; nothing is written into the
-real ~/.cache or ~/.local/state."""
+real ~/.cache or ~/.local/state.  Under pytest-xdist (README's test command: -n auto) every worker process imports
+this file and so gets its own temp dir and caches (JAX's cache writes its entries non-atomically: a worker must not
+read one another is writing).
+
+Scheduling under xdist (``--dist=loadgroup``, set in pyproject.toml's addopts): the tests of one module that use a
+module-scoped fixture (an engine, a server, a converted container, the mesh subprocess) form one group, run by one
+worker, so the fixture is built once; every other test is scheduled on its own.  xdist hands out the biggest groups
+first and the single tests last, which evens out the workers' finishing times."""
 
 import os
 import shutil
 import tempfile
+
+import pytest
 
 _ROOT = tempfile.mkdtemp(prefix="glm-jax-test-home-")
 os.environ["XDG_CACHE_HOME"] = os.path.join(_ROOT, "cache")
@@ -27,3 +36,15 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_ROOT, ignore_errors=True)
+
+
+def pytest_itemcollected(item):
+    # per item as it is collected: xdist's pytest_collection_modifyitems (which turns the marks into scheduling
+    # groups) runs before a conftest's, so the mark is added here
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return
+    shared = [name for name, defs in info.name2fixturedefs.items()
+              if defs and defs[-1].scope in ("module", "package", "session") and defs[-1].baseid]
+    if shared:                             # baseid "": a plugin's fixture (tmp_path_factory), not the suite's own
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__.rpartition(".")[2]))
