@@ -18,8 +18,9 @@
 // Determinism: every (row, token) result is computed by the same instruction sequence whatever the tile of tokens
 // it sits in, the number of tokens, rows or experts in the call, or the thread that runs it, and the MoE output sums
 // a token's experts in routing order k.  So a row's result is bitwise independent of the batch around it (the
-// engine's batch-invariance tests).  The portable build (no AVX-512 VNNI) does the same integer sums and the same
-// per-lane float operations, so it computes the quantized formats bitwise like the VNNI build.
+// engine's batch-invariance tests).  The AVX2 build (a CPU without AVX-512 VNNI: vpmaddubsw / vpmaddwd in 256-bit
+// halves) and the portable one (-DGLMJAX_PORTABLE, no SIMD) do the same integer sums and the same per-lane float
+// operations, so every build computes the quantized formats bitwise alike (tests/test_kernels.py).
 //
 // Threads: work is split into tasks shared with XLA's intra-op thread pool (ffi::ThreadPool); the calling thread runs
 // tasks too and never waits for a helper that has not started, so a busy pool costs nothing but parallelism.
@@ -50,6 +51,13 @@ constexpr int64_t BLK = 64;   // activation quantization block (elements)
 #define GLMJAX_VNNI 1
 #else
 #define GLMJAX_VNNI 0
+#endif
+// AVX2 (+FMA) without AVX-512 VNNI (most AMD Zen 2/3 and Intel client CPUs): the tile kernels in 256-bit halves
+// (rows 0-7, 8-15 of a tile), the same exact integer sums and per-lane float operations as the other two builds
+#if !GLMJAX_VNNI && defined(__AVX2__) && defined(__FMA__) && !defined(GLMJAX_PORTABLE)
+#define GLMJAX_AVX2 1
+#else
+#define GLMJAX_AVX2 0
 #endif
 
 inline int64_t ceil_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -332,6 +340,90 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
   }
   const __m512 sc = _mm512_loadu_ps(W.tscale(t));
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], _mm512_mul_ps(accf[c], sc));
+}
+#elif GLMJAX_AVX2
+// int4: per 64-block and half, u8 nibbles x s8 activations by vpmaddubsw (pairs <= 2*15*128, no saturation), summed
+// over the block's <= 8 units in int16 (<= 30720, exact), widened by vpmaddwd: the exact int32 sums of the VNNI build
+template <int C>
+inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
+  const uint8_t* wt = W.tile(t);
+  const float* st = W.tscale(t);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 accf[C][2];
+  for (int c = 0; c < C; ++c) accf[c][0] = accf[c][1] = _mm256_setzero_ps();
+  const int64_t nb = (W.in + BLK - 1) / BLK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i lo16[C][2], hi16[C][2];
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) lo16[c][h] = hi16[c][h] = _mm256_setzero_si256();
+    const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
+    for (int64_t u = b * (BLK / 8); u < u1; ++u) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, lo4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xq = P[c]->xq + u * 8;
+          lo16[c][h] = _mm256_add_epi16(lo16[c][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t*)xq)));
+          hi16[c][h] = _mm256_add_epi16(hi16[c][h],
+                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t*)(xq + 4))));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sc = _mm256_loadu_ps(st + W.gt[b] * 16 + 8 * h);
+      for (int c = 0; c < C; ++c) {
+        const __m256i isum = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_set1_epi32(P[c]->corr[b]), _mm256_madd_epi16(lo16[c][h], ones)),
+            _mm256_madd_epi16(hi16[c][h], ones));
+        accf[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(P[c]->sx[b])),
+                                     accf[c][h]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    _mm256_storeu_ps(out[c], accf[c][0]);
+    _mm256_storeu_ps(out[c] + 8, accf[c][1]);
+  }
+}
+
+// int8: the weights take the activations' signs (vpsignb; the 4 sign bits of a unit -> a +-1 byte pattern), then
+// |x| u8 x w s8 by vpmaddubsw (pairs <= 2*127*127, no saturation) and vpmaddwd into int32, per unit
+alignas(64) static const int32_t kSignPattern[16] = {
+    0x01010101, 0x010101FF, 0x0101FF01, 0x0101FFFF, 0x01FF0101, 0x01FF01FF, 0x01FFFF01, 0x01FFFFFF,
+    (int32_t)0xFF010101, (int32_t)0xFF0101FF, (int32_t)0xFF01FF01, (int32_t)0xFF01FFFF,
+    (int32_t)0xFFFF0101, (int32_t)0xFFFF01FF, (int32_t)0xFFFFFF01, (int32_t)0xFFFFFFFF};
+
+template <int C>
+inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
+  const uint8_t* wt = W.tile(t);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 accf[C][2];
+  for (int c = 0; c < C; ++c) accf[c][0] = accf[c][1] = _mm256_setzero_ps();
+  const int64_t nb = (W.in + BLK - 1) / BLK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[C][2];
+    for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_si256();
+    const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 4));
+    for (int64_t u = b * (BLK / 4); u < u1; ++u) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
+        for (int c = 0; c < C; ++c) {
+          const __m256i sg = _mm256_set1_epi32(kSignPattern[P[c]->neg[u] & 15]);
+          const __m256i xa = _mm256_set1_epi32(*(const int32_t*)(P[c]->xa + u * 4));
+          acc[c][h] = _mm256_add_epi32(acc[c][h],
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, sg)), ones));
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        accf[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][h]), _mm256_set1_ps(P[c]->sx[b]), accf[c][h]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m256 sc = _mm256_loadu_ps(W.tscale(t) + 8 * h);
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[c] + 8 * h, _mm256_mul_ps(accf[c][h], sc));
+  }
 }
 #else
 template <int C>
