@@ -244,9 +244,10 @@ SERVE_OPTIONS = [
         "closed after --keep_alive_s.", lo=0.0, hi=86400.0, lo_open=True),
     Opt("keep_alive_s", 5.0, "float", "Seconds an idle keep-alive connection stays open.", lo=0.0, hi=3600.0,
         lo_open=True),
-    Opt("warmup", True, "bool", "Before listening, compile the programs the first requests need (a short prefill, "
-        "decode at every batch width up to --max_batch, a prefix-cache hit), so no client waits for a compile; "
-        "with the persistent --compile_cache a later start loads them."),
+    Opt("warmup", True, "bool", "Before listening, compile the programs the first requests need (a 72-token "
+        "prefill, decode at every batch width up to --max_batch, a prefix-cache hit), so no client waits for a "
+        "compile. Every start pays it: the streamed decode programs hold a host callback, which JAX's persistent "
+        "cache does not keep across processes."),
 ]
 SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
 

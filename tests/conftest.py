@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 
 _ROOT = tempfile.mkdtemp(prefix="glm-jax-test-home-")
@@ -48,3 +49,23 @@ def pytest_itemcollected(item):
               if defs and defs[-1].scope in ("module", "package", "session") and defs[-1].baseid]
     if shared:                             # baseid "": a plugin's fixture (tmp_path_factory), not the suite's own
         item.add_marker(pytest.mark.xdist_group(item.module.__name__.rpartition(".")[2]))
+
+
+# ----------------------------------------------------------------------------- the streamed golden model
+# tests/test_streaming.py and tests/test_fused.py: glm4moe_full's expected outputs and its int4 container (one per
+# module, as a module fixture each had)
+GLM4MOE_FULL = os.path.join(os.path.dirname(__file__), "golden", "glm4moe_full")
+
+
+@pytest.fixture(scope="module")
+def exp():
+    return dict(np.load(os.path.join(GLM4MOE_FULL, "expected.npz")))
+
+
+@pytest.fixture(scope="module")
+def int4_dir(tmp_path_factory):
+    from glm_jax.experts.convert import convert
+
+    dst = str(tmp_path_factory.mktemp("c") / "int4")
+    convert(GLM4MOE_FULL, dst, expert_format="int4_g64", mtp_format="int8_row", dense_format="f32", progress=False)
+    return dst

@@ -8,7 +8,6 @@ import os
 import re
 
 import numpy as np
-import pytest
 
 import glm_jax
 from glm_jax.runtime import streaming
@@ -16,20 +15,6 @@ from glm_jax.runtime import streaming
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 SRC = os.path.join(GOLDEN, "glm4moe_full")
 COUNTERS = ("bytes_read", "expert_loads", "hits", "misses", "evictions", "requested", "fetch_calls")
-
-
-@pytest.fixture(scope="module")
-def exp():
-    return dict(np.load(os.path.join(SRC, "expected.npz")))
-
-
-@pytest.fixture(scope="module")
-def int4_dir(tmp_path_factory):
-    from glm_jax.experts.convert import convert
-
-    dst = str(tmp_path_factory.mktemp("f") / "int4")
-    convert(SRC, dst, expert_format="int4_g64", mtp_format="int8_row", dense_format="f32", progress=False)
-    return dst
 
 
 def _load(d, fetch, **kw):

@@ -14,20 +14,6 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 SRC = os.path.join(GOLDEN, "glm4moe_full")
 
 
-@pytest.fixture(scope="module")
-def exp():
-    return dict(np.load(os.path.join(SRC, "expected.npz")))
-
-
-@pytest.fixture(scope="module")
-def int4_dir(tmp_path_factory):
-    from glm_jax.experts.convert import convert
-
-    dst = str(tmp_path_factory.mktemp("c") / "int4")
-    convert(SRC, dst, expert_format="int4_g64", mtp_format="int8_row", dense_format="f32", progress=False)
-    return dst
-
-
 def _gen(eng, exp, n=24):
     return eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=n, stop_on_eos=False)
 

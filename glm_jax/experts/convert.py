@@ -528,7 +528,7 @@ def _convert_into(st, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, progres
               "layer (the container's config.json says 0; no MTP drafts)", file=sys.stderr)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
         hf = HFExperts(st, cfg)
-    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
     layers = [L for L in expert_layers(cfg) if L < cfg.num_hidden_layers or hf.has_layer(L)]
     for L in layers:
         if not hf.has_layer(L):

@@ -186,6 +186,9 @@ def _float(a):
     return a.dequant() if isinstance(a, QTensor) else a
 
 
+_MLA_LINEAR_KEYS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight")
+
+
 def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     """Everything of layer i except its routed experts."""
     H = cfg.hidden_size
@@ -193,12 +196,12 @@ def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     lp = {"input_norm": get(pre + "input_layernorm.weight", (H,)),
           "post_norm": get(pre + "post_attention_layernorm.weight", (H,))}
     if cfg.model_type == "glm_moe_dsa":
-        # kv_b is reshaped for absorption (per-head W_UK / W_UV), the indexer's weights_proj is f32: always float.
-        # The projections (q_a, q_b, kv_a, o) are plain linears: kept as stored, packed by formats.pack_layer
-        # (which keeps the indexer's wq_b / wk float: its top-k is discrete, int8 activations flipped picks)
+        # The projections q_a, q_b, kv_a, o are plain linears: kept as stored, packed by formats.pack_layer.  The
+        # rest is float: kv_b is reshaped for absorption (per-head W_UK / W_UV) and the DSA indexer's top-k is
+        # discrete (int8 activations there flipped its picks on the golden DSA model)
         def get_mla(key, shape=None):
             a = get(key, shape)
-            return _float(a) if key.endswith(("kv_b_proj.weight", "weights_proj.weight")) else a
+            return a if key.endswith(_MLA_LINEAR_KEYS) and ".indexer." not in key else _float(a)
         lp["attn"] = mla.load_mla_params(get_mla, pre + "self_attn.", cfg, i)
     else:
         lp["attn"] = _attn_gqa(get, pre + "self_attn.", cfg)

@@ -484,15 +484,16 @@ def head_format(fmt: str) -> str:
     return "int8_row" if fmt.startswith("int4") else fmt
 
 
-MLA_LINEARS = ("q_a_w", "q_b_w", "kv_a_w", "o_w")   # MLA matrices used only as linears: packed (the indexer's stay f32: its top-k is discrete)
+MLA_LINEARS = ("q_a_w", "q_b_w", "kv_a_w", "o_w")   # MLA matrices used only as linears: packed (weights.load_layer
+                                                    # keeps kv_b and the indexer float)
 
 
 def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: bool = True) -> dict:
     """One decoder layer's dense matrices as QWeights for the native kernels: the GQA q/k/v projections fused into
     one ``qkv`` (+ ``qkv_b``), each MLP's gate/up into one ``gate_up`` (one kernel call each).  ``fmt``: the dense
     storage format ("native" keeps what was loaded: bf16 stays bf16, stored-quantized stays quantized).  MLA
-    attention: its linears (q_a, q_b, kv_a, o, the indexer's wq_b / wk) are packed the same way, kv_b is left
-    float (reshaped for absorption); with ``fuse=False`` (a mesh) every MLA matrix stays float.  ``fuse=False`` keeps q/k/v and gate/up apart (a
+    attention: its linears (q_a, q_b, kv_a, o) are packed the same way, kv_b and the DSA indexer are left
+    float (loaded so); with ``fuse=False`` (a mesh) every MLA matrix stays float.  ``fuse=False`` keeps q/k/v and gate/up apart (a
     tensor-parallel mesh splits each by heads / intermediate columns).  Expects numpy leaves / QTensors."""
     dtype = dtype or jnp.float32
 
@@ -508,14 +509,10 @@ def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: boo
 
     lp = dict(lp)
     a = lp.get("attn")
-    if a is not None and "q_a_w" in a:             # MLA: the projections packed; kv_b stays float (absorption)
+    if a is not None and "q_a_w" in a:             # MLA: its linears packed (the loader keeps the rest float)
         a = dict(a)
-        def conv(k, w):                            # a mesh (fuse=False) splits float matrices by heads
-            return qw(w) if fuse and k in MLA_LINEARS else w.dequant() if isinstance(w, QTensor) else w
-        for k in ("q_a_w", "q_b_w", "kv_a_w", "o_w"):
-            a[k] = conv(k, a[k])
-        if "indexer" in a:
-            a["indexer"] = dict(a["indexer"], **{k: conv(k, a["indexer"][k]) for k in ("wq_b", "wk")})
+        for k in MLA_LINEARS:                      # a mesh (fuse=False) splits them by heads: float there
+            a[k] = qw(a[k]) if fuse else a[k].dequant() if isinstance(a[k], QTensor) else a[k]
         lp["attn"] = a
     elif a is not None and "q_w" in a and not fuse:
         a = dict(a)

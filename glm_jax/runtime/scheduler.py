@@ -273,8 +273,9 @@ class Scheduler:
         windows and prefill buckets still compile on first use, and so does each real length of a prompt shorter
         than 16 tokens (its prefill computes the real rows' experts only); the persistent compile cache keeps
         those programs for the next start, but not the streamed decode loops (JAX's cache key includes a host
-        callback's address, so such a program never hits it in a new process), which is why this pass is worth running at every start.  Everything it wrote is then forgotten (the rows' prefix knowledge,
-        the counters).  Returns (seconds compiling, seconds)."""
+        callback's address, so such a program never hits it in a new process), which is why this pass is worth
+        running at every start.  Everything it wrote is then forgotten (the rows' prefix knowledge, the
+        counters).  Returns (seconds compiling, seconds)."""
         t0, c0 = time.perf_counter(), self.rt.compile_s
         vocab = self.rt.cfg.vocab_size
         lim = self.rt.context_limit
@@ -832,26 +833,22 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     want_stats = rt.plugin is not None
     full_window = window >= rt._cache_len
 
-    if rt.opts["fetch"] == "fused":
-        # experts from the store: fetch=loop's ops with the store called from inside (streaming.fused_forward);
-        # params = (the params pytree, the MoE layers' banks); ``resident`` is the store's state (fused_state:
-        # slot maps, resident masks, the routing log its bookkeeping is replayed from), carried step to step
-        fwd = fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None)
+    # fetch=fused: experts from the store, fetch=loop's ops with the store called from inside
+    # (streaming.fused_forward); params = (the params pytree, the MoE layers' banks); ``resident`` is then the
+    # store's state (fused_state: slot maps, resident masks, the routing log its bookkeeping is replayed from),
+    # carried step to step
+    fwd = fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None) if rt.opts["fetch"] == "fused" else None
 
-        def one(params, part, tok, pos, active, resident):
-            toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
-            start = jnp.where(active, pos, BIG_POS)
+    def one(params, part, tok, pos, active, resident):
+        toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
+        start = jnp.where(active, pos, BIG_POS)
+        if fwd is not None:
             logits, _, part, summ, resident = fwd(params[0], params[1], part, toks, start,
                                                   active.astype(jnp.int32), resident)
             return logits[:, 0], part, dict(summ), resident
-    else:
-        def one(params, part, tok, pos, active, resident):
-            toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
-            start = jnp.where(active, pos, BIG_POS)
-            logits, _, part, routing = M.step(cfg, params, part, toks, start, active.astype(jnp.int32), resident,
-                                              plugin, moe_rows=1 if B == 1 else None)
-            summ = dict(routing_summary(routing, want_stats))
-            return logits[:, 0], part, summ, resident
+        logits, _, part, routing = M.step(cfg, params, part, toks, start, active.astype(jnp.int32), resident,
+                                          plugin, moe_rows=1 if B == 1 else None)
+        return logits[:, 0], part, dict(routing_summary(routing, want_stats)), resident
 
     def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident, rmap=None):
         if compact:

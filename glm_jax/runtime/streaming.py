@@ -462,14 +462,14 @@ def _fused_host(engine, mi: int, nxt, step, ids, valid, log_ids, log_valid, pred
     fused_replay(engine, log_ids, log_valid, q)
     slot_of = _fused_access(engine, layer, mi == len(idx) - 1, np.asarray(ids), np.asarray(valid))
     engine._fused_next = q + 1
-    nres = engine.resident_for(layer)
+    res = np.asarray(engine.resident_for(layer), bool)
+    nres = res
     if pred is not None:
         pn = np.unique(np.asarray(pred)[np.asarray(valid_pos)])
         engine._fused_pred[nxt] = pn
         engine.store.prefetch(nxt, pn)                     # background loads while this layer computes
-        nres = engine.resident_for(nxt)
-    return (np.asarray(slot_of, np.int32), np.asarray(engine.store._layer(layer).slot_of, np.int32),
-            np.asarray(engine.resident_for(layer), bool), np.asarray(nres, bool))
+        nres = np.asarray(engine.resident_for(nxt), bool)
+    return np.asarray(slot_of, np.int32), np.asarray(engine.store._layer(layer).slot_of, np.int32), res, nres
 
 
 def fused_forward(engine, B: int, T: int, short_rows=None):
@@ -525,8 +525,8 @@ def fused_forward(engine, B: int, T: int, short_rows=None):
             slot_of, now, mres, nres = got
             cur = cur.at[mi].set(now)
             resm = resm.at[mi].set(mres)
-            if nxt is not None:
-                resm = resm.at[mi + 1].set(jnp.where(prefetch, nres, resm[mi + 1]))
+            if prefetch and nxt is not None:           # the next layer's mask after this layer's prefetch
+                resm = resm.at[mi + 1].set(nres)
             # the bank is read only after this layer's fetch: every use of it depends on slot_of
             slot_of, bank = jax.lax.optimization_barrier((slot_of, banks[mi]))
             rows = short_rows if short_rows is not None and B * T * K <= slots[i] else None

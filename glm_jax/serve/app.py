@@ -228,7 +228,7 @@ class Server:
     def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
                  max_body_mb: float = O.SERVE_BY_NAME["max_body_mb"].default,
                  read_timeout_s: float = O.SERVE_BY_NAME["read_timeout_s"].default,
-                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default, warmup: bool = False):
+                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default):
         self.engine = engine
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
@@ -237,7 +237,6 @@ class Server:
         self.max_body = int(max_body_mb * (1 << 20))
         self.read_timeout_s = float(read_timeout_s)
         self.keep_alive_s = float(keep_alive_s)
-        self.warmup = bool(warmup)                       # --warmup (main: before listening)
         self._max_token_bytes = _max_token_bytes(engine)
         self.created = int(time.time())
         self.stop = threading.Event()
@@ -941,8 +940,9 @@ def main(argv):
         LOG.addHandler(handler)
         LOG.setLevel(logging.INFO)
         LOG.propagate = False
+        warmup = limits.pop("warmup")
         srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, **limits)
-        if srv.warmup:
+        if warmup:
             comp, wall = srv.sched.warmup()
             print(f"glm-jax-serve: warm-up {wall:.1f} s ({comp:.1f} s compiling; --nowarmup skips it)",
                   file=sys.stderr, flush=True)

@@ -592,7 +592,24 @@ def llama_bench(prefix: str, gguf: str, threads: int, p: int, n: int, d: int, ex
     return parse_llama_bench(r.stdout)
 
 
-def _free_port() -> int:
+def wait_healthy(url: str, srv, log_path: str, name: str, timeout: float = 300.0):
+    """Until ``url``/health answers 200; BenchError when the server ``srv`` (a Popen) exits or ``timeout`` passes."""
+    t0 = time.time()
+    while True:
+        if srv.poll() is not None:
+            raise BenchError(f"{name} exited {srv.returncode}: {tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.time() - t0 > timeout:
+            raise BenchError(f"{name} did not become healthy in {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -601,7 +618,7 @@ def _free_port() -> int:
 def llama_greedy_tokens(prefix: str, gguf: str, prompt: list, n: int, threads: int, log_path: str) -> list:
     """llama.cpp's greedy continuation of the prompt ids: llama-server on 127.0.0.1, POST /completion with the
     prompt as token ids, temperature 0, top_k 1, ignore_eos, return_tokens; the server is stopped after."""
-    port = _free_port()
+    port = free_port()
     cmd = [os.path.join(prefix, "bin", "llama-server"), "-m", gguf, "-t", str(threads), "--host", "127.0.0.1",
            "--port", str(port), "-c", str(len(prompt) + n + 16), "-np", "1"]
     lf = open(log_path, "a")
@@ -609,19 +626,7 @@ def llama_greedy_tokens(prefix: str, gguf: str, prompt: list, n: int, threads: i
                            preexec_fn=_preexec(pinned_cpus(threads)))
     try:
         url = f"http://127.0.0.1:{port}"
-        t0 = time.time()
-        while True:
-            if srv.poll() is not None:
-                raise BenchError(f"llama-server exited {srv.returncode}: {tail(log_path)}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() - t0 > 300:
-                raise BenchError("llama-server did not become healthy in 300 s")
-            time.sleep(0.3)
+        wait_healthy(url, srv, log_path, "llama-server")
         body = json.dumps({"prompt": list(map(int, prompt)), "n_predict": n, "temperature": 0.0, "top_k": 1,
                            "samplers": ["top_k"], "ignore_eos": True, "return_tokens": True,
                            "cache_prompt": False}).encode()

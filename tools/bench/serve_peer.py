@@ -14,12 +14,10 @@ The table gives per level the median over rounds of each server's aggregate tok/
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 from absl import app, flags
 
@@ -29,31 +27,10 @@ from tools.bench import peer as bp
 FLAGS = flags.FLAGS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc, log_path: str, timeout: float = 600.0):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}; log {log_path}:\n{bp.tail(log_path)}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s (log {log_path})")
-
-
 def start_servers(logdir: str):
     os.makedirs(logdir, exist_ok=True)
     servers = {}
-    pg = _free_port()
+    pg = bp.free_port()
     cmd = [sys.executable, "-m", "glm_jax.serve.app", f"--model={FLAGS.model}", "--host=127.0.0.1", f"--port={pg}",
            *FLAGS.serve_args.split()]
     lg = os.path.join(logdir, "glm-jax-serve.log")
@@ -62,7 +39,7 @@ def start_servers(logdir: str):
         srv = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     servers["glm-jax-serve"] = (srv,
                                 f"http://127.0.0.1:{pg}", lg, " ".join(cmd[1:]))
-    pl = _free_port()
+    pl = bp.free_port()
     cmd = [os.path.join(FLAGS.llamacpp, "bin", "llama-server"), "-m", FLAGS.gguf, "--host", "127.0.0.1", "--port",
            str(pl), "-t", str(FLAGS.threads), "-np", str(FLAGS.np), "-c", str(FLAGS.np * FLAGS.ctx_per_slot)]
     ll = os.path.join(logdir, "llama-server.log")
@@ -71,7 +48,7 @@ def start_servers(logdir: str):
     servers["llama-server"] = (srv,
                                f"http://127.0.0.1:{pl}", ll, " ".join(cmd[1:]))
     for name, (p, url, lp, _) in servers.items():
-        _wait_healthy(url + "/health", p, lp)
+        bp.wait_healthy(url, p, lp, name, timeout=600.0)        # glm-jax-serve compiles its warm-up first
     return servers
 
 
