@@ -190,6 +190,9 @@ class Request:
         return self.stream.text
 
 
+IDLE_WAIT_S = 0.05       # serve_forever's wait for work when idle (a submit or cancel wakes it at once; a stop within this)
+
+
 class Scheduler:
     def __init__(self, rt, max_batch: int = 1, prefill_chunk: int = 512, max_queue: int = 0,
                  dispatch_ms: float = 50.0, stream_interval: int = 1, prefix_cache: bool = True):
@@ -314,15 +317,17 @@ class Scheduler:
         worked = False
         try:
             while not stop.is_set():
-                if not self.busy():
-                    if worked:             # idle again: hand the requests' freed heap back to the OS
-                        trim()
-                        worked = False
-                    with self.lock:
-                        self.lock.wait(0.05)
+                if self.busy():
+                    self.step()
+                    worked = True
                     continue
-                self.step()
-                worked = True
+                with self.lock:            # checked under the lock: a submit's notify can't fall between the two
+                    if not self.busy():
+                        self.lock.wait(IDLE_WAIT_S)
+                    idle = not self.busy()
+                if idle and worked:        # idle for a whole wait: hand the requests' freed heap back to the OS
+                    trim()                 # (not at once: a client's next request would wait for it)
+                    worked = False
         finally:
             self.serving = False
 
