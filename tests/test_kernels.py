@@ -195,3 +195,49 @@ def test_portable_build_computes_the_quantized_formats_bitwise_like_the_native_o
             assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), fmt
         else:
             assert np.array_equal(a, b), (fmt, np.abs(a - b).max())
+
+
+def test_stream_sink_hands_a_running_loops_tokens_to_the_host_and_its_stops_back():
+    """kernels.sink_call / StreamSink (the scheduler's streamed decode): a compiled while loop hands its tokens
+    so far to the host at every step without calling Python; the host thread (draining while the loop runs) sees
+    snapshots in order, the final call marks the last one, and a stop the host sets ends that row.  Row 0 stops by
+    itself after 40 steps; row 1 runs until the host stops it (the loop would go on for 10^8 steps).  The step has
+    a matrix product, as a decode step does: XLA:CPU runs a program without one inline in the dispatching thread,
+    so nobody could drain it while it runs."""
+    R, B = 8, 2
+    sink = kernels.StreamSink()
+
+    @jax.jit
+    def loop(slot, w):
+        def body(c):
+            i, out, cnt, active, x = c
+            x = jnp.tanh(w @ x)
+            out = out.at[i % R].set(jnp.where(active, i * 10 + jnp.arange(B, dtype=jnp.int32), -1))
+            cnt = cnt + active
+            stop, _ = kernels.sink_call(slot, out, cnt)
+            return i + 1, out, cnt, active & ~stop & ((cnt < 40) | (jnp.arange(B) == 1)), x
+        c = jax.lax.while_loop(lambda c: (c[0] < 10 ** 8) & jnp.any(c[3]), body,
+                               (jnp.int32(0), jnp.full((R, B), -1, jnp.int32), jnp.zeros(B, jnp.int32),
+                                jnp.ones(B, bool), jnp.ones(128)))
+        kernels.sink_call(slot, c[1], c[2], final=True)
+        return c[0], c[2], c[4]
+
+    try:
+        sink.reset(B, R)
+        snaps = []
+        steps, cnt, _ = loop(jnp.int32(sink.slot), jnp.full((128, 128), 0.01))
+        while True:
+            new, done = sink.wait(30.0)
+            assert new, "no snapshot within 30 s"
+            snaps.append(sink.cnt.copy())
+            if sink.cnt[0] >= 40:
+                sink.set(np.array([False, True]), False)          # stop row 1
+            if done:
+                break
+        steps, cnt = int(steps), np.asarray(cnt)
+        assert steps < 10 ** 8 and cnt[0] == 40 and cnt[1] == steps >= 40
+        assert [x[1] for x in snaps] == sorted(x[1] for x in snaps) and (snaps[-1] == cnt).all()
+        i = steps - 1                                              # the final snapshot holds the last step's tokens
+        assert sink.out[i % R, 1] == i * 10 + 1
+    finally:
+        sink.close()

@@ -125,7 +125,8 @@ def test_prefix_cache_reuses_a_finished_rows_kv_with_the_same_output(eng):
 def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
     """--stream_interval=1 (default): a streamed request gets each token as it is sampled, while the fused loop
     keeps running (fewer dispatches than tokens); --stream_interval=4: 4 at a time; same tokens as not streamed.
-    A cancel or a stop string seen by the host stops the row inside the running dispatch."""
+    A cancel or a stop string seen by the host stops the row inside the running dispatch, and no token after it is
+    delivered."""
     sched = eng.scheduler
     ref = eng.generate(ROMEO, max_new_tokens=48, stop_on_eos=False)     # the step time is measured
     try:
@@ -141,7 +142,10 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
             sched.run([req])
             assert req.out == ref.tokens
             assert sched.counters["dispatches"] - d0 < 48 / 4
-            assert max(sizes) == size and sizes.count(size) >= len(sizes) - 8
+            # the loop never waits for the host: a host thread slower than the steps (a loaded machine) takes
+            # several steps' tokens at once, always whole intervals (but the first, from the prefill, and the last)
+            assert sum(sizes) == 48 and sizes.count(size) >= len(sizes) // 2, sizes
+            assert all(k % size == 0 for k in sizes[1:-1]), sizes
         sched.stream_interval = 1
         seen = []
 
@@ -152,7 +156,8 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
         req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, on_event=cancel_at_5)
         sched.submit(req)
         sched.run([req])
-        assert req.finish_reason == "cancelled" and len(req.out) == 5
+        # (the chunk that reached 5 may hold more than one token: the host can be a step behind the loop)
+        assert req.finish_reason == "cancelled" and req.out == seen and 5 <= len(seen) <= 8, seen
         stop = eng.decode(ref.tokens[:12])[-3:]
         req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, stop=[stop],
                           on_event=lambda r, text, toks, done: None)

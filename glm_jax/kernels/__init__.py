@@ -254,6 +254,14 @@ def _load():
     lib = _checked_library(cxx)
     jax.ffi.register_ffi_target("glmjax_qlinear", jax.ffi.pycapsule(lib.GlmJaxQLinear), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_moe", jax.ffi.pycapsule(lib.GlmJaxMoe), platform="cpu")
+    jax.ffi.register_ffi_target("glmjax_sink", jax.ffi.pycapsule(lib.GlmJaxSink), platform="cpu")
+    i32, i64, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    for name, res, args in (("glmjax_sink_open", i32, ()), ("glmjax_sink_close", None, (i32,)),
+                            ("glmjax_sink_reset", ctypes.c_int, (i32, i64)),
+                            ("glmjax_sink_wait", i64, (i32, i64, i64, p, i64, p, i64, p)),
+                            ("glmjax_sink_set", None, (i32, p, i64, i32))):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, list(args)
     return lib
 
 
@@ -337,3 +345,55 @@ def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, g
         z if gate_up_scale is None else gate_up_scale, down, z if down_scale is None else down_scale,
         fmt=np.int32(fmt_code(fmt)), gu_group=np.int64(gu_group), dn_group=np.int64(dn_group),
         mode=np.int32(1 if terms else 0), inter=np.int64(inter))
+
+
+def sink_call(slot, out, cnt, final: bool = False):
+    """Inside a compiled decode loop: hand ``out`` [C, B] int32 (tokens so far) and ``cnt`` [B] int32 to the host
+    ``StreamSink`` of ``slot`` (int32 scalar, a traced operand: one program serves every sink) without calling
+    Python; returns (stop [B] bool, brk bool), the flags the host last set.  ``final``: the call after the loop."""
+    import jax
+    import jax.numpy as jnp
+
+    B = cnt.shape[0]
+    return jax.ffi.ffi_call("glmjax_sink", (jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_)),
+                            has_side_effect=True)(jnp.asarray(slot, jnp.int32), out.astype(jnp.int32),
+                                                  cnt.astype(jnp.int32), final_call=np.int32(1 if final else 0))
+
+
+class StreamSink:
+    """The host end of ``sink_call`` (qkernels.cc "Stream sink"): a thread waits for the running loop's snapshots
+    (``wait``, the GIL released) and answers with stop / break flags (``set``) that the loop reads at its next call;
+    the loop never waits for the host."""
+
+    def __init__(self):
+        load(required=True)
+        self.lib = _state["lib"]
+        self.slot = int(self.lib.glmjax_sink_open())
+        self.seen = 0
+
+    def reset(self, B: int, C: int):
+        """Before a dispatch of ``B`` rows with ``C`` token slots."""
+        self.lib.glmjax_sink_reset(self.slot, B)
+        self.out = np.zeros((C, B), np.int32)
+        self.cnt = np.zeros(B, np.int32)
+        self.seen = 0
+
+    def wait(self, timeout_s: float):
+        """(new, done): whether a newer snapshot arrived within ``timeout_s`` (then in ``.out`` / ``.cnt``), and
+        whether it is the loop's final one."""
+        done = ctypes.c_int32(0)
+        seq = self.lib.glmjax_sink_wait(self.slot, self.seen, int(timeout_s * 1000), self.out.ctypes.data,
+                                        self.out.size, self.cnt.ctypes.data, self.cnt.size, ctypes.byref(done))
+        if seq <= self.seen:
+            return False, False
+        self.seen = seq
+        return True, bool(done.value)
+
+    def set(self, stop, brk: bool):
+        st = np.ascontiguousarray(stop, np.uint8)
+        self.lib.glmjax_sink_set(self.slot, st.ctypes.data, st.size, int(bool(brk)))
+
+    def close(self):
+        if self.slot:
+            self.lib.glmjax_sink_close(self.slot)
+            self.slot = 0

@@ -4,6 +4,7 @@
 //   glmjax_moe     : the MoE seam: for every valid (t, k), e = slots[t, k]:
 //                      y_tk = down_e( silu(gate_e x_t) * up_e x_t ),  out[t] = sum_k weights[t, k] * y_tk
 //                    (mode 0: out [T, H]; mode 1: the per-(t, k) terms y [T, K, H], invalid entries 0)
+//   glmjax_sink    : a running decode loop hands its tokens to the host without calling Python (see "Stream sink")
 //
 // Weight formats and layouts (glm_jax/quant.py is the reference: quantize / to_tiles):
 //   0 f32, 1 bf16 : row-major [out, in]; activations stay f32 (exact f32 FMA dot products)
@@ -30,11 +31,15 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -765,3 +770,115 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoe, MoeImpl,
                                   .Attr<int64_t>("inter"));
 
 extern "C" int glmjax_has_vnni() { return GLMJAX_VNNI; }
+
+// ---------------------------------------------------------------------------------------------- Stream sink
+// The scheduler's fused decode loop (one compiled while loop, many steps) streams its tokens through a sink: every
+// --stream_interval steps the loop calls glmjax_sink(slot, out [C, B], cnt [B], final) which copies the tokens so far
+// into the slot's snapshot, wakes the host thread waiting in glmjax_sink_wait, and returns the stop flags [B] and the
+// break flag the host last set (glmjax_sink_set).  The loop never waits for the host: a host slower than the steps
+// sees the latest snapshot (several steps' tokens at once), and a stop it sets takes effect at the next call.  The
+// final call (after the loop, final=1) marks the snapshot done.  Python's io_callback did the same at ~2 ms a call
+// (the GIL, argument transfers); this is a copy of a few hundred bytes.
+namespace {
+struct Sink {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int32_t> out, cnt;
+  std::vector<uint8_t> stop;
+  uint8_t brk = 0;
+  int64_t seq = 0;
+  bool done = false;
+};
+std::mutex g_sinks_mu;
+std::map<int32_t, std::shared_ptr<Sink>> g_sinks;
+int32_t g_next_slot = 1;
+
+std::shared_ptr<Sink> find_sink(int32_t slot) {
+  std::lock_guard<std::mutex> g(g_sinks_mu);
+  auto it = g_sinks.find(slot);
+  return it == g_sinks.end() ? nullptr : it->second;
+}
+
+ffi::Error SinkImpl(ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> out, ffi::Buffer<ffi::S32> cnt,
+                    ffi::Result<ffi::Buffer<ffi::PRED>> stop, ffi::Result<ffi::Buffer<ffi::PRED>> brk,
+                    int32_t final_call) {
+  const int64_t B = cnt.element_count(), N = out.element_count();
+  bool* st = stop->typed_data();
+  std::fill(st, st + B, false);
+  *brk->typed_data() = false;
+  auto s = find_sink(slot.typed_data()[0]);
+  if (!s) return ffi::Error::Success();          // nobody listens (a closed scheduler): the loop runs on
+  {
+    std::lock_guard<std::mutex> g(s->mu);
+    s->out.assign(out.typed_data(), out.typed_data() + N);
+    s->cnt.assign(cnt.typed_data(), cnt.typed_data() + B);
+    s->seq += 1;
+    if (final_call) s->done = true;
+    for (int64_t i = 0; i < B && i < (int64_t)s->stop.size(); ++i) st[i] = s->stop[i] != 0;
+    *brk->typed_data() = s->brk != 0;
+  }
+  s->cv.notify_all();
+  return ffi::Error::Success();
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxSink, SinkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<int32_t>("final_call"));
+
+extern "C" int32_t glmjax_sink_open() {
+  std::lock_guard<std::mutex> g(g_sinks_mu);
+  int32_t slot = g_next_slot++;
+  g_sinks[slot] = std::make_shared<Sink>();
+  return slot;
+}
+
+extern "C" void glmjax_sink_close(int32_t slot) {
+  std::lock_guard<std::mutex> g(g_sinks_mu);
+  g_sinks.erase(slot);
+}
+
+// Before a dispatch: no snapshot, not done, no stops (B rows).
+extern "C" int glmjax_sink_reset(int32_t slot, int64_t B) {
+  auto s = find_sink(slot);
+  if (!s) return -1;
+  std::lock_guard<std::mutex> g(s->mu);
+  s->out.clear();
+  s->cnt.clear();
+  s->stop.assign(B, 0);
+  s->brk = 0;
+  s->seq = 0;
+  s->done = false;
+  return 0;
+}
+
+// Wait (the GIL released by ctypes) until a snapshot newer than `seen` or `timeout_ms`; copy it into out [n_out] /
+// cnt [n_cnt].  Returns the snapshot's sequence number (0: none yet / timed out with nothing new), negated when the
+// loop has made its final call; *done too.
+extern "C" int64_t glmjax_sink_wait(int32_t slot, int64_t seen, int64_t timeout_ms, int32_t* out, int64_t n_out,
+                                    int32_t* cnt, int64_t n_cnt, int32_t* done) {
+  auto s = find_sink(slot);
+  *done = 0;
+  if (!s) return 0;
+  std::unique_lock<std::mutex> g(s->mu);
+  s->cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [&] { return s->seq > seen; });
+  if (s->seq <= seen) return 0;
+  std::memcpy(out, s->out.data(), sizeof(int32_t) * std::min<int64_t>(n_out, s->out.size()));
+  std::memcpy(cnt, s->cnt.data(), sizeof(int32_t) * std::min<int64_t>(n_cnt, s->cnt.size()));
+  *done = s->done ? 1 : 0;
+  return s->seq;
+}
+
+// The host's answer, read by the loop's next call: rows to stop [B] (kept once set) and whether to end the loop.
+extern "C" void glmjax_sink_set(int32_t slot, const uint8_t* stop, int64_t B, int32_t brk) {
+  auto s = find_sink(slot);
+  if (!s) return;
+  std::lock_guard<std::mutex> g(s->mu);
+  for (int64_t i = 0; i < B && i < (int64_t)s->stop.size(); ++i) s->stop[i] |= stop[i];
+  s->brk |= brk ? 1 : 0;
+}

@@ -43,6 +43,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import jax
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from .. import kernels
 from .. import model as M
 from ..errors import GlmJaxError
 from ..kernels.formats import NATIVE_MAX_ROWS
@@ -217,6 +219,7 @@ class Scheduler:
         self.W = None
         self.step_lock = threading.Lock()            # one driver at a time
         self.serving = False                         # a thread runs serve_forever: others wait instead of stepping
+        self._sink = None                            # kernels.StreamSink of the streamed fused loop (native_sink)
 
     # ------------------------------------------------------------------ submitting (any thread)
     def check(self, prompt_ids: list, sampling: Sampling):
@@ -645,11 +648,14 @@ class Scheduler:
         w = self.B if rmap is None else len(rmap)
         sel = slice(None) if rmap is None else rmap
         every = self.stream_interval if streamed and n > 1 else 0
-        compiled = _fused_key(self.B, W, window, w, every) in rt._jits
-        fn = _fused_fn(rt, self.B, W, window, w, every)
+        sink = self._native_sink() if every else None
+        compiled = _fused_key(self.B, W, window, w, every, sink is not None) in rt._jits
+        fn = _fused_fn(rt, self.B, W, window, w, every, sink is not None)
         live = dict(rows=[self.rows[int(i)] for i in (range(self.B) if rmap is None else rmap)],
                     sent=np.zeros(w, np.int64), pos0=self.pos.copy())
         rt._stream_sink = lambda out_, cnt_: self._on_steps(live, out_, cnt_)
+        if sink is not None:
+            sink.reset(w, FUSED_CHUNK)
         t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
@@ -661,7 +667,10 @@ class Scheduler:
                                             jnp.asarray(pos[sel]), jnp.asarray(self.keys[sel]),
                                             jnp.asarray(temp[sel]), jnp.asarray(topk[sel]), jnp.asarray(topp[sel]),
                                             jnp.asarray(eos_on[sel]), jnp.asarray(budget[sel]), jnp.int32(n),
-                                            jnp.asarray(eos, jnp.int32), state, *extra)
+                                            jnp.asarray(eos, jnp.int32), state,
+                                            jnp.int32(sink.slot if sink is not None else 0), *extra)
+        if sink is not None:                              # the loop runs on: stream what it hands over meanwhile
+            self._drain_sink(sink, live, cnt)
         cnt = np.asarray(cnt)
         if rmap is not None:                              # back to row order
             full = np.zeros(self.B, cnt.dtype)
@@ -698,8 +707,34 @@ class Scheduler:
             if c:
                 self.pos[i] = live["pos0"][i] + c
                 self.tok[i] = toks[-1]
-                if not r.done and c > sent[i]:
+                if not r.done and not r.cancelled and c > sent[i]:   # (a stop the loop saw late: no more tokens)
                     self._deliver(r, toks[sent[i]:])
+
+    def _native_sink(self):
+        """The native stream sink (``kernels.StreamSink``) where it applies -- one process, one device, the native
+        library built --, else None (the loop calls Python through ``io_callback``)."""
+        if self._sink is None:
+            ok = getattr(self.rt, "plan", None) is None and jax.process_count() == 1 and kernels.available()
+            self._sink = kernels.StreamSink() if ok else False
+            if ok:
+                weakref.finalize(self, self._sink.close)
+        return self._sink or None
+
+    def _drain_sink(self, sink, live, result):
+        """While the dispatched loop runs: take each snapshot it hands over (``sink.wait``, the GIL released), stream
+        it (``_on_steps``) and answer with the stop / break flags, until its final call -- or, should the program
+        end without one (it failed), until its ``result`` is ready."""
+        try:
+            while True:
+                new, done = sink.wait(0.05)
+                if new:
+                    stop, brk = self._on_steps(live, sink.out, sink.cnt)
+                    sink.set(stop, bool(brk))
+                if done or (not new and result.is_ready()):
+                    return
+        except BaseException:
+            sink.set(np.ones(len(live["rows"]), bool), True)   # stop the loop, then let the error through
+            raise
 
     def _on_steps(self, live, out, cnt):
         """Inside a running fused dispatch (the host callback, every --stream_interval steps): hand each row's new
@@ -814,11 +849,11 @@ def _sample_one(rt, logits, key, s: Sampling):
     return int(tok[0]), np.asarray(keys[0], np.uint32)
 
 
-def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0):
-    return ("fused_decode", B, W, window, B if w is None else w, every)
+def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False):
+    return ("fused_decode", B, W, window, B if w is None else w, every, bool(sink))
 
 
-def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: int = 0):
+def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False):
     """jit: up to ``n`` decode steps of every active row, on the device: step at [B, W] (row b's pending token at
     column 0, the rest padding) over the cache window [:window] -> per-row sampling -> per-row stop (EOS when the
     row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats).
@@ -827,7 +862,7 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     ``every`` > 0: every that many steps the loop calls the host (``io_callback`` -> ``rt._stream_sink``, the
     scheduler's ``_on_steps``) with the tokens so far, which streams them and may stop rows or the loop."""
     w = B if w is None else w
-    key_ = _fused_key(B, W, window, w, every)
+    key_ = _fused_key(B, W, window, w, every, sink)
     f = rt._jits.get(key_)
     if f is not None:
         return f
@@ -855,7 +890,7 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
                                           plugin, moe_rows=1 if B == 1 else None)
         return logits[:, 0], part, dict(routing_summary(routing, want_stats)), resident
 
-    def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident, rmap=None):
+    def f(params, cache, tok, pos, keys, temp, topk, topp, eos_on, budget, n, eos, resident, slot, rmap=None):
         if compact:
             part = gather_rows(cache, rmap, None if full_window else window)
         else:
@@ -880,9 +915,9 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
             if every:
                 due = acc["_finite"] & ((c["i"] + 1) % every == 0) & (c["i"] + 1 < n)
                 shapes = (jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
-                host = jax.lax.cond(
-                    due, lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt, ordered=True),
-                    lambda: (jnp.zeros((B,), jnp.bool_), jnp.bool_(False)))
+                to_host = ((lambda: kernels.sink_call(slot, out, cnt)) if sink else
+                           (lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt, ordered=True)))
+                host = jax.lax.cond(due, to_host, lambda: (jnp.zeros((B,), jnp.bool_), jnp.bool_(False)))
                 stop, brk = stop | host[0], host[1]
             return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
                         keys=jnp.where(act[:, None], nkeys, c["keys"]), active=act & ~stop, cnt=cnt, i=c["i"] + 1,
@@ -893,6 +928,8 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
             dict(part=part, tok=tok, pos=pos, keys=keys, active=active, cnt=jnp.zeros((B,), jnp.int32),
                  i=jnp.int32(0), out=jnp.full((FUSED_CHUNK, B), -1, jnp.int32), acc=acc0, brk=jnp.bool_(False),
                  res=resident))
+        if sink:                                          # the host's last snapshot: every token, and the end
+            kernels.sink_call(slot, c["out"], c["cnt"], final=True)
         if compact:
             cache = scatter_rows(cache, c["part"], rmap)
         else:
