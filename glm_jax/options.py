@@ -127,9 +127,10 @@ OPTIONS = [
         "milliseconds (from the measured step time, 1 to 32 steps): that bounds how long tokens wait to be printed "
         "or sent and how long a cancelled request keeps its row; 0: one step per dispatch.", lo=0.0, hi=60000.0),
     Opt("stream_interval", 1, "int", "Plain resident decode hands each streamed row's tokens to its stream "
-        "(printed, or sent as one server-sent event) every this many tokens from inside the running dispatch (a "
-        "host callback in the compiled loop, which keeps running up to 32 steps: a cancel or stop string stops its "
-        "row there, a waiting request ends it); 0: only between dispatches (--dispatch_ms).", lo=0, hi=1024),
+        "(printed, or sent as one server-sent event) every this many tokens from inside the running dispatch (the "
+        "compiled loop, up to 32 steps, hands them to the host without waiting for it; a host that falls behind "
+        "gets several at once; a cancel or stop string stops its row at the loop's next step, a waiting request "
+        "ends it); 0: only between dispatches (--dispatch_ms).", lo=0, hi=1024),
     Opt("prefix_cache", True, "bool", "Reuse KV the scheduler still holds: a request whose prompt starts with the "
         "tokens of a finished request's row (its prompt and output) is admitted into that row and prefills only the "
         "rest (no extra memory: the rows are the cache, the least recently used one is taken first)."),
@@ -246,8 +247,8 @@ SERVE_OPTIONS = [
         lo_open=True),
     Opt("warmup", True, "bool", "Before listening, compile the programs the first requests need (a 72-token "
         "prefill, decode at every batch width up to --max_batch, a prefix-cache hit), so no client waits for a "
-        "compile. Every start pays it: the streamed decode programs hold a host callback, which JAX's persistent "
-        "cache does not keep across processes."),
+        "compile. With --compile_cache a later start loads most of them from it (fetch=loop / fused streamed "
+        "programs hold a host callback and compile at every start)."),
 ]
 SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
 
