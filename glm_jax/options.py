@@ -247,7 +247,7 @@ SERVE_OPTIONS = [
         lo_open=True),
     Opt("warmup", True, "bool", "Before listening, compile the programs the first requests need (a 72-token "
         "prefill, decode at every batch width up to --max_batch, a prefix-cache hit), so no client waits for a "
-        "compile. With --compile_cache a later start loads most of them from it (fetch=loop / fused streamed "
+        "compile. With --compile_cache a later start loads most of them from it (--fetch=callback / fused "
         "programs hold a host callback and compile at every start)."),
 ]
 SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
