@@ -58,7 +58,8 @@ constexpr int64_t BLK = 64;   // activation quantization block (elements)
 #define GLMJAX_VNNI 0
 #endif
 // AVX2 (+FMA) without AVX-512 VNNI (most AMD Zen 2/3 and Intel client CPUs): the tile kernels in 256-bit halves
-// (rows 0-7, 8-15 of a tile), the same exact integer sums and per-lane float operations as the other two builds
+// (rows 0-7, 8-15 of a tile), the same exact integer sums and per-lane float operations as the other two builds;
+// the float kernels as the portable build's 16 lanes in two halves (bitwise its results)
 #if !GLMJAX_VNNI && defined(__AVX2__) && defined(__FMA__) && !defined(GLMJAX_PORTABLE)
 #define GLMJAX_AVX2 1
 #else
@@ -248,6 +249,53 @@ inline float bf16f(uint16_t h) {
   return f;
 }
 
+#if GLMJAX_AVX2
+// The portable build's 16 lanes (lane l sums elements i = l mod 16, in order) as two 8-lane halves, the lanes then
+// summed in order: bitwise the portable result.  One token at a time (8 accumulators for 4 rows; the rows' weights
+// stay in L1/L2 from one token to the next).
+inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+template <int R, int C, bool BF>
+inline void dot_float(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
+  const int64_t n = W.in, n16 = n / 16 * 16;
+  for (int c = 0; c < C; ++c) {
+    const float* x = P[c]->xf;
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n16; i += 16) {
+      __m256 xl = _mm256_loadu_ps(x + i), xh = _mm256_loadu_ps(x + i + 8);
+      for (int r = 0; r < R; ++r) {
+        __m256 wl, wh;
+        if (BF) {
+          const uint16_t* w = (const uint16_t*)W.row(r0 + r) + i;
+          wl = bf16x8(w);
+          wh = bf16x8(w + 8);
+        } else {
+          const float* w = (const float*)W.row(r0 + r) + i;
+          wl = _mm256_loadu_ps(w);
+          wh = _mm256_loadu_ps(w + 8);
+        }
+        lo[r] = _mm256_fmadd_ps(wl, xl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(wh, xh, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float acc[16];
+      _mm256_store_ps(acc, lo[r]);
+      _mm256_store_ps(acc + 8, hi[r]);
+      for (int64_t i = n16; i < n; ++i) {           // the tail as the portable build does it
+        float w = BF ? bf16f(((const uint16_t*)W.row(r0 + r))[i]) : ((const float*)W.row(r0 + r))[i];
+        acc[i % 16] = std::fma(w, x[i], acc[i % 16]);
+      }
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += acc[l];
+      out[c * R + r] = sum;
+    }
+  }
+}
+#else
 template <int R, int C, bool BF>
 inline void dot_float(const WMat& W, int64_t r0, const Prep* const* P, float* out) {
   for (int c = 0; c < C; ++c)
@@ -262,6 +310,7 @@ inline void dot_float(const WMat& W, int64_t r0, const Prep* const* P, float* ou
       out[c * R + r] = s;
     }
 }
+#endif  // GLMJAX_AVX2
 #endif
 
 // rows [r0, r1) of a float W against tokens preps[0..n) -> ys[i][row], tiles of 4 rows x 4 tokens
