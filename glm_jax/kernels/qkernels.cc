@@ -403,41 +403,35 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
   const uint8_t* wt = W.tile(t);
   const float* st = W.tscale(t);
   const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 accf[C][2];
-  for (int c = 0; c < C; ++c) accf[c][0] = accf[c][1] = _mm256_setzero_ps();
   const int64_t nb = (W.in + BLK - 1) / BLK;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i lo16[C][2], hi16[C][2];
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h) lo16[c][h] = hi16[c][h] = _mm256_setzero_si256();
-    const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
-    for (int64_t u = b * (BLK / 8); u < u1; ++u) {
-      for (int h = 0; h < 2; ++h) {
+  // one half (8 rows) at a time: 3C accumulators live (C = 4 fits the 16 ymm registers; both halves at once
+  // spilled), the tile's other half read again from L1
+  for (int h = 0; h < 2; ++h) {
+    __m256 accf[C];
+    for (int c = 0; c < C; ++c) accf[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i lo16[C], hi16[C];
+      for (int c = 0; c < C; ++c) lo16[c] = hi16[c] = _mm256_setzero_si256();
+      const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
+      for (int64_t u = b * (BLK / 8); u < u1; ++u) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
         const __m256i lo = _mm256_and_si256(v, lo4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
         for (int c = 0; c < C; ++c) {
           const int8_t* xq = P[c]->xq + u * 8;
-          lo16[c][h] = _mm256_add_epi16(lo16[c][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t*)xq)));
-          hi16[c][h] = _mm256_add_epi16(hi16[c][h],
-                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t*)(xq + 4))));
+          lo16[c] = _mm256_add_epi16(lo16[c], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*(const int32_t*)xq)));
+          hi16[c] = _mm256_add_epi16(hi16[c], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*(const int32_t*)(xq + 4))));
         }
       }
-    }
-    for (int h = 0; h < 2; ++h) {
       const __m256 sc = _mm256_loadu_ps(st + W.gt[b] * 16 + 8 * h);
       for (int c = 0; c < C; ++c) {
         const __m256i isum = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_set1_epi32(P[c]->corr[b]), _mm256_madd_epi16(lo16[c][h], ones)),
-            _mm256_madd_epi16(hi16[c][h], ones));
-        accf[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(P[c]->sx[b])),
-                                     accf[c][h]);
+            _mm256_add_epi32(_mm256_set1_epi32(P[c]->corr[b]), _mm256_madd_epi16(lo16[c], ones)),
+            _mm256_madd_epi16(hi16[c], ones));
+        accf[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(P[c]->sx[b])), accf[c]);
       }
     }
-  }
-  for (int c = 0; c < C; ++c) {
-    _mm256_storeu_ps(out[c], accf[c][0]);
-    _mm256_storeu_ps(out[c] + 8, accf[c][1]);
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[c] + 8 * h, accf[c]);
   }
 }
 
@@ -452,31 +446,27 @@ template <int C>
 inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
   const uint8_t* wt = W.tile(t);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 accf[C][2];
-  for (int c = 0; c < C; ++c) accf[c][0] = accf[c][1] = _mm256_setzero_ps();
   const int64_t nb = (W.in + BLK - 1) / BLK;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i acc[C][2];
-    for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_si256();
-    const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 4));
-    for (int64_t u = b * (BLK / 4); u < u1; ++u) {
-      for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < 2; ++h) {              // one half at a time, as tile_i4
+    __m256 accf[C];
+    for (int c = 0; c < C; ++c) accf[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i acc[C];
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_si256();
+      const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 4));
+      for (int64_t u = b * (BLK / 4); u < u1; ++u) {
         const __m256i w = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
         for (int c = 0; c < C; ++c) {
           const __m256i sg = _mm256_set1_epi32(kSignPattern[P[c]->neg[u] & 15]);
           const __m256i xa = _mm256_set1_epi32(*(const int32_t*)(P[c]->xa + u * 4));
-          acc[c][h] = _mm256_add_epi32(acc[c][h],
-                                       _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, sg)), ones));
+          acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, sg)), ones));
         }
       }
+      for (int c = 0; c < C; ++c)
+        accf[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c]), _mm256_set1_ps(P[c]->sx[b]), accf[c]);
     }
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h)
-        accf[c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][h]), _mm256_set1_ps(P[c]->sx[b]), accf[c][h]);
-  }
-  for (int h = 0; h < 2; ++h) {
     const __m256 sc = _mm256_loadu_ps(W.tscale(t) + 8 * h);
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[c] + 8 * h, _mm256_mul_ps(accf[c][h], sc));
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[c] + 8 * h, _mm256_mul_ps(accf[c], sc));
   }
 }
 #else
