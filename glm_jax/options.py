@@ -246,7 +246,8 @@ SERVE_OPTIONS = [
     Opt("keep_alive_s", 5.0, "float", "Seconds an idle keep-alive connection stays open.", lo=0.0, hi=3600.0,
         lo_open=True),
     Opt("warmup", True, "bool", "Before listening, compile the programs the first requests need (a 72-token "
-        "prefill, decode at every batch width up to --max_batch, a prefix-cache hit), so no client waits for a "
+        "prefill, decode at every batch width up to --max_batch, a prefix-cache hit, the other prefill buckets up to "
+        "--prefill_chunk), so no client waits for a "
         "compile. With --compile_cache a later start loads most of them from it (--fetch=callback / fused "
         "programs hold a host callback and compile at every start)."),
 ]

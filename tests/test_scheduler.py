@@ -173,11 +173,12 @@ def test_warmup_compiles_what_the_first_requests_need():
     """glm-jax-serve --warmup (the default): before it, a server's first request at each batch width compiled
     that width's decode program while its client waited (measured on b: TTFT 1.6-3 s for the first requests at 2,
     4, 8 clients, 19.8 s for the first prefix-cache hit).  After Scheduler.warmup(), streamed requests at every
-    width, a non-streamed one and a prefix hit (prompts of the warmed length) trace and compile nothing, and the
+    width, a non-streamed one, a prefix hit (prompts of the warmed length) and a prompt of another prefill bucket
+    trace and compile nothing, and the
     warm-up leaves no trace: its counters are cleared and no row offers its K/V as a cached prefix."""
     from glm_jax.runtime.scheduler import Request, Sampling
 
-    e = glm_jax.Engine.load(max_batch=2, prefill_chunk=16)
+    e = glm_jax.Engine.load(max_batch=2, prefill_chunk=32)
     try:
         sched = e.scheduler
         comp, wall = sched.warmup(lengths=(8,))
@@ -197,6 +198,10 @@ def test_warmup_compiles_what_the_first_requests_need():
         sched.submit(hit)
         sched.run([hit])
         assert hit.cached_tokens == 8
+        longer = Request([5 + i for i in range(25)], Sampling(max_new_tokens=4), on_event=lambda *a: None)
+        sched.submit(longer)                      # another prefill bucket (32)
+        sched.run([longer])
+        assert longer.cached_tokens == 0 and len(longer.out) == 4
         assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling after the warm-up"
     finally:
         e.close()

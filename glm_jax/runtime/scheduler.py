@@ -275,13 +275,12 @@ class Scheduler:
         """Compile, before the first client, what the first requests would otherwise compile while they wait: for a
         prompt of each of ``lengths`` tokens (72: the 128-position attention window, where a short chat turn with its
         template lands), its prefill and the decode program at every width the loop runs for 1, 2, 4, ... max_batch
-        streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache hit's prefill.  Other
-        windows and prefill buckets still compile on first use, and so does each real length of a prompt shorter
-        than 16 tokens (its prefill computes the real rows' experts only); the persistent compile cache keeps
-        those programs for the next start, but not the streamed decode loops (JAX's cache key includes a host
-        callback's address, so such a program never hits it in a new process), which is why this pass is worth
-        running at every start.  Everything it wrote is then forgotten (the rows' prefix knowledge, the
-        counters).  Returns (seconds compiling, seconds)."""
+        streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache hit's prefill, and the
+        prefill of every other bucket from 32 tokens up to ``--prefill_chunk``.  Other attention windows still
+        compile on first use, and so does each real length of a prompt shorter than 16 tokens (its prefill
+        computes the real rows' experts only); the persistent compile cache keeps all of them for the next start
+        (but for programs holding a Python host callback: --fetch=callback / fused, meshes).  Everything it wrote
+        is then forgotten (the rows' prefix knowledge, the counters).  Returns (seconds compiling, seconds)."""
         t0, c0 = time.perf_counter(), self.rt.compile_s
         vocab = self.rt.cfg.vocab_size
         lim = self.rt.context_limit
@@ -310,6 +309,17 @@ class Scheduler:
             batch(prompt, 1, streamed=False)
         if self.prefix_cache and prompt:
             batch(prompt + [prompt[0]], 1)               # the prompt + 1 token: a row holds the rest
+        done = {bucket(len(prompt))} if prompt else set()
+        T = 32
+        while T <= self.chunk and T + 2 <= lim:          # the other prefill buckets (a first token, no decode)
+            if T not in done:
+                r = Request([1 + (T + i) % max(1, vocab - 1) for i in range(T)],     # (no prefix of the others)
+                            Sampling(max_new_tokens=1, seed=T))
+                self.submit(r)
+                self.run([r])
+                if r.error is not None:
+                    raise r.error
+            T *= 2
         self.forget()
         self.counters.clear()
         return self.rt.compile_s - c0, time.perf_counter() - t0
