@@ -23,19 +23,9 @@ import tempfile
 import numpy as np
 import pytest
 
-_SHARED = os.environ.get("_GLM_JAX_TEST_ROOT") if os.environ.get("PYTEST_XDIST_WORKER") else None
-if _SHARED:             # an xdist worker: the controlling process's caches, a state dir of its own
-    _ROOT = None
-    _STATE = tempfile.mkdtemp(prefix="state-", dir=_SHARED)
-else:                   # the controlling process (or a run without xdist): makes the session's dir
-    _ROOT = tempfile.mkdtemp(prefix="glm-jax-test-home-")
-    _STATE = os.path.join(_ROOT, "state")
-    os.environ["_GLM_JAX_TEST_ROOT"] = _ROOT        # inherited by the workers it starts
-    os.environ["XDG_CACHE_HOME"] = os.path.join(_ROOT, "cache")
-os.environ["XDG_STATE_HOME"] = _STATE
-# the cache is shared by processes: JAX's file lock around every read and write of an entry (it is taken only when
-# a size limit is set; this one is never reached).  An environment variable, so subprocesses take the lock too.
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(1 << 40)
+_ROOT = tempfile.mkdtemp(prefix="glm-jax-test-home-")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_ROOT, "cache")
+os.environ["XDG_STATE_HOME"] = os.path.join(_ROOT, "state")
 
 import jax  # noqa: E402  (after the environment is set)
 
@@ -47,7 +37,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_ROOT or _STATE, ignore_errors=True)       # a worker: its state dir; the controller: everything
+    shutil.rmtree(_ROOT, ignore_errors=True)
 
 
 def pytest_itemcollected(item):
