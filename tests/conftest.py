@@ -6,10 +6,9 @@ The suite is hermetic: XDG_CACHE_HOME and XDG_STATE_HOME point at one temp dir (
 per-user defaults (the compilation cache in $XDG_CACHE_HOME/glm-jax/xla, the native kernels built once per session
 in $XDG_CACHE_HOME/glm-jax/kernels, usage histories in
 $XDG_STATE_HOME/glm-jax) land there, for this process and every subprocess a test starts; nothing is written into the
-real ~/.cache or ~/.local/state.  Under pytest-xdist (README's test command: -n auto) the controlling process makes
-that dir and its workers share its caches (a program one worker compiled is read by the others; JAX writes an entry
-non-atomically, so every read and write of one is taken under JAX's file lock, below); each worker gets a state dir
-of its own.
+real ~/.cache or ~/.local/state.  Under pytest-xdist (README's test command: -n auto) every worker process imports
+this file and so gets its own temp dir and caches (JAX's cache writes its entries non-atomically: a worker must not
+read one another is writing).
 
 Scheduling under xdist (``--dist=loadgroup``, set in pyproject.toml's addopts): the tests of one module that use a
 module-scoped fixture (an engine, a server, a converted container, the mesh subprocess) form one group, run by one
