@@ -20,7 +20,7 @@ import glm_jax
 from glm_jax import options as O
 from glm_jax.engine import default_model_path
 from glm_jax.errors import GlmJaxError
-from glm_jax.model.config import ConfigError, load_config
+from glm_jax.model.config import load_config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 PLAIN = os.path.join(GOLDEN, "glm4moe_plain")

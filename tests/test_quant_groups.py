@@ -5,7 +5,6 @@ The reference for a row of n = 96 with G = 64 is two independent int4_row quanti
 dequantize and take_dot must all agree with it; a checkpoint with hidden_size 96 converts to int4_g64 (and runs: the
 fuzz test's pristine container is exactly that, and its forward is checked there, to compile one engine less)."""
 
-import os
 
 import jax
 import jax.numpy as jnp
