@@ -151,3 +151,24 @@ def test_verify_all_reads_every_record_without_converting_layouts(tmp_path, monk
         f.write(b"\x01")
     with pytest.raises(C.ChecksumError, match=f"layer {L} expert 200"):
         C.open_container(d, cfg, verify="all")
+
+
+def test_a_fetch_visits_only_the_layers_with_slots_to_release(full, monkeypatch):
+    """fetch returns transient slots to the OS; at 75 layers it must not do per-layer work for every layer on every
+    call (75 fetches per token x 75 layers)."""
+    from glm_jax.experts import store as S
+    d, cfg, lay = full
+    st = ExpertStore.open(d, cfg, cache_cap=2, state_dir="off", io_threads=1)
+    calls = []
+    orig = S._Layer.release_pages
+    monkeypatch.setattr(S._Layer, "release_pages", lambda self, keep: (calls.append(self.layer), orig(self, keep)))
+    try:
+        layers = sorted(st.layers)
+        for L in layers:
+            st.fetch(L, np.arange(8))        # 8 experts > cap 2: 6 slots of each layer to release later
+        assert len(calls) <= len(layers)     # each layer's releases visited once, not 75 x 75
+        calls.clear()
+        st.fetch(layers[0], np.arange(2))
+        assert len(calls) <= 1
+    finally:
+        st.close(save_usage=False)
