@@ -129,7 +129,8 @@ def test_full_counts_at_tiny_widths():
     c = synth_slice.counts_config("glm52")
     assert c["model_type"] == "glm_moe_dsa" and c["num_hidden_layers"] == 78
     assert c["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 75 and len(c["indexer_types"]) == 78
-    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]) == (256, 8, 64, 64)
+    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"],
+            c["moe_intermediate_size"]) == (256, 8, 64, 64)
     assert synth_slice.moe_layers(c) * c["n_routed_experts"] == 19200
     # the whole model stays small: ~236 M routed parameters (~0.5 GB of bf16)
     assert synth_slice.param_split(c)["total"] < 300e6
