@@ -123,3 +123,16 @@ def test_slice_bench_box_limits_and_projection():
     # disk bound: the slower of compute and the misses' bytes at the disk's rate
     assert bs.disk_bound_tok_s(0.01, 4, 10e6, 2.0) == pytest.approx(1 / 0.02)
     assert bs.disk_bound_tok_s(0.05, 4, 10e6, 2.0) == pytest.approx(1 / 0.05)
+
+
+def test_full_counts_at_tiny_widths():
+    c = synth_slice.counts_config("glm52")
+    assert c["model_type"] == "glm_moe_dsa" and c["num_hidden_layers"] == 78
+    assert c["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 75 and len(c["indexer_types"]) == 78
+    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"],
+            c["moe_intermediate_size"]) == (256, 8, 64, 64)
+    assert synth_slice.moe_layers(c) * c["n_routed_experts"] == 19200
+    # the whole model stays small: ~236 M routed parameters (~0.5 GB of bf16)
+    assert synth_slice.param_split(c)["total"] < 300e6
+    a = synth_slice.counts_config("glm45air")
+    assert synth_slice.moe_layers(a) * a["n_routed_experts"] == 45 * 128

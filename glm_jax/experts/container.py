@@ -413,7 +413,8 @@ class Container:
 
     def __init__(self, path: str, manifest: dict, entries: dict, verify: str, direct_io: bool):
         self.path = path
-        self.manifest = manifest
+        # the per-record list is in the LayerEntry arrays now: 19,200 dicts (~11 MB) are not kept for the process
+        self.manifest = {k: v for k, v in manifest.items() if k != "experts"}
         self._entries = entries
         self.verify = verify
         self.direct_io = direct_io
@@ -495,9 +496,18 @@ class Container:
         return lay.rows(dests)
 
     def verify_all(self):
+        """Read and checksum every record (``verify="all"``, ``--verify``): one set of page-aligned buffers per
+        layer reused for all its records (O_DIRECT scatters into them), no per-record arrays or layout
+        conversion (``load_expert``'s row-major copy cost more than the read at 19,200 records)."""
         for L in self.expert_layers:
+            lay = self.layout(L)
+            dests = {s.name: _aligned_empty(s.nbytes).view(s.np_dtype).reshape(s.shape) for s in lay.sections}
             for e in range(self.num_experts(L)):
-                self.load_expert(L, e)
+                jobs, finish = self.read_jobs(L, e, dests)
+                for j in jobs:
+                    j()
+                if not self.entry(L).verified[e]:
+                    self._check(self.entry(L), e, dests)
 
     def close(self):
         for ent in self._entries.values():

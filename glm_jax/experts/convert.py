@@ -607,9 +607,7 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
         lay = RecordLayout.from_json(rec["layout"])
         linfo[str(L)] = {"file": layer_file_name(L), "format": lay.fmt, "layout": lay.to_json(),
                          "num_experts": rec["num_experts"], "size": rec["num_experts"] * lay.record_len}
-        for e, c in enumerate(rec["crcs"]):
-            experts.append({"layer": L, "expert": e, "file": layer_file_name(L), "offset": e * lay.record_len,
-                            "length": lay.record_len, "format": lay.fmt, "checksum": f"crc32:{c:08x}"})
+        experts += expert_records(L, lay, rec["crcs"])
     with open(os.path.join(src, "config.json"), "rb") as f:
         src_cfg_sha = hashlib.sha256(f.read()).hexdigest()
     man = {
@@ -635,6 +633,13 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
         if os.path.exists(p):
             os.remove(p)
     return man
+
+
+def expert_records(L: int, lay: RecordLayout, crcs: list) -> list:
+    """The manifest's ``experts`` entries of layer ``L``: record ``e`` at ``e * record_len`` (4096-aligned)."""
+    f = layer_file_name(L)
+    return [{"layer": L, "expert": e, "file": f, "offset": e * lay.record_len, "length": lay.record_len,
+             "format": lay.fmt, "checksum": f"crc32:{c:08x}"} for e, c in enumerate(crcs)]
 
 
 def verify(dst: str) -> str:

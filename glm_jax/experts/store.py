@@ -598,8 +598,9 @@ class ExpertStore:
         with self._lock:
             self._usage[layer] += np.bincount(ids.astype(np.int64), minlength=lc.E)[:lc.E]
             # earlier computations are finished (module docstring): return transient pages to the OS
-            for L2, lc2 in self.layers.items():
-                lc2.release_pages(int(self.index[L2].pinned.sum()) + self.index[L2].cap)
+            for L2, lc2 in self.layers.items():     # only layers with slots to return (75 layers: 75 x 75 sums/token)
+                if lc2.release:
+                    lc2.release_pages(int(self.index[L2].pinned.sum()) + self.index[L2].cap)
             idx = self.index[layer]
             hp, hc, miss, ev_now, ev_after = idx.access(union)
             hpf = [e for e in hc if e in lc.prefetched]
