@@ -249,3 +249,30 @@ def test_a_request_arriving_while_the_loop_goes_idle_is_not_left_waiting(eng, mo
         stop.set()
         t.join(30)
     assert not any(waits_while_busy), waits_while_busy
+
+
+def test_warmup_leaves_the_kv_cache_at_the_length_its_programs_were_compiled_for(tmp_path):
+    """The warm-up's prefill-bucket pass must not grow the K/V cache: a 256- or 512-token prompt made it 512 / 1024
+    positions after the decode programs had been compiled for 256, so the first real requests compiled everything
+    again (seen on b: 3.5-9.8 s first-token times after the warm-up).  A model with a 1024-position context and
+    --prefill_chunk=256: after the warm-up, requests at both widths compile nothing."""
+    from glm_jax.runtime.scheduler import Request, Sampling
+    from tools.fixtures import synth_model as SM
+
+    SM.write_hf_checkpoint(str(tmp_path / "hf"), SM.tiny_config(max_position_embeddings=1024,
+                                                                num_nextn_predict_layers=0), keep_reference=False)
+    e = glm_jax.Engine.load(str(tmp_path / "hf"), max_batch=2, prefill_chunk=256)
+    try:
+        sched = e.scheduler
+        sched.warmup(lengths=(8,))
+        c0 = e.compile_s
+        for w in (1, 2):
+            reqs = [Request([3 + i, 4, 5, 6, 7, 8, 9, 10], Sampling(max_new_tokens=6, seed=i),
+                            on_event=lambda *a: None) for i in range(w)]
+            for r in reqs:
+                sched.submit(r)
+            sched.run(reqs)
+            assert all(len(r.out) == 6 for r in reqs)
+        assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling after the warm-up"
+    finally:
+        e.close()

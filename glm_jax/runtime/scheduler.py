@@ -276,7 +276,8 @@ class Scheduler:
         prompt of each of ``lengths`` tokens (72: the 128-position attention window, where a short chat turn with its
         template lands), its prefill and the decode program at every width the loop runs for 1, 2, 4, ... max_batch
         streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache hit's prefill, and the
-        prefill of every other bucket from 32 tokens up to ``--prefill_chunk``.  Other attention windows still
+        prefill of every other bucket from 32 tokens up to ``--prefill_chunk`` that fits the K/V cache as the rest
+        left it (256 positions: a longer prompt grows the cache, and with it every program).  Other attention windows still
         compile on first use, and so does each real length of a prompt shorter than 16 tokens (its prefill
         computes the real rows' experts only); the persistent compile cache keeps all of them for the next start
         (but for programs holding a Python host callback: --fetch=callback / fused, meshes).  Everything it wrote
@@ -311,7 +312,9 @@ class Scheduler:
             batch(prompt + [prompt[0]], 1)               # the prompt + 1 token: a row holds the rest
         done = {bucket(len(prompt))} if prompt else set()
         T = 32
-        while T <= self.chunk and T + 2 <= lim:          # the other prefill buckets (a first token, no decode)
+        # the other prefill buckets (a first token, no decode) that fit the K/V the warm-up has made: a longer one
+        # would grow it, and every program compiled so far is for its present length
+        while T <= self.chunk and T + 2 <= min(lim, self.rt._cache_len):
             if T not in done:
                 r = Request([1 + (T + i) % max(1, vocab - 1) for i in range(T)],     # (no prefix of the others)
                             Sampling(max_new_tokens=1, seed=T))
