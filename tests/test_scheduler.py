@@ -143,9 +143,11 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
             assert req.out == ref.tokens
             assert sched.counters["dispatches"] - d0 < 48 / 4
             # the loop never waits for the host: a host thread slower than the steps (a loaded machine) takes
-            # several steps' tokens at once, always whole intervals (but the first, from the prefill, and the last)
-            assert sum(sizes) == 48 and sizes.count(size) >= len(sizes) // 2, sizes
+            # several steps' tokens at once, always whole intervals (but the first, from the prefill, and the last);
+            # more events than dispatches: they came from inside the running loop
+            assert sum(sizes) == 48 and size in sizes[1:], sizes
             assert all(k % size == 0 for k in sizes[1:-1]), sizes
+            assert len(sizes) > sched.counters["dispatches"] - d0 + 1, sizes
         sched.stream_interval = 1
         seen = []
 
@@ -156,8 +158,9 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
         req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, on_event=cancel_at_5)
         sched.submit(req)
         sched.run([req])
-        # (the chunk that reached 5 may hold more than one token: the host can be a step behind the loop)
-        assert req.finish_reason == "cancelled" and req.out == seen and 5 <= len(seen) <= 8, seen
+        # (the chunk that reached 5 may hold more than one token: the host can be steps behind the loop); stopped
+        # inside the first 32-step dispatch, nothing delivered after the cancel
+        assert req.finish_reason == "cancelled" and req.out == seen and 5 <= len(seen) <= 32, seen
         stop = eng.decode(ref.tokens[:12])[-3:]
         req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, stop=[stop],
                           on_event=lambda r, text, toks, done: None)

@@ -430,12 +430,13 @@ def test_batch_invariance_of_greedy_output(eng):
     reqs = [eng.request(long_ids, max_new_tokens=30), eng.request(b, max_new_tokens=30),
             eng.request(ROMEO, max_new_tokens=30, temperature=0.8, seed=3), eng.request(a, max_new_tokens=30)]
     late = eng.request(ROMEO, max_new_tokens=30)
-    for r in reqs:
-        sched.submit(r)
-    for _ in range(3):
-        sched.step()
-    assert sched.running == 4
-    sched.submit(late)                                         # waits for a free row, then joins the others
+    with sched.step_lock:            # the module's server thread, once started, steps too: it waits meanwhile
+        for r in reqs:
+            sched.submit(r)
+        for _ in range(3):
+            sched._step()
+        assert sched.running == 4
+        sched.submit(late)                                     # waits for a free row, then joins the others
     sched.run(reqs + [late])
     assert reqs[0].out == alone_long
     assert reqs[1].out == alone[2] and reqs[3].out == alone[1] and late.out == alone[0]
