@@ -249,6 +249,12 @@ inline float bf16f(uint16_t h) {
   return f;
 }
 
+// element i of row r of a float W (bf16 widened)
+template <bool BF>
+inline float wf(const WMat& W, int64_t r, int64_t i) {
+  return BF ? bf16f(((const uint16_t*)W.row(r))[i]) : ((const float*)W.row(r))[i];
+}
+
 #if GLMJAX_AVX2
 // The portable build's 16 lanes (lane l sums elements i = l mod 16, in order) as two 8-lane halves, the lanes then
 // summed in order: bitwise the portable result.  One token at a time (8 accumulators for 4 rows; the rows' weights
@@ -286,7 +292,7 @@ inline void dot_float(const WMat& W, int64_t r0, const Prep* const* P, float* ou
       _mm256_store_ps(acc, lo[r]);
       _mm256_store_ps(acc + 8, hi[r]);
       for (int64_t i = n16; i < n; ++i) {           // the tail as the portable build does it
-        float w = BF ? bf16f(((const uint16_t*)W.row(r0 + r))[i]) : ((const float*)W.row(r0 + r))[i];
+        float w = wf<BF>(W, r0 + r, i);
         acc[i % 16] = std::fma(w, x[i], acc[i % 16]);
       }
       float sum = 0.f;
@@ -302,7 +308,7 @@ inline void dot_float(const WMat& W, int64_t r0, const Prep* const* P, float* ou
     for (int r = 0; r < R; ++r) {
       float acc[16] = {0};
       for (int64_t i = 0; i < W.in; ++i) {
-        float w = BF ? bf16f(((const uint16_t*)W.row(r0 + r))[i]) : ((const float*)W.row(r0 + r))[i];
+        float w = wf<BF>(W, r0 + r, i);
         acc[i % 16] = std::fma(w, P[c]->xf[i], acc[i % 16]);
       }
       float s = 0.f;

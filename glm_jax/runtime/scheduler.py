@@ -286,15 +286,18 @@ class Scheduler:
         vocab = self.rt.cfg.vocab_size
         lim = self.rt.context_limit
 
-        def batch(prompt, w, streamed=True):
-            reqs = [Request(prompt, Sampling(max_new_tokens=w + 8, stop_on_eos=False, seed=i),
+        def batch(prompt, w, streamed=True, new_tokens=None, raise_error=True):
+            """``w`` requests of ``prompt`` run to the end; the first one's error is raised, or returned (None)."""
+            reqs = [Request(prompt, Sampling(max_new_tokens=w + 8 if new_tokens is None else new_tokens,
+                                             stop_on_eos=False, seed=i),
                             on_event=(lambda *a: None) if streamed else None) for i in range(w)]
             for r in reqs:
                 self.submit(r)
             self.run(reqs)
-            for r in reqs:
-                if r.error is not None:
-                    raise r.error
+            err = next((r.error for r in reqs if r.error is not None), None)
+            if err is not None and raise_error:
+                raise err
+            return err
 
         prompt = []
         for n in lengths:
@@ -310,18 +313,14 @@ class Scheduler:
             batch(prompt, 1, streamed=False)
         if self.prefix_cache and prompt:
             batch(prompt + [prompt[0]], 1)               # the prompt + 1 token: a row holds the rest
-        done = {bucket(len(prompt))} if prompt else set()
+        warmed = bucket(len(prompt)) if prompt else 0
         T = 32
         # the other prefill buckets (a first token, no decode) that fit the K/V the warm-up has made: a longer one
         # would grow it, and every program compiled so far is for its present length
         while T <= self.chunk and T + 2 <= min(lim, self.rt._cache_len):
-            if T not in done:
-                r = Request([1 + (T + i) % max(1, vocab - 1) for i in range(T)],     # (no prefix of the others)
-                            Sampling(max_new_tokens=1, seed=T))
-                self.submit(r)
-                self.run([r])
-                if r.error is not None:                  # (e.g. no room for its K/V: later requests will say so)
-                    break
+            if T != warmed and batch([1 + (T + i) % max(1, vocab - 1) for i in range(T)],   # (no prefix of the others)
+                                     1, streamed=False, new_tokens=1, raise_error=False) is not None:
+                break                                    # (e.g. no room for its K/V: later requests will say so)
             T *= 2
         self.forget()
         self.counters.clear()
@@ -666,9 +665,10 @@ class Scheduler:
         fn = _fused_fn(rt, self.B, W, window, w, every, sink is not None)
         live = dict(rows=[self.rows[int(i)] for i in (range(self.B) if rmap is None else rmap)],
                     sent=np.zeros(w, np.int64), pos0=self.pos.copy())
-        rt._stream_sink = lambda out_, cnt_: self._on_steps(live, out_, cnt_)
         if sink is not None:
             sink.reset(w, FUSED_CHUNK)
+        else:
+            rt._stream_sink = lambda out_, cnt_: self._on_steps(live, out_, cnt_)
         t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
@@ -750,8 +750,8 @@ class Scheduler:
             raise
 
     def _on_steps(self, live, out, cnt):
-        """Inside a running fused dispatch (the host callback, every --stream_interval steps): hand each row's new
-        tokens to its stream.  Returns (stop [w]: rows the loop must stop -- finished on the host (a stop string),
+        """Inside a running fused dispatch (each snapshot of the stream sink, or the host callback, every
+        --stream_interval steps): hand each row's new tokens to its stream.  Returns (stop [w]: rows the loop must stop -- finished on the host (a stop string),
         cancelled, or gone; break: a request waits for a free row, so end the dispatch now and admit it)."""
         out, cnt = np.asarray(out), np.asarray(cnt)
         stop = np.zeros(len(cnt), bool)
@@ -872,8 +872,10 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats).
     ``w`` < B: the program runs on w rows of the cache (a last argument ``rmap`` [w]: which; gathered once, the
     loop runs at [w, W], written back at the end); the per-row arguments and results are then [w].
-    ``every`` > 0: every that many steps the loop calls the host (``io_callback`` -> ``rt._stream_sink``, the
-    scheduler's ``_on_steps``) with the tokens so far, which streams them and may stop rows or the loop."""
+    ``every`` > 0: every that many steps the loop hands the tokens so far to the host, which streams them and may
+    stop rows or the loop: with ``sink`` through the native stream sink (``kernels.sink_call``; an int32 ``slot``
+    argument names the scheduler's ``StreamSink``, drained by ``Scheduler._drain_sink``), else through
+    ``io_callback`` -> ``rt._stream_sink`` (the scheduler's ``_on_steps``)."""
     w = B if w is None else w
     key_ = _fused_key(B, W, window, w, every, sink)
     f = rt._jits.get(key_)

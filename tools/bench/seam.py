@@ -21,6 +21,7 @@ from absl import app, flags
 
 from glm_jax import kernels
 from glm_jax.kernels import formats as quant
+from tools.bench.tables import markdown
 
 FLAGS = flags.FLAGS
 
@@ -39,8 +40,8 @@ def main(argv):
     print(f"kernels.moe at H {H}, I {I}, {K} of {E} experts; native build: "
           f"{'AVX-512 VNNI' if kernels.has_vnni() else 'AVX2 or portable'}; median of {FLAGS.reps}, load average "
           f"{os.getloadavg()[0]:.2f}\n")
-    print("| format | tokens | portable ms | native ms | native GB/s | speed-up |")
-    print("|---|---|---|---|---|---|")
+    cols = ["format", "tokens", "portable ms", "native ms", "native GB/s", "speed-up"]
+    rows = []
     for fmt in FLAGS.formats.split(","):
         bank = _bank(fmt, E, H, I)
         per_expert = sum(int(np.asarray(a).nbytes) for a in (bank.gate_up, bank.gate_up_scale, bank.down,
@@ -61,8 +62,9 @@ def main(argv):
                     f(x).block_until_ready()
                     times[v].append(time.perf_counter() - t)
             nat, por = (statistics.median(times[v]) for v in ("", portable))
-            print(f"| {fmt} | {T} | {1e3 * por:.2f} | {1e3 * nat:.2f} | {K * per_expert / nat / 1e9:.1f} | "
-                  f"{por / nat:.1f}x |")
+            rows.append(dict(zip(cols, (fmt, T, f"{1e3 * por:.2f}", f"{1e3 * nat:.2f}",
+                                        f"{K * per_expert / nat / 1e9:.1f}", f"{por / nat:.1f}x"))))
+    print(markdown(rows, cols))
     return 0
 
 
