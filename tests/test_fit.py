@@ -202,14 +202,20 @@ print("PEAK", peak[0] - base)
 def test_quantizing_at_load_needs_no_more_than_keeping_bf16(synth_bf16):
     """Before, int8_row at load quantized the [32000, 512] embedding / head matrices as whole float32 copies: peak
     +352 MB against +256 MB for keeping bf16 (measured on 136367b); row blocks keep it at or below bf16's."""
+    # One load's peak scatters by ~15% (the 1 ms poll, the allocator: native 231-262 MB, int8_row 208-257 MB over
+    # three runs here), so each format's peak is the smaller of two loads, and the bound (1.2x) sits between that
+    # scatter and the old code's 1.37x.
     peaks = {}
     for fmt in ("native", "int8_row"):
-        r = subprocess.run([sys.executable, "-c", _LOAD_PEAK, synth_bf16, fmt], capture_output=True, text=True,
-                           timeout=300)
-        line = [ln for ln in r.stdout.splitlines() if ln.startswith("PEAK")]
-        assert line, r.stderr[-2000:]
-        peaks[fmt] = int(line[0].split()[1])
-    assert peaks["int8_row"] <= 1.1 * peaks["native"], {k: v / 1e6 for k, v in peaks.items()}
+        runs = []
+        for _ in range(2):
+            r = subprocess.run([sys.executable, "-c", _LOAD_PEAK, synth_bf16, fmt], capture_output=True, text=True,
+                               timeout=300)
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("PEAK")]
+            assert line, r.stderr[-2000:]
+            runs.append(int(line[0].split()[1]))
+        peaks[fmt] = min(runs)
+    assert peaks["int8_row"] <= 1.2 * peaks["native"], {k: v / 1e6 for k, v in peaks.items()}
 
 
 def test_default_run_starts_in_a_cgroup_where_it_refused_before(tmp_path, synth_bf16):
