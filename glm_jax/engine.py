@@ -223,7 +223,8 @@ class Engine(Runner):
                                            # the whole process counts: what it holds now (runtime + dense
                                            # weights) and a reserve for compilation and the step's buffers
                                            used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None
-                                                                         else fitted.workspace),
+                                                                         else fitted.workspace)
+                                           + prefix_store_reserve(opts),
                                            kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
                                                      (opts["max_seq_len"] or KV_RESERVE_TOKENS) * opts["max_batch"]
                                                      if fitted is None else fitted.kv_bytes),
@@ -335,7 +336,8 @@ class Engine(Runner):
             self._scheduler = Scheduler(self, max_batch=self.opts["max_batch"],
                                         prefill_chunk=self.opts["prefill_chunk"], dispatch_ms=self.opts["dispatch_ms"],
                                         stream_interval=self.opts["stream_interval"],
-                                        prefix_cache=self.opts["prefix_cache"])
+                                        prefix_cache=self.opts["prefix_cache"],
+                                        prefix_store_mb=prefix_store_mb(self.opts, self.store))
         return self._scheduler
 
     def request(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -629,6 +631,23 @@ def _pick_dtype(name: str, path: str, cfg: ModelConfig):
     return jnp.bfloat16 if declared_dtype(path) in ("bfloat16", "float16") else jnp.float32
 
 
+def prefix_store_mb(opts, store) -> float:
+    """--prefix_store_mb as the run uses it.  Given: as given (a streamed load counted it in its budget).  Not
+    given: the default without an expert store; with every expert in the store's RAM, at most a quarter of the RAM
+    budget still free; streamed, off (every byte of the budget went to the plan)."""
+    if opts.where("prefix_store_mb") or store is None:
+        return float(opts["prefix_store_mb"])
+    if opts["fetch"] != "resident":
+        return 0.0
+    free = store.sizing.get("budget_bytes", 0) - MEM.private_bytes()
+    return min(float(opts["prefix_store_mb"]), max(0.0, free / 4 / 1e6))
+
+
+def prefix_store_reserve(opts) -> int:
+    """Bytes a store-backed load reserves in its RAM budget for the prefix store (only when the flag is given)."""
+    return int(opts["prefix_store_mb"] * 1e6) if opts.where("prefix_store_mb") else 0
+
+
 RUNTIME_RESERVE = 150 << 20   # compile workspace + the step's buffers beyond the resident set at open (measured:
                               # 15-60 MB on the 1.9 GB synthetic model; tools/bench.py --mode=lowram)
 KV_RESERVE_TOKENS = 4096      # KV positions the RAM budget reserves when --max_seq_len is not given
@@ -666,7 +685,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     else:
         budget, why = MEM.default_budget()
     inp = F.FitInputs(
-        budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD, dense=dense,
+        budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD + prefix_store_reserve(opts), dense=dense,
         dense_fixed=fixed_dense,
         load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * opts["max_batch"], kv_tokens=kv_tokens,
         kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,

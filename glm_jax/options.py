@@ -134,6 +134,11 @@ OPTIONS = [
     Opt("prefix_cache", True, "bool", "Reuse KV the scheduler still holds: a request whose prompt starts with the "
         "tokens of a finished request's row (its prompt and output) is admitted into that row and prefills only the "
         "rest (no extra memory: the rows are the cache, the least recently used one is taken first)."),
+    Opt("prefix_store_mb", 256.0, "float", "Host RAM in MB for the K/V of sequences the rows no longer hold (the "
+        "prefix cache's second level, as llama-server's --cache-ram): before a row is rewritten, what it held is "
+        "copied there; a later prompt that starts with a saved sequence gets that prefix's K/V back and prefills "
+        "only the rest. Least recently used first out; 0: off. A store-backed model (experts streamed under "
+        "--ram_gb) keeps it off unless this is given, and then counts it in the RAM budget.", lo=0.0, hi=1 << 20),
     Opt("fetch", "auto", "enum", "How routed experts reach the MoE seam: resident (all in memory, one jit per token), "
         "loop (Python layer loop calling the expert store between jitted dense functions), callback (the store is "
         "called from inside one compiled step via io_callback, copying the union into a compact buffer), fused (decode "

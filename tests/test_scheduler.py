@@ -118,8 +118,48 @@ def test_prefix_cache_reuses_a_finished_rows_kv_with_the_same_output(eng):
     r = eng.generate(ROMEO + "Soft", max_new_tokens=4)
     assert 0 < r.stats["cached_tokens"] < len(r.prompt_tokens)
     eng.batch_logits([[1, 2, 3]] * 8)
-    again = eng.generate(ROMEO + "Soft", max_new_tokens=4)
+    saved, eng.scheduler.saved = eng.scheduler.saved, None      # the rows alone (the host copies are another level)
+    try:
+        again = eng.generate(ROMEO + "Soft", max_new_tokens=4)
+    finally:
+        eng.scheduler.saved = saved
     assert again.stats["cached_tokens"] == 0 and again.tokens == r.tokens
+
+
+def test_prefix_store_gives_back_a_taken_rows_kv_from_host_ram():
+    """One row: every new prompt rewrites it.  What it held is copied to the prefix store first, so a later
+    request for an earlier prompt (or its continuation) prefills only its new tokens, with the greedy tokens of a
+    full prefill; the store stays within --prefix_store_mb, least recently used first out.  Before it (the rows
+    only), the repeated prompt prefilled everything (cached_tokens 0)."""
+    texts = ["ROMEO:\nWhat light through yonder window breaks? It is the east, and Juliet is the sun.",
+             "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.",
+             "KING HENRY:\nOnce more unto the breach, dear friends, once more, or close the wall up."]
+    eng = glm_jax.Engine.load(max_batch=1, prefill_chunk=16, prefix_store_mb=1.0)
+    try:
+        sched = eng.scheduler
+        first = [eng.generate(t, max_new_tokens=8) for t in texts]
+        assert len(sched.saved) == 2 and 0 < sched.saved.bytes <= 1e6     # the last one is still in the row
+        again = eng.generate(texts[0], max_new_tokens=8)
+        assert again.tokens == first[0].tokens
+        assert again.stats["cached_tokens"] == len(again.prompt_tokens) - 1
+        longer = eng.generate(texts[1] + " Speak.", max_new_tokens=8)
+        assert longer.stats["cached_tokens"] >= len(first[1].prompt_tokens) - 1
+        sched.prefix_cache = False
+        full = eng.generate(texts[1] + " Speak.", max_new_tokens=8)
+        assert full.stats["cached_tokens"] == 0 and full.tokens == longer.tokens
+        sched.prefix_cache = True
+        # the bound: room for one entry of these lengths -> saving the second pushes the first out
+        one = max(nb for _, _, nb in sched.saved.entries.values())
+        sched.saved.clear()
+        sched.saved.max_bytes = one + one // 4
+        for t in texts:
+            eng.generate(t, max_new_tokens=8)
+        assert len(sched.saved) == 1 and sched.saved.bytes <= sched.saved.max_bytes
+        assert sched.saved.counters["evicted"] >= 1
+        (toks, _, _), = sched.saved.entries.values()
+        assert list(toks[:len(first[1].prompt_tokens)]) == first[1].prompt_tokens
+    finally:
+        eng.close()
 
 
 def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):

@@ -6,5 +6,6 @@
     sampling.py     greedy / temperature / top-k / top-p, one row or per-row parameters
     speculative.py  MTP / n-gram speculative decoding of one row
     scheduler.py    THE generation loop: continuous batching over max_batch KV rows
+    prefix_store.py host-RAM copies of K/V the rows no longer hold (the prefix cache's second level)
     mesh.py         device meshes: placement by the sharding rules, jax.distributed start-up
 """

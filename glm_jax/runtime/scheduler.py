@@ -66,6 +66,7 @@ from .runner import (
     window_cache,
     write_back,
 )
+from .prefix_store import PrefixStore
 from .sampling import sample_rows
 from .speculative import SpecRow, decode_width, draft_plan
 from .stats import route_stats, routing_summary, store_stats
@@ -197,13 +198,17 @@ IDLE_WAIT_S = 0.05       # serve_forever's wait for work when idle (a submit or 
 
 class Scheduler:
     def __init__(self, rt, max_batch: int = 1, prefill_chunk: int = 512, max_queue: int = 0,
-                 dispatch_ms: float = 50.0, stream_interval: int = 1, prefix_cache: bool = True):
+                 dispatch_ms: float = 50.0, stream_interval: int = 1, prefix_cache: bool = True,
+                 prefix_store_mb: float = 0.0):
         self.rt = rt
         self.stream_interval = int(stream_interval)      # --stream_interval
         self.prefix_cache = bool(prefix_cache)           # --prefix_cache
         self.row_toks = [[] for _ in range(int(max_batch))]  # per row: the tokens whose K/V it holds at 0..len-1
         self.row_freed = [0.0] * int(max_batch)          # when each row was last freed (LRU among free rows)
         self.kv_epoch = None                             # rt.kv_epoch the rows' contents belong to
+        # K/V of sequences the rows no longer hold, in host RAM (--prefix_store_mb; not on a mesh)
+        self.saved = (PrefixStore(int(prefix_store_mb * 1e6))
+                      if prefix_store_mb > 0 and getattr(rt, "plan", None) is None else None)
         self.dispatch_s = float(dispatch_ms) / 1000.0   # a fused dispatch runs what fits in this (--dispatch_ms)
         self.step_s = None                               # measured seconds per fused decode step (EMA)
         self.B = int(max_batch)
@@ -411,13 +416,33 @@ class Scheduler:
                 continue
             self._forget_if_replaced()
             m = self._match(i, req)
+            if self.prefix_cache and self.saved is not None:
+                m = self._use_saved(i, req, m)
             self.row_toks[i] = []                        # from here on the row is being rewritten
             req.pf_done = req.cached_tokens = m
             self.counters["cached_tokens"] += m
 
     def forget(self):
-        """Drop the prefix cache's knowledge of the rows (their K/V is then never reused)."""
+        """Drop the prefix cache's knowledge of the rows (their K/V is then never reused) and its saved copies."""
         self.row_toks = [[] for _ in range(self.B)]
+        if self.saved is not None:
+            self.saved.clear()
+
+    def _use_saved(self, i: int, req, m: int) -> int:
+        """Row ``i`` is about to be rewritten from position ``m`` on: first copy what it held beyond that to the
+        prefix store; then, when a saved sequence shares a longer prefix with ``req``'s prompt than the row did,
+        write that prefix's K/V into the row.  Returns the prompt tokens whose K/V the row now holds."""
+        held = self.row_toks[i]
+        if len(held) > m:
+            self.saved.save(self.rt, i, held)
+        if req.plan is not None:                         # speculation prefills the whole prompt (_match)
+            return m
+        key, ms = self.saved.best(req.prompt, len(req.prompt) - 1)
+        if ms > m:
+            self.saved.restore(self.rt, key, i, ms)
+            self.counters["prefix_store_hits"] += 1
+            return ms
+        return m
 
     def _forget_if_replaced(self):
         if self.kv_epoch != self.rt.kv_epoch:            # a new cache, or another caller wrote its rows

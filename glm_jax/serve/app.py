@@ -291,6 +291,10 @@ class Server:
         Gauge("glmjax_running_requests", "Rows in use (the running batch)", registry=r).set_function(
             lambda: s.running)
         Gauge("glmjax_max_batch", "Rows of the scheduler", registry=r).set(s.B)
+        Gauge("glmjax_prefix_store_bytes", "Host RAM held by the prefix store (--prefix_store_mb)",
+              registry=r).set_function(lambda: s.saved.bytes if s.saved is not None else 0)
+        Gauge("glmjax_prefix_store_hits", "Requests whose prefix came back from the prefix store (since start)",
+              registry=r).set_function(lambda: s.counters["prefix_store_hits"])
         self._rate = [time.perf_counter(), 0]
 
         def tok_s():

@@ -297,7 +297,6 @@ def bench_defaults(container, n_new, reps):
     import glm_jax
 
     out = []
-    shipped = glm_jax.default_model_path()
     prompt = list(range(40, 56))
     # 1. speculative decoding (the shipped model has the only trained MTP head)
     engs = {"--nomtp (default)": glm_jax.Engine.load(None, mtp=False)}

@@ -9,11 +9,20 @@ defaults but the model (``--serve_args`` adds flags), llama-server with ``-np --
 one after the other (the order alternates between rounds) with ``tools/bench/load_test.py``'s clients: the official
 ``openai`` client, streaming completions, the same prompts (windows of the shipped model's held-out text) and seeds.
 The table gives per level the median over rounds of each server's aggregate tok/s and p50 TTFT, and the ratio.
+
+Then (``--chat_turns``, 0 skips it) a multi-turn chat per server, the turns of the two servers interleaved: every
+turn resends the whole conversation as token ids (the previous turns' user and reply tokens, then
+``--chat_user_tokens`` new random ids), greedy, ``--chat_reply_tokens`` tokens, streamed; per turn its time to first
+token (median over ``--chat_rounds`` conversations with other ids) and the prompt tokens each server reports as
+cached (``usage.prompt_tokens_details.cached_tokens``; "-" where a server does not report it).  The reply tokens
+appended to the history are fixed ids, the same for both servers (their own replies differ: other quantizers), so a
+turn can reuse the previous turn's prompt, not its reply, as a client retokenizing a reply's text gets.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -52,6 +61,46 @@ def start_servers(logdir: str):
     return servers
 
 
+def chat_turn(client, model, ids: list):
+    """One streamed greedy completion of token ids: (seconds to the first token, cached prompt tokens or None)."""
+    t0 = time.perf_counter()
+    first, cached = None, None
+    stream = client.completions.create(model=model, prompt=ids, max_tokens=FLAGS.chat_reply_tokens, temperature=0.0,
+                                       stream=True, stream_options={"include_usage": True})
+    for ch in stream:
+        if first is None and ch.choices and ch.choices[0].text:
+            first = time.perf_counter() - t0
+        u = getattr(ch, "usage", None)
+        d = getattr(u, "prompt_tokens_details", None) if u is not None else None
+        if d is not None and getattr(d, "cached_tokens", None) is not None:
+            cached = int(d.cached_tokens)
+    return (first if first is not None else time.perf_counter() - t0), cached
+
+
+def multiturn(clients: dict, names: list) -> dict:
+    """Per server, per turn: [(prompt tokens, TTFT s, cached tokens)] over --chat_rounds conversations."""
+    out = {n: [[] for _ in range(FLAGS.chat_turns)] for n in names}
+    # with --warm_levels an untimed conversation first: each longer turn's first prefill at a new attention window
+    # compiles in glm-jax-serve (once per server; --compile_cache keeps them for the next start)
+    for rnd in range(-1 if FLAGS.warm_levels else 0, FLAGS.chat_rounds):
+        rng = random.Random(1000 + rnd)
+        hist = {n: [] for n in names}
+        for t in range(FLAGS.chat_turns):
+            user = [rng.randrange(FLAGS.chat_id_lo, FLAGS.chat_id_hi) for _ in range(FLAGS.chat_user_tokens)]
+            for name in (names if (rnd + t) % 2 == 0 else names[::-1]):
+                c, model = clients[name]
+                hist[name] += user
+                ttft, cached = chat_turn(c, model, hist[name])
+                if rnd >= 0:
+                    out[name][t].append((len(hist[name]), ttft, cached))
+                print(f"chat {rnd} turn {t + 1} {name}: {len(hist[name])} prompt tokens, TTFT {1e3 * ttft:.0f} ms, "
+                      f"cached {cached}", file=sys.stderr, flush=True)
+            reply = [rng.randrange(FLAGS.chat_id_lo, FLAGS.chat_id_hi) for _ in range(FLAGS.chat_reply_tokens)]
+            for name in names:
+                hist[name] += reply
+    return out
+
+
 def main(argv):
     import openai
 
@@ -85,6 +134,7 @@ def main(argv):
                     print(f"round {rnd} {name} {lv} clients: {r['agg']:.1f} tok/s, TTFT p50 {1e3 * r['ttft50']:.0f} "
                           f"ms, {r['tok_per_chunk']:.1f} tok/chunk, errors {r['errors']} {r['error_text']}",
                           file=sys.stderr, flush=True)
+        chat = multiturn(clients, names) if FLAGS.chat_turns else None
     finally:
         for p, _, _, _ in servers.values():
             p.terminate()
@@ -112,6 +162,20 @@ def main(argv):
               f"{med([r['tok_per_chunk'] for r in b]):.1f} | {sum(r['errors'] for r in a)} / "
               f"{sum(r['errors'] for r in b)} | {ra} | {rb} |")
     print()
+    if chat is not None:
+        print(f"{FLAGS.chat_turns}-turn chat, {FLAGS.chat_user_tokens} new user tokens and {FLAGS.chat_reply_tokens}"
+              f" reply tokens per turn, greedy, streamed; TTFT: median of {FLAGS.chat_rounds} conversations\n")
+        print("| turn | prompt tokens | glm-jax TTFT ms | glm-jax cached tokens | llama TTFT ms | llama cached tokens |")
+        print("|---|---|---|---|---|---|")
+        for t in range(FLAGS.chat_turns):
+            cells = []
+            for name in (g, ll):
+                xs = chat[name][t]
+                cached = [x[2] for x in xs]
+                cells += [f"{1e3 * med([x[1] for x in xs]):.0f}",
+                          "-" if any(c is None for c in cached) else ", ".join(str(c) for c in cached)]
+            print(f"| {t + 1} | {chat[g][t][0][0]} | " + " | ".join(cells) + " |")
+        print()
     for name, (_, _, _, cmd) in servers.items():
         print(f"- {name}: `{cmd}`")
     print(f"- load average (1 min) at the start / end: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} "
@@ -137,6 +201,12 @@ def run():
     flags.DEFINE_integer("np", 8, "llama-server -np (parallel slots)")
     flags.DEFINE_integer("ctx_per_slot", 512, "llama-server context per slot (-c = np x this)")
     flags.DEFINE_string("logdir", "/tmp/glm-jax-serve-peer", "server logs")
+    flags.DEFINE_integer("chat_turns", 10, "turns of the multi-turn chat table (0: none)")
+    flags.DEFINE_integer("chat_user_tokens", 32, "new user tokens per turn")
+    flags.DEFINE_integer("chat_reply_tokens", 8, "reply tokens per turn (generated; fixed ids appended)")
+    flags.DEFINE_integer("chat_rounds", 2, "conversations per server (medians)")
+    flags.DEFINE_integer("chat_id_lo", 16, "the chat's random token ids: from")
+    flags.DEFINE_integer("chat_id_hi", 1000, "... to (exclusive; inside both vocabularies)")
     app.run(main)
 
 

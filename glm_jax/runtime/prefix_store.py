@@ -1,0 +1,113 @@
+"""Host-RAM copies of K/V the scheduler's rows no longer hold (the prefix cache beyond the rows).
+
+The rows are the first level of the prefix cache (``Scheduler._match``): a finished request's row keeps its
+prompt + output K/V until another request takes the row.  Before a row is rewritten with a prompt that does not
+continue it, the positions it held are copied here (one entry: the token sequence and, per layer, its K/V at
+positions 0..n-1, host numpy); a later request whose prompt starts with an entry's tokens longer than any row's
+gets those positions written back into its row and prefills only the rest -- llama-server's ``--cache-ram``.
+
+Entries are least-recently-used first out, bounded by ``max_bytes`` (``--prefix_store_mb``).  An entry is a
+function of its tokens alone (K/V at a position depends on the tokens before it, bitwise the same in every row and
+at every batch width: the scheduler's batch invariance), so it stays valid when the batch cache is replaced or
+grown; ``clear()`` drops everything (the warm-up's junk prompts, a change of weights).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .runner import bucket, window_cache, write_back
+
+MIN_TOKENS = 16          # shorter sequences are not worth a copy (a row holds them, or they prefill in one step)
+
+
+def common_prefix(a, b, limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    m = 0
+    while m < n and a[m] == b[m]:
+        m += 1
+    return m
+
+
+class PrefixStore:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.entries = collections.OrderedDict()    # id -> (tokens tuple, [{key: np [n, ...]} per layer], nbytes)
+        self.bytes = 0
+        self._next = 0
+        self.counters = collections.Counter()       # saved / restored / evicted entries, restored tokens
+
+    def __len__(self):
+        return len(self.entries)
+
+    def clear(self):
+        self.entries.clear()
+        self.bytes = 0
+
+    # ------------------------------------------------------------------ lookup
+    def best(self, prompt: list, limit: int) -> tuple[Optional[int], int]:
+        """(entry id, matched tokens) of the entry sharing the longest prefix with ``prompt`` (at most ``limit``
+        tokens), or (None, 0)."""
+        best, m = None, 0
+        for k, (toks, _, _) in self.entries.items():
+            n = common_prefix(toks, prompt, limit)
+            if n > m:
+                best, m = k, n
+        return best, m
+
+    # ------------------------------------------------------------------ save / restore
+    def save(self, rt, row: int, tokens: list) -> bool:
+        """Copy row ``row``'s K/V at positions 0..len(tokens)-1 (which hold ``tokens``) to host RAM."""
+        n = len(tokens)
+        if self.max_bytes <= 0 or n < MIN_TOKENS:
+            return False
+        toks = tuple(tokens)
+        for k, (t, _, _) in list(self.entries.items()):
+            if len(t) >= n and t[:n] == toks:             # held already (as a prefix of a longer entry)
+                self.entries.move_to_end(k)
+                return False
+            if len(t) < n and toks[:len(t)] == t:        # this one extends it: the old entry is redundant
+                self._drop(k)
+        take = rt._jit("row_take", lambda c, r: window_cache(c, r, None))
+        part = take(rt._cache, jnp.int32(row))
+        snap = [{key: np.array(np.asarray(v)[0, :n]) for key, v in d.items()} for d in part]
+        nbytes = sum(a.nbytes for d in snap for a in d.values())
+        if nbytes > self.max_bytes:
+            return False
+        while self.entries and self.bytes + nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+            self.counters["evicted"] += 1
+        self.entries[self._next] = (toks, snap, nbytes)
+        self._next += 1
+        self.bytes += nbytes
+        self.counters["saved"] += 1
+        return True
+
+    def restore(self, rt, key: int, row: int, m: int):
+        """Write entry ``key``'s K/V at positions 0..m-1 (a bucket of them) into row ``row`` of the batch cache."""
+        toks, snap, _ = self.entries[key]
+        self.entries.move_to_end(key)
+        L = min(bucket(m, 64), rt._cache_len, len(toks))
+        if L < m:
+            L = m
+        part = []
+        for d, c in zip(snap, rt._cache):
+            e = {}
+            for k, a in d.items():
+                v = np.zeros((1, L) + a.shape[1:], a.dtype)
+                v[0, :min(L, a.shape[0])] = a[:L]
+                e[k] = jnp.asarray(v, c[k].dtype)
+            part.append(e)
+        put = rt._jit("prefix_put", write_back, donate_argnums=(0,))
+        cache, rt._cache = rt._cache, None
+        rt._cache = put(cache, part, jnp.int32(row))
+        self.counters["restored"] += 1
+        self.counters["restored_tokens"] += m
+
+    def _drop(self, key: int):
+        _, _, nbytes = self.entries.pop(key)
+        self.bytes -= nbytes
