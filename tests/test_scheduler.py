@@ -319,3 +319,15 @@ def test_warmup_leaves_the_kv_cache_at_the_length_its_programs_were_compiled_for
         assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling after the warm-up"
     finally:
         e.close()
+
+
+def test_running_a_request_that_was_never_submitted_is_an_error_not_a_hang(eng):
+    """Scheduler.run([req]) without submit(req) stepped an empty loop forever (the request never becomes done)."""
+    from glm_jax.errors import GlmJaxError
+
+    req = eng.request(ROMEO, max_new_tokens=2)
+    with pytest.raises(GlmJaxError, match="never submitted"):
+        eng.scheduler.run([req])
+    eng.scheduler.submit(req)
+    eng.scheduler.run([req])
+    assert req.done and len(req.out) == 2

@@ -166,6 +166,7 @@ class Request:
         self.error = None
         self.cancelled = False
         self.state = "queued"
+        self.submitted = False
         self.row = None
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_first = self.t_done = None
@@ -245,6 +246,7 @@ class Scheduler:
             if self.max_queue and len(self.queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting; --max_queue)")
             self.queue.append(req)
+            req.submitted = True
             self.counters["submitted"] += 1
             self.lock.notify_all()
         return req
@@ -269,6 +271,10 @@ class Scheduler:
     def run(self, reqs: list):
         """Until every request in ``reqs`` is done: drive the loop in this thread, or wait for the thread that
         serves (``serve_forever``)."""
+        stray = [r for r in reqs if not r.submitted]
+        if stray:                 # (the loop would wait for them forever)
+            raise GlmJaxError(f"Scheduler.run: {len(stray)} of the {len(reqs)} requests were never submitted "
+                              f"(Scheduler.submit)")
         while not all(r.done for r in reqs):
             if self.serving:
                 for r in reqs:
