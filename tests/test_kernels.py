@@ -244,3 +244,36 @@ def test_stream_sink_hands_a_running_loops_tokens_to_the_host_and_its_stops_back
         assert sink.out[i % R, 1] == i * 10 + 1
     finally:
         sink.close()
+
+
+def test_native_attention_matches_the_dots_and_is_row_invariant():
+    """kernels.attention over a [B, S, nkv, hd] cache = the XLA dots' softmax attention (to rounding), padding rows 0,
+    a row's output bitwise the same alone, beside other rows and at another T, and the portable build's bitwise."""
+    rng = np.random.default_rng(12)
+    B, T, nh, nkv, hd, S = 3, 4, 8, 2, 80, 50                  # hd 80: a 16-lane tail
+    q = rng.normal(size=(B, T, nh, hd)).astype(np.float32)
+    k = rng.normal(size=(B, S, nkv, hd)).astype(np.float32)
+    v = rng.normal(size=(B, S, nkv, hd)).astype(np.float32)
+    pos = rng.integers(0, S + 3, (B, T)).astype(np.int32)      # some beyond the cache: every slot
+    rows = np.ones((B, T), bool)
+    rows[1, 2:] = False
+    f = jax.jit(lambda q, k, v, p, r: kernels.attention(q, k, v, p, r, hd ** -0.5))
+    got = np.asarray(f(q, k, v, pos, rows))
+    g = nh // nkv
+    for b in range(B):
+        for t in range(T):
+            if not rows[b, t]:
+                assert not got[b, t].any()
+                continue
+            L = min(S, pos[b, t] + 1)
+            for h in range(nh):
+                s = k[b, :L, h // g] @ q[b, t, h] * hd ** -0.5
+                p = np.exp(s - s.max())
+                ref = (p / p.sum()) @ v[b, :L, h // g]
+                assert np.abs(got[b, t, h] - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), (b, t, h)
+    one = np.asarray(f(q[2:3, 1:2], k[2:3], v[2:3], pos[2:3, 1:2], rows[2:3, 1:2]))
+    assert np.array_equal(one[0, 0], got[2, 1])
+    variant = kernels.load_portable()
+    port = np.asarray(jax.jit(lambda q, k, v, p, r: kernels.attention(q, k, v, p, r, hd ** -0.5, variant=variant))(
+        q, k, v, pos, rows))
+    assert np.array_equal(port, got)

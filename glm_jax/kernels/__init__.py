@@ -255,6 +255,7 @@ def _load():
     jax.ffi.register_ffi_target("glmjax_qlinear", jax.ffi.pycapsule(lib.GlmJaxQLinear), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_moe", jax.ffi.pycapsule(lib.GlmJaxMoe), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_sink", jax.ffi.pycapsule(lib.GlmJaxSink), platform="cpu")
+    jax.ffi.register_ffi_target("glmjax_attn", jax.ffi.pycapsule(lib.GlmJaxAttn), platform="cpu")
     i32, i64, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     for name, res, args in (("glmjax_sink_open", i32, ()), ("glmjax_sink_close", None, (i32,)),
                             ("glmjax_sink_reset", ctypes.c_int, (i32, i64)),
@@ -276,7 +277,8 @@ def load_portable() -> str:
             if cxx is None:
                 raise KernelError("no C++ compiler found ($CXX, g++, c++, clang++)")
             lib = _checked_library(cxx, ("-DGLMJAX_PORTABLE",))
-            for name, sym in (("glmjax_qlinear", lib.GlmJaxQLinear), ("glmjax_moe", lib.GlmJaxMoe)):
+            for name, sym in (("glmjax_qlinear", lib.GlmJaxQLinear), ("glmjax_moe", lib.GlmJaxMoe),
+                              ("glmjax_attn", lib.GlmJaxAttn)):
                 jax.ffi.register_ffi_target(name + "_portable", jax.ffi.pycapsule(sym), platform="cpu")
             _state["portable"] = lib
     return "_portable"
@@ -345,6 +347,21 @@ def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, g
         z if gate_up_scale is None else gate_up_scale, down, z if down_scale is None else down_scale,
         fmt=np.int32(fmt_code(fmt)), gu_group=np.int64(gu_group), dn_group=np.int64(dn_group),
         mode=np.int32(1 if terms else 0), inter=np.int64(inter))
+
+
+def attention(q, k, v, pos, rows, scale: float, variant: str = ""):
+    """GQA attention of q [B, T, nh, hd] over the cache k, v [B, S, nkv, hd] (f32, as it lies): row (b, t) attends
+    to positions 0..pos[b, t]; ``rows`` [B, T] bool: real rows (the others' output is 0).  Returns [B, T, nh, hd]
+    f32; each row's numbers do not depend on B, T or the other rows (qkernels.cc, "attention")."""
+    import jax
+    import jax.numpy as jnp
+
+    B, T, nh, hd = q.shape
+    y = jax.ffi.ffi_call("glmjax_attn" + variant, jax.ShapeDtypeStruct((B * T, nh * hd), jnp.float32))(
+        q.reshape(B * T, nh, hd).astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        pos.reshape(B * T).astype(jnp.int32), rows.reshape(B * T).astype(jnp.int32), T=np.int64(T),
+        scale=np.float32(scale))
+    return y.reshape(B, T, nh, hd)
 
 
 def sink_call(slot, out, cnt, final: bool = False):

@@ -4,6 +4,7 @@
 //   glmjax_moe     : the MoE seam: for every valid (t, k), e = slots[t, k]:
 //                      y_tk = down_e( silu(gate_e x_t) * up_e x_t ),  out[t] = sum_k weights[t, k] * y_tk
 //                    (mode 0: out [T, H]; mode 1: the per-(t, k) terms y [T, K, H], invalid entries 0)
+//   glmjax_attn    : GQA attention of a few query rows over the [B, S, nkv, hd] f32 K/V cache (see "attention")
 //   glmjax_sink    : a running decode loop hands its tokens to the host without calling Python (see "Stream sink")
 //
 // Weight formats and layouts (glm_jax/quant.py is the reference: quantize / to_tiles):
@@ -793,6 +794,93 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------------------------ attention
+// glmjax_attn: GQA attention of a few query rows over the f32 K/V cache as it lies, [B, S, nkv, hd] (XLA's dots
+// transposed the cache's window into [B, nkv, ...] copies every step: most of a decode step at 1K positions).
+//   q [N, nh, hd] (N = B x T rows, row r of batch entry r / T), k, v [B, S, nkv, hd], pos [N] (row r attends to cache
+//   positions 0..pos[r]), rows [N] (0: a padding row, its output 0) -> out [N, nh x hd]
+// Per (row, head): s_j = (q . k_j) x scale (16 lanes, lane l summing elements d = l mod 16 in order, the lanes then
+// added in order), m = max s, e_j = exp(s_j - m), out = (sum_j e_j v_j, j in order) / (sum_j e_j): the same operations
+// whatever B, T, the other rows or the thread, in every build (AVX2: the 16 lanes as two halves, bitwise the
+// portable sums).
+inline float dot16(const float* a, const float* b, int64_t n) {
+  alignas(32) float acc[16] = {0};
+  int64_t i = 0;
+#if GLMJAX_AVX2
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+  }
+  _mm256_store_ps(acc, lo);
+  _mm256_store_ps(acc + 8, hi);
+#endif
+  for (; i < n; ++i) acc[i % 16] = std::fma(a[i], b[i], acc[i % 16]);
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += acc[l];
+  return sum;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {    // y += w x, one fma per element
+  int64_t i = 0;
+#if GLMJAX_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::fma(w, x[i], y[i]);
+}
+
+ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t T,
+                    float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || v.dimensions().size() != 4) return ffi::Error::InvalidArgument("glmjax_attn: rank");
+  const int64_t N = qd[0], nh = qd[1], hd = qd[2], B = kd[0], S = kd[1], nkv = kd[2];
+  if (kd[3] != hd || T <= 0 || N != B * T || nkv <= 0 || nh % nkv || (int64_t)pos.element_count() != N ||
+      (int64_t)rows.element_count() != N)
+    return ffi::Error::InvalidArgument("glmjax_attn: shapes");
+  const int64_t g = nh / nkv;
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const int32_t* ps = pos.typed_data();
+  const int32_t* rm = rows.typed_data();
+  float* op = out->typed_data();
+  std::memset(op, 0, sizeof(float) * N * nh * hd);
+  std::vector<int64_t> tasks;                      // (row, head) pairs of the real rows
+  double work = 0;
+  for (int64_t r = 0; r < N; ++r)
+    if (rm[r] && ps[r] >= 0) {
+      for (int64_t h = 0; h < nh; ++h) tasks.push_back(r * nh + h);
+      work += (double)nh * std::min<int64_t>(S, (int64_t)ps[r] + 1) * hd * 2;
+    }
+  const int threads = work >= kParallelMacs ? pool_threads(pool) : 1;
+  const int64_t per = std::max<int64_t>(1, (int64_t)tasks.size() / (4 * threads));
+  parallel_for(&pool, threads, ((int64_t)tasks.size() + per - 1) / per, [&](int64_t c) {
+    std::vector<float> sc;
+    for (int64_t ti = c * per; ti < std::min<int64_t>((int64_t)tasks.size(), (c + 1) * per); ++ti) {
+      const int64_t r = tasks[ti] / nh, h = tasks[ti] % nh, b = r / T, n = h / g;
+      const int64_t L = std::min<int64_t>(S, (int64_t)ps[r] + 1);
+      const float* qv = qp + (r * nh + h) * hd;
+      sc.resize(L);
+      float m = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        sc[j] = dot16(qv, kp + ((b * S + j) * nkv + n) * hd, hd) * scale;
+        m = std::max(m, sc[j]);
+      }
+      float den = 0.f;
+      float* o = op + (r * nh + h) * hd;
+      for (int64_t j = 0; j < L; ++j) {
+        const float e = std::exp(sc[j] - m);
+        den += e;
+        axpy(e, vp + ((b * S + j) * nkv + n) * hd, o, hd);
+      }
+      for (int64_t d = 0; d < hd; ++d) o[d] /= den;
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxQLinear, QLinearImpl,
@@ -806,6 +894,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxQLinear, QLinearImpl,
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("out"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxAttn, AttnImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("T")
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoe, MoeImpl,
                               ffi::Ffi::Bind()

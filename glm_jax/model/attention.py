@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .. import kernels
+from ..kernels.formats import NATIVE_MAX_ROWS, QWeight
 from . import mla
 from .config import ModelConfig
 from .layers import F32, apply_rope_half, linear, positions_of, rms_norm, rope_cos_sin, softmax
@@ -52,6 +54,10 @@ def gqa_attention(cfg: ModelConfig, p, x, cache, start, rows=None):
     bidx = jnp.arange(B)[:, None]
     ck = cache["k"].at[bidx, pos].set(k.astype(cache["k"].dtype), mode="drop")
     cv = cache["v"].at[bidx, pos].set(v.astype(cache["v"].dtype), mode="drop")
+    if _native_attention(p, q, ck):
+        real = jnp.ones((B, T), bool) if rows is None else rows
+        out = kernels.attention(q, ck, cv, pos, real, hd ** -0.5).astype(q.dtype).reshape(B, T, nh * hd)
+        return linear(out, p["o_w"], rows=rows), {"k": ck, "v": cv}, None
     S = ck.shape[1]
     g = nh // nkv
     qg = q.reshape(B, T, nkv, g, hd)
@@ -61,6 +67,14 @@ def gqa_attention(cfg: ModelConfig, p, x, cache, start, rows=None):
     probs = softmax(scores).astype(q.dtype)
     out = jnp.einsum("bngts,bsnd->btngd", probs, cv.astype(q.dtype)).reshape(B, T, nh * hd)
     return linear(out, p["o_w"], rows=rows), {"k": ck, "v": cv}, None
+
+def _native_attention(p, q, ck) -> bool:
+    """Decode / verify rows (at most NATIVE_MAX_ROWS) of a model on the native kernels with an f32 cache: the native
+    attention (kernels.attention, over the cache as it lies); prefills and the xla kernels keep the dots below."""
+    w = p.get("qkv", p.get("q_w"))
+    return (isinstance(w, QWeight) and w.kernel == "native" and q.shape[0] * q.shape[1] <= NATIVE_MAX_ROWS
+            and ck.dtype == jnp.float32 and q.dtype == jnp.float32)
+
 
 def attention(cfg: ModelConfig, p, x, cache, start, layer: int, prev_sel, rows=None):
     if cfg.model_type == "glm_moe_dsa":
