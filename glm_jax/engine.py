@@ -248,9 +248,10 @@ class Engine(Runner):
             if fetch == "resident" and container and store.can_hold_all() and not resident:
                 code = fitted.inputs.resident_code
                 store.close(save_usage=False)
-                raise RamBudgetError(f"{path}: {opts.label('fetch')}=resident: every expert fits, but not the compiled programs of "
-                                     f"a resident run ({code / 1e9:.2f} GB at {cfg.num_hidden_layers} layers; raise "
-                                     f"{opts.label('ram_gb')}, or leave {opts.label('fetch')} unset: every expert cached, streamed)")
+                fl = opts.label("fetch")
+                raise RamBudgetError(f"{path}: {fl}=resident: every expert fits, but not the compiled programs of a "
+                                     f"resident run ({code / 1e9:.2f} GB at {cfg.num_hidden_layers} layers; raise "
+                                     f"{opts.label('ram_gb')}, or leave {fl} unset: every expert cached, streamed)")
             if fetch in ("auto", "resident") and container:
                 # every expert fits the RAM budget: load them all now, then run one compiled step per token over
                 # the store's slot arenas (no per-layer host round trip); otherwise stream them (fetch=loop)
