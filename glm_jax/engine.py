@@ -240,14 +240,23 @@ class Engine(Runner):
                     src.close()
                 raise
             store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
-            if fitted is not None and (fitted.notes or (not store.can_hold_all() and not opts["cache_cap"])):
+            # every expert cached, and (the plan's) room for the resident run's whole-model programs too
+            resident = store.can_hold_all() and (fitted is None or fitted.all_fit)
+            if fitted is not None and (fitted.notes or (not resident and not opts["cache_cap"])):
                 import sys  # the memory plan in one line, whenever memory decided something
 
-                print(fitted.line(fitted.inputs, store.cache_cap, store.can_hold_all()), file=sys.stderr)
+                print(fitted.line(fitted.inputs, store.cache_cap, resident), file=sys.stderr)
+            if fetch == "resident" and container and store.can_hold_all() and not resident:
+                code = fitted.inputs.resident_code
+                store.close(save_usage=False)
+                fl = opts.label("fetch")
+                raise RamBudgetError(f"{path}: {fl}=resident: every expert fits, but not the compiled programs of a "
+                                     f"resident run ({code / 1e9:.2f} GB at {cfg.num_hidden_layers} layers; raise "
+                                     f"{opts.label('ram_gb')}, or leave {fl} unset: every expert cached, streamed)")
             if fetch in ("auto", "resident") and container:
                 # every expert fits the RAM budget: load them all now, then run one compiled step per token over
                 # the store's slot arenas (no per-layer host round trip); otherwise stream them (fetch=loop)
-                if store.can_hold_all():
+                if resident:
                     store.preload_all()
                     fetch = "resident"
                 elif fetch == "resident":
@@ -690,6 +699,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * opts["max_batch"], kv_tokens=kv_tokens,
         kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
         act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
+        resident_code=F.resident_code_bytes(cfg), layers=cfg.num_hidden_layers,
         rec_sum=sum(rec.values()), buffers=(max(1, opts["io_threads"]) + W_) * max_rec,
         pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
         num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,

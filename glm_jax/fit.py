@@ -37,6 +37,12 @@ KV_FLOOR_TOKENS = 256                         # the reservation is never lowered
 COMPILE_BYTES = 100 << 20                     # compiled programs, kept (see workspace_bytes)
 COMPILE_TRANSIENT = 100 << 20                 # XLA's working memory while compiling, given back (measured, ibid.)
 LATER_COMPILE = 64 << 20                      # kept free after the first run: later programs (other buckets)
+# compiled code of a resident run's whole-model programs, per decoder layer: one step per prefill bucket (the first
+# prompt's, a prefix-cache hit's shorter one) and the decode loop, each with every layer unrolled, so O(layers); a
+# streamed run (fetch=loop) shares one program per layer kind and shape, counted in the workspace.  Measured as the
+# private-memory peak of two 16-token generates after load, slope over the layer count at tiny widths
+# (docs/real-scale.md): glm_moe_dsa 5 -> 78 layers 13.7 MB / layer, glm4_moe 4 -> 28 layers 7.9 MB / layer.
+RESIDENT_CODE_PER_LAYER = {"glm_moe_dsa": 14 << 20, "glm4_moe": 8 << 20}
 LOAD_OVERHEAD = 32 << 20                      # what loading adds besides the weights (measured on the shipped model:
                                               # NNX model, tokenizer, device copies' bookkeeping: 25 MB private)
 
@@ -64,6 +70,9 @@ class FitInputs:
     prefill_chunk: int = 0       # the prefill chunk ``workspace`` was estimated at (its activations) ...
     act_per_position: int = 0    # ... and their bytes per position: a chunk lowered with the KV reservation
     chunk_fixed: bool = True     # --prefill_chunk given (or no estimate): never lowered
+    resident_code: int = 0       # a resident run's compiled whole-model programs (resident_code_bytes): counted
+                                 # only when every expert is to stay resident
+    layers: int = 0              # decoder layers (for the message about resident_code)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +117,9 @@ def _workspace(inp: FitInputs, kv_tokens: int) -> int:
     return inp.workspace - (inp.prefill_chunk - _chunk(inp, kv_tokens)) * inp.act_per_position
 
 
-def _cap(inp: FitInputs, dense: int, kv: int) -> int:
+def _cap(inp: FitInputs, dense: int, kv: int, code: int = 0) -> int:
     avail = (inp.budget - inp.runtime - _workspace(inp, kv // inp.kv_per_token if inp.kv_per_token else 0) - dense
-             - kv - inp.buffers - inp.pin_bytes)
+             - kv - inp.buffers - inp.pin_bytes - code)
     return int(avail // inp.rec_sum) if inp.rec_sum else inp.num_experts
 
 
@@ -134,11 +143,18 @@ def plan(inp: FitInputs) -> FitPlan:
     notes = []
     want = min(inp.cache_cap, E) if inp.cache_cap else E  # what the user asked the cache to hold
     choice = None
+    code = inp.resident_code if want >= E else 0    # a resident run's whole-model programs
     # every expert resident (or the asked --cache_cap), with the full KV reservation: native first, then quantized
     for f in cands:
-        if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kvs[0]) >= want:
+        if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kvs[0], code) >= want:
             choice = (f, kvs[0])
             break
+    if choice is None and code:
+        # every expert cached but streamed (fetch=loop: programs shared by the layers), the dense weights as stored
+        for f in cands:
+            if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kvs[0]) >= want:
+                choice = (f, kvs[0])
+                break
     if choice is None:
         # streaming: the smallest dense storage that fits first (the cache shrinks last), KV lowered only if needed
         order = cands[1:] + cands[:1] if len(cands) > 1 else cands
@@ -165,7 +181,10 @@ def plan(inp: FitInputs) -> FitPlan:
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {round_up_gb(need / 1e9):.2f} would fit (decided before loading anything)")
     f, kv = choice
     cap = max(0, min(E, _cap(inp, inp.dense[f], inp.kv_per_token * kv)))
-    all_fit = cap >= E
+    all_fit = cap >= E and _cap(inp, inp.dense[f], inp.kv_per_token * kv, inp.resident_code) >= E
+    if cap >= E and not all_fit:
+        notes.append(f"every expert cached, streamed: a resident run's compiled programs "
+                     f"({inp.resident_code / 1e9:.2f} GB at {inp.layers} layers) would not fit")
     if f != "native":
         notes.append(f"the stored dense weights ({native / 1e9:.2f} GB) "
                      + ("would keep experts out of RAM" if all_fit else "leave too little for the expert cache"))
@@ -175,14 +194,14 @@ def plan(inp: FitInputs) -> FitPlan:
     if chunk < inp.prefill_chunk:
         notes.append(f"prefill chunk {chunk} tokens")
     if inp.direct_io is None:
-        direct = not all_fit and (not inp.cache_cap or inp.cache_cap >= cap)
+        direct = cap < E and (not inp.cache_cap or inp.cache_cap >= cap)
         if direct:
             notes.append("the experts do not fit: read past the page cache")
     else:
         direct = bool(inp.direct_io)
     return FitPlan(dense_format=f, kv_tokens=kv, kv_bytes=inp.kv_per_token * kv, direct_io=direct, cap_fits=cap,
                    all_fit=all_fit, dense_bytes=inp.dense[f], notes=tuple(notes), prefill_chunk=chunk,
-                   workspace=_workspace(inp, kv))
+                   workspace=_workspace(inp, kv) + (inp.resident_code if all_fit else 0))
 
 
 # ----------------------------------------------------------------------------- estimates from headers
@@ -275,6 +294,12 @@ def dense_bytes(tensors, cfg, fmt: str, packed: bool, itemsize: int = 4) -> tupl
         # takes +253 MB while it is copied in, +132 MB after); quantizing adds one block of float rows
         extra = max(extra, stored(key) + 3 * b)
     return int(total), int(extra)
+
+
+def resident_code_bytes(cfg) -> int:
+    """Compiled code a resident run holds (RESIDENT_CODE_PER_LAYER x decoder layers, the MTP layer included)."""
+    per = RESIDENT_CODE_PER_LAYER.get(getattr(cfg, "model_type", ""), RESIDENT_CODE_PER_LAYER["glm4_moe"])
+    return int(per * (cfg.num_hidden_layers + (1 if getattr(cfg, "has_mtp", False) else 0)))
 
 
 def activation_bytes(cfg, itemsize: int = 4) -> int:

@@ -99,6 +99,44 @@ def test_a_format_whose_load_does_not_fit_is_skipped():
     assert p.dense_format == "int4_g64"
 
 
+def test_resident_programs_counted_before_keeping_every_expert_resident():
+    # 1000 - 100 - 150 - 200 - 41 - 20 = 489 MB: 16 experts of 10 MB fit (160) but not with a resident run's 500 MB
+    # of compiled whole-model programs, not even with int4 dense weights (629 - 160 < 500) -> every expert cached,
+    # streamed, the dense weights as stored
+    p = F.plan(inputs(resident_code=500 * MB, layers=78))
+    assert (p.dense_format, p.all_fit, p.cap_fits, p.direct_io, p.workspace) == ("native", False, 16, False, 150 * MB)
+    assert "compiled programs (0.50 GB at 78 layers) would not fit" in p.notes[0]
+    # with int8 dense weights they would (589 - 160 >= 400): quantized at load to stay resident, as for the experts
+    assert (F.plan(inputs(resident_code=400 * MB)).dense_format, F.plan(inputs(resident_code=400 * MB)).all_fit) \
+        == ("int8_row", True)
+    # 300 MB of programs fit: resident, and the store is told they are in use (the workspace carries them)
+    p = F.plan(inputs(resident_code=300 * MB))
+    assert (p.all_fit, p.workspace) == (True, 450 * MB)
+    # a --cache_cap below the expert count never runs resident: the programs are not counted
+    assert F.plan(inputs(resident_code=10 ** 12, cache_cap=8)).cap_fits == 16
+
+
+def test_resident_only_where_its_compiled_programs_fit(tmp_path, monkeypatch):
+    """A resident run compiles whole-model programs, O(layers) (GLM-5.2's 78 layers at tiny widths: private memory
+    276 MB after load -> 1,652 MB peak in two 16-token generates with ram_gb=0.8); the engine went resident whenever
+    the experts fit.  Where the programs do not fit it streams with every expert cached; --fetch=resident refuses."""
+    from glm_jax.experts.convert import convert
+
+    dst = str(tmp_path / "dsa")
+    convert(os.path.join(os.path.dirname(__file__), "golden", "dsa_sparse"), dst, expert_format="int8_row",
+            dense_format="f32", progress=False)
+    monkeypatch.setitem(F.RESIDENT_CODE_PER_LAYER, "glm_moe_dsa", 0)
+    eng = glm_jax.Engine.load(dst, max_seq_len=64)
+    assert eng.opts["fetch"] == "resident"
+    eng.close()
+    monkeypatch.setitem(F.RESIDENT_CODE_PER_LAYER, "glm_moe_dsa", 1 << 50)      # more than any budget
+    eng = glm_jax.Engine.load(dst, max_seq_len=64)
+    assert (eng.opts["fetch"], eng.store.cache_cap) == ("loop", 8)
+    eng.close()
+    with pytest.raises(glm_jax.engine.RamBudgetError, match="fetch=resident: every expert fits, but not the compiled"):
+        glm_jax.Engine.load(dst, max_seq_len=64, fetch="resident")
+
+
 def _tree_bytes(tree):
     import jax
 

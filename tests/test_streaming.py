@@ -283,3 +283,30 @@ def test_int4_dense_container_keeps_quantized_dense_weights(tmp_path, exp):
     # every matrix int4 with int8 activations on a random-init model (nearly flat logits): correlation 0.86 with the
     # oracle here (garbage would be ~0); on the trained shipped model all-int4 costs +0.07% perplexity (README)
     assert np.corrcoef(lg.ravel(), ref.ravel())[0, 1] > 0.8
+
+
+def test_dsa_layers_share_compiled_programs(tmp_path):
+    """fetch=loop on a glm_moe_dsa model compiles one attention + router program per indexer type and shape, not one
+    per layer: with a program per layer, GLM-5.2's 78 layers held ~1 GB of compiled code after the first generate
+    (private memory 186 MB after load -> 1,165 MB, against a 0.45 GB budget; docs/real-scale.md)."""
+    from glm_jax.experts.convert import convert
+    from tools.fixtures import synth_slice
+    from tools.fixtures.synth_model import write_hf_checkpoint
+
+    L = 9
+    types = ["full", "full", "shared", "full", "shared", "full", "full", "shared", "full"]
+    c = synth_slice.slice_config(
+        "glm52", L, vocab=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=8,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, qk_head_dim=12, head_dim=4, index_head_dim=8,
+        index_n_heads=2, index_topk=4, indexer_types=types)
+    src, dst = str(tmp_path / "hf"), str(tmp_path / "c")
+    write_hf_checkpoint(src, c, keep_reference=False)
+    convert(src, dst, progress=False)
+    eng = glm_jax.Engine.load(dst, fetch="loop", cache_cap=2, max_seq_len=64, kernels="xla")
+    eng.logits(list(range(3, 11)))                                           # one forward: one shape
+    f = eng._stream_fns
+    kinds = {t for i, t in enumerate(types) if i > 0}                        # layer 0 is the dense one
+    assert f["attn_route"]._cache_size() <= len(kinds)                       # was one per MoE layer: 8
+    assert f["dense"]._cache_size() == 1
+    eng.close()

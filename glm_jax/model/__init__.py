@@ -15,6 +15,7 @@ The names below are the forward's public pieces (``from glm_jax import model as 
 
 from .attention import attention, attn_block, gqa_attention, init_cache, kv_bytes_per_token  # noqa: F401
 from .layers import apply_rope_half, embed, head, head_logits, linear, mlp, positions_of, rms_norm, rope_cos_sin  # noqa: F401
+from .mla import indexer_type, variant_layer  # noqa: F401
 from .moe import moe_combine, moe_finish, moe_routed, moe_terms  # noqa: F401
 from .router import identity_plugin, route  # noqa: F401
 from .transformer import as_params, layer_forward, mtp_forward, mtp_input, mtp_output, step  # noqa: F401

@@ -55,6 +55,14 @@ def indexer_type(cfg, layer: int) -> str:
     return cfg.indexer_types[layer]
 
 
+def variant_layer(cfg, layer: int) -> int:
+    """The layer index a compiled attention of ``layer`` is keyed on: the first main layer of the same indexer type
+    (only ``indexer_type`` depends on the layer, so layers of one type share a program; a jit keyed on the layer
+    itself compiled one program per layer: ~1 GB at GLM-5.2's 78)."""
+    t = indexer_type(cfg, layer)
+    return next((i for i, ti in enumerate(cfg.indexer_types) if ti == t), layer)
+
+
 def qk_head_dim(cfg) -> int:
     return int(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
 

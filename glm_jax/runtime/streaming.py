@@ -32,8 +32,8 @@ from .stats import routing_summary as _routing_summary
 
 
 def _layer_key(cfg, i):
-    # GQA layers are interchangeable (one compile); DSA layers differ by indexer type
-    return i if cfg.model_type == "glm_moe_dsa" else 0
+    # GQA layers are interchangeable (one compile); DSA layers differ by indexer type only (one compile per type)
+    return M.variant_layer(cfg, i) if cfg.model_type == "glm_moe_dsa" else 0
 
 
 def _fns(engine):
