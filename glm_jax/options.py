@@ -100,7 +100,7 @@ OPTIONS = [
         "(XLA:CPU has no fast bf16 arithmetic; the native kernels keep bf16 weights in bf16 and compute in f32), "
         "the checkpoint's declared dtype elsewhere. The stats line prints what was picked.",
         ("auto", "float32", "bfloat16"), main=True),
-    Opt("kernels", "auto", "enum", "Expert (and quantized dense) matrix products: native (C++ kernels through jax.ffi, "
+    Opt("kernels", "auto", "enum", "Expert (and quantized dense) matrix products and decode attention: native (C++ kernels through jax.ffi, "
         "built on first use with the machine's C++ compiler into the per-user cache; int8 activations x int4/int8 "
         "weights with AVX-512 VNNI where present), xla (jnp code, no compiler needed), auto (native if it builds, "
         "else xla with a warning).", ("auto", "native", "xla")),
