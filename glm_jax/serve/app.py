@@ -807,7 +807,8 @@ class Server:
                         if C.TOOL_CALL in full:
                             sent_text[i] = full[:cut]           # nothing after a call starts goes out as content
                     if text or (lp and lp.get("content", lp.get("tokens"))):
-                        yield {"data": chunk(i, text, lp=lp)}
+                        # the per-token event, encoded here (one JSON line: sse_starlette passes bytes through)
+                        yield b"data: " + chunk(i, text, lp=lp).encode() + b"\r\n\r\n"
                     if done:
                         left -= 1
                         self._observe(job)
