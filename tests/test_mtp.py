@@ -74,16 +74,20 @@ def test_mtp_forward_matches_transformers(case):
     cfg, params = eng.cfg, eng.params
     assert params["mtp"] is not None
     cache = M.init_cache(cfg, 1, 32, jnp.float32, with_mtp=True)
+    rng = np.random.default_rng(0)                 # the main layers' caches hold numbers the MTP layer must keep
+    cache = [{k: jnp.asarray(rng.standard_normal(v.shape), v.dtype) for k, v in d.items()} for d in cache[:-1]] + \
+        cache[-1:]
     # transformers puts the pair (x_{t+1}, h_t) at position t+1; we use slot t (vLLM): same relative positions
     start = jnp.asarray([int(exp["mtp_position_ids"][0]) - 1], jnp.int32)
-    lg, hn, cache2, _ = M.mtp_forward(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
-                                      jnp.asarray(exp["mtp_hidden_in"])[None], start)
+    lg, hn, cache2, _ = _mtp(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
+                             jnp.asarray(exp["mtp_hidden_in"])[None], start)
     assert np.abs(np.asarray(lg[0]) - exp["mtp_logits"]).max() < 1e-4, name
     assert np.abs(np.asarray(hn[0]) - exp["mtp_hidden_out"]).max() < 1e-4, name
-    assert all(a is b for a, b in zip(cache[:-1], cache2[:-1]))          # main layers' caches untouched
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(cache[:-1], cache2[:-1]) for k in a)   # main: untouched
+    assert not np.array_equal(cache[-1]["k"], cache2[-1]["k"])           # the MTP layer's own: written
     if params["mtp"]["head"] is not None:                                # glm4moe_full: checkpoint copies of main
-        lg2, _, _, _ = M.mtp_forward(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
-                                     jnp.asarray(exp["mtp_hidden_in"])[None], start, own_head=True)
+        lg2, _, _, _ = _mtp(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
+                            jnp.asarray(exp["mtp_hidden_in"])[None], start, own_head=True)
         assert np.abs(np.asarray(lg2[0]) - exp["mtp_logits"]).max() < 1e-4
 
 
