@@ -41,6 +41,16 @@ MTP0 = dict(mtp=True, mtp_guard_pct=0.0)   # MTP drafts all along (random-weight
 
 
 _ENGINES = {}
+_MTP = {}
+
+
+def _mtp(cfg, params, cache, tokens, hidden, start, own_head=False):
+    """M.mtp_forward jitted, one program per shape (as the engine runs it).  Op by op it compiled every primitive
+    at every new shape: most of this file's time on 2 cores."""
+    key = (id(cfg), own_head)
+    if key not in _MTP:
+        _MTP[key] = (cfg, jax.jit(lambda p, c, t, h, s: M.mtp_forward(cfg, p, c, t, h, s, own_head=own_head)))
+    return _MTP[key][1](params, cache, tokens, hidden, start)
 
 
 def _engine(name):
@@ -64,16 +74,20 @@ def test_mtp_forward_matches_transformers(case):
     cfg, params = eng.cfg, eng.params
     assert params["mtp"] is not None
     cache = M.init_cache(cfg, 1, 32, jnp.float32, with_mtp=True)
+    rng = np.random.default_rng(0)                 # the main layers' caches hold numbers the MTP layer must keep
+    cache = [{k: jnp.asarray(rng.standard_normal(v.shape), v.dtype) for k, v in d.items()} for d in cache[:-1]] + \
+        cache[-1:]
     # transformers puts the pair (x_{t+1}, h_t) at position t+1; we use slot t (vLLM): same relative positions
     start = jnp.asarray([int(exp["mtp_position_ids"][0]) - 1], jnp.int32)
-    lg, hn, cache2, _ = M.mtp_forward(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
-                                      jnp.asarray(exp["mtp_hidden_in"])[None], start)
+    lg, hn, cache2, _ = _mtp(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
+                             jnp.asarray(exp["mtp_hidden_in"])[None], start)
     assert np.abs(np.asarray(lg[0]) - exp["mtp_logits"]).max() < 1e-4, name
     assert np.abs(np.asarray(hn[0]) - exp["mtp_hidden_out"]).max() < 1e-4, name
-    assert all(a is b for a, b in zip(cache[:-1], cache2[:-1]))          # main layers' caches untouched
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(cache[:-1], cache2[:-1]) for k in a)   # main: untouched
+    assert not np.array_equal(cache[-1]["k"], cache2[-1]["k"])           # the MTP layer's own: written
     if params["mtp"]["head"] is not None:                                # glm4moe_full: checkpoint copies of main
-        lg2, _, _, _ = M.mtp_forward(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
-                                     jnp.asarray(exp["mtp_hidden_in"])[None], start, own_head=True)
+        lg2, _, _, _ = _mtp(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
+                            jnp.asarray(exp["mtp_hidden_in"])[None], start, own_head=True)
         assert np.abs(np.asarray(lg2[0]) - exp["mtp_logits"]).max() < 1e-4
 
 
@@ -85,8 +99,7 @@ def test_mtp_layer_one_position_at_a_time_equals_window(case):
     cache = M.init_cache(cfg, 1, 32, jnp.float32, with_mtp=True)
     rows = []
     for t in range(6):
-        lg, _, cache, _ = M.mtp_forward(cfg, params, cache, ids[:, t:t + 1], hid[:, t:t + 1],
-                                        jnp.asarray([t], jnp.int32))
+        lg, _, cache, _ = _mtp(cfg, params, cache, ids[:, t:t + 1], hid[:, t:t + 1], jnp.asarray([t], jnp.int32))
         rows.append(np.asarray(lg[0, 0]))
     assert np.abs(np.stack(rows) - exp["mtp_logits"][:6]).max() < 1e-4
 
@@ -145,8 +158,8 @@ def test_mtp_drafts_equal_uncached_mtp(case):
     cfg, params = base.cfg, base.params
     n = len(seq) - 1
     cache = M.init_cache(cfg, 1, 64, jnp.float32, with_mtp=True)
-    lg, hn, cache, _ = M.mtp_forward(cfg, params, cache, jnp.asarray(seq[1:])[None], hidden[None, :n],
-                                     jnp.asarray([0], jnp.int32))
+    lg, hn, cache, _ = _mtp(cfg, params, cache, jnp.asarray(seq[1:])[None], hidden[None, :n],
+                            jnp.asarray([0], jnp.int32))
     d1 = np.asarray(lg[0]).argmax(-1)          # d1[t]: draft for position t+2 from the pair at slot t
     checked = 0
     for pos, drafts, m in eng.last_spec_trace:
@@ -157,9 +170,9 @@ def test_mtp_drafts_equal_uncached_mtp(case):
     # one chained step after the first verify
     pos, drafts, _ = eng.last_spec_trace[0]
     c = M.init_cache(cfg, 1, 64, jnp.float32, with_mtp=True)
-    _, g, c, _ = M.mtp_forward(cfg, params, c, jnp.asarray(seq[1:pos + 1])[None], hidden[None, :pos],
-                               jnp.asarray([0], jnp.int32))
-    lg2, _, _, _ = M.mtp_forward(cfg, params, c, jnp.asarray([[drafts[0]]]), g[:, -1:], jnp.asarray([pos], jnp.int32))
+    _, g, c, _ = _mtp(cfg, params, c, jnp.asarray(seq[1:pos + 1])[None], hidden[None, :pos],
+                      jnp.asarray([0], jnp.int32))
+    lg2, _, _, _ = _mtp(cfg, params, c, jnp.asarray([[drafts[0]]]), g[:, -1:], jnp.asarray([pos], jnp.int32))
     assert int(np.asarray(lg2[0, 0]).argmax()) == drafts[1]
 
 
@@ -333,8 +346,8 @@ def test_glm5_mtp_layer_matches_transformers(name):
     cfg, params = eng.cfg, eng.params
     cache = M.init_cache(cfg, 1, 32, jnp.float32, with_mtp=True)
     start = jnp.asarray([int(exp["mtp_position_ids"][0]) - 1], jnp.int32)
-    lg, hn, _, _ = M.mtp_forward(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
-                                 jnp.asarray(exp["mtp_hidden_in"])[None], start)
+    lg, hn, _, _ = _mtp(cfg, params, cache, jnp.asarray(exp["mtp_input_ids"])[None],
+                        jnp.asarray(exp["mtp_hidden_in"])[None], start)
     assert np.abs(np.asarray(lg[0]) - exp["mtp_logits"]).max() < 1e-4
     # this fixture stores g before shared_head.norm (expected.json); hn is after it
     want = M.rms_norm(jnp.asarray(exp["mtp_hidden_out"]), params["mtp"]["head_norm"], cfg.rms_norm_eps)
