@@ -413,6 +413,30 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
   const float* st = W.tscale(t);
   const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t nb = (W.in + BLK - 1) / BLK;
+  if constexpr (C == 1) {   // one token: a low- and a high-nibble accumulator over the block's 8 units (<= 30720 each)
+    for (int h = 0; h < 2; ++h) {
+      __m256 accf = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256i lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
+        const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
+        for (int64_t u = b * (BLK / 8); u < u1; ++u) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
+          const int8_t* xq = P[0]->xq + u * 8;
+          lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(_mm256_and_si256(v, lo4),
+                                                              _mm256_set1_epi32(*(const int32_t*)xq)));
+          hi16 = _mm256_add_epi16(hi16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4),
+                                                              _mm256_set1_epi32(*(const int32_t*)(xq + 4))));
+        }
+        const __m256 sc = _mm256_loadu_ps(st + W.gt[b] * 16 + 8 * h);
+        const __m256i isum = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_set1_epi32(P[0]->corr[b]), _mm256_madd_epi16(lo16, ones)),
+            _mm256_madd_epi16(hi16, ones));
+        accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(P[0]->sx[b])), accf);
+      }
+      _mm256_storeu_ps(out[0] + 8 * h, accf);
+    }
+    return;
+  }
   // one half (8 rows) at a time, the tile's other half read again from L1
   for (int h = 0; h < 2; ++h) {
     __m256 accf[C];
