@@ -277,3 +277,33 @@ def test_native_attention_matches_the_dots_and_is_row_invariant():
     port = np.asarray(jax.jit(lambda q, k, v, p, r: kernels.attention(q, k, v, p, r, hd ** -0.5, variant=variant))(
         q, k, v, pos, rows))
     assert np.array_equal(port, got)
+
+
+def test_a_quantized_mlp_is_one_seam_call_with_padding_rows_skipped():
+    """model.layers.mlp on native int4 / int8 gate_up + down: one glmjax_moe call on a one-slot bank (it was two
+    glmjax_qlinear calls and XLA's silu between them), = the kernels' emulation row by row, padding rows 0."""
+    from glm_jax.model import layers as L
+
+    rng = np.random.default_rng(13)
+    H, I, T = 192, 96, 5
+    for fmt in ("int4_g64", "int8_row"):
+        gu_f = rng.normal(size=(2 * I, H)).astype(np.float32) * 0.1
+        dn_f = rng.normal(size=(H, I)).astype(np.float32) * 0.1
+        p = {"gate_up": quant.to_qweight(gu_f, fmt, "native", jnp.float32),
+             "down_w": quant.to_qweight(dn_f, fmt, "native", jnp.float32)}
+        x = rng.normal(size=(T, H)).astype(np.float32)
+        rows = np.array([True, False, True, True, False])
+        f = jax.jit(lambda x, r: L.mlp(p, x, r))
+        hlo = f.lower(x, rows).as_text()
+        assert hlo.count("glmjax_moe") >= 1 and "glmjax_qlinear" not in hlo, fmt
+        got = np.asarray(f(x, rows))
+        gq, gs = quant.quantize(gu_f, fmt)
+        dq, ds = quant.quantize(dn_f, fmt)
+        for t in range(T):
+            if not rows[t]:
+                assert not got[t].any()
+                continue
+            h = _matvec(gq, gs, fmt, x[t])
+            a = h[:I] / (1 + np.exp(-h[:I])) * h[I:]
+            ref = _matvec(dq, ds, fmt, a.astype(np.float32))
+            assert np.abs(got[t] - ref).max() <= 5e-3 * max(1.0, np.abs(ref).max()), (fmt, t)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kernels
 from ..kernels.formats import QWeight, qdot, qtake
 
 F32 = jnp.float32
@@ -65,8 +66,28 @@ def apply_rope_half(x, cos, sin):
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return jnp.concatenate([xr * c + rotated * s, xp], axis=-1)
 
+USE_SEAM_MLP = True     # a quantized native MLP as one MoE-seam call (a one-expert bank): tools/bench A/B switch
+
+
+def _seam_mlp(gu: QWeight, dn: QWeight, x, rows):
+    """gate_up -> silu(gate) * up -> down as one ``kernels.moe`` call on a one-slot bank made of the two matrices
+    (their tiles layout is a bank slot's), padding rows (``rows`` False) skipped: two native products, the
+    activation and its int8 quantization in one call instead of two calls and XLA's ops between them."""
+    lead, H = x.shape[:-1], x.shape[-1]
+    n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    ok = jnp.ones((n, 1), bool) if rows is None else rows.reshape(n, 1)
+    slots = jnp.where(ok, 0, -1).astype(jnp.int32)
+    y = kernels.moe(x.reshape(n, H).astype(F32), slots, jnp.ones((n, 1), F32), gu.q[None], gu.scale[None],
+                    dn.q[None], dn.scale[None], gu.fmt, gu.group(), dn.group(), dn.shape[1])
+    return y.reshape(*lead, H).astype(x.dtype)
+
+
 def mlp(p, x, rows=None):
     if "gate_up" in p:       # gate and up fused into one matrix (quant.pack_layer)
+        gu, dn = p["gate_up"], p["down_w"]
+        if (USE_SEAM_MLP and isinstance(gu, QWeight) and isinstance(dn, QWeight) and gu.kernel == dn.kernel == "native"
+                and gu.layout == dn.layout == "tiles" and gu.fmt == dn.fmt and gu.fmt not in ("f32", "bf16")):
+            return _seam_mlp(gu, dn, x, rows)
         h = linear(x, p["gate_up"], rows=rows)
         I = h.shape[-1] // 2
         return linear(jax.nn.silu(h[..., :I]) * h[..., I:], p["down_w"], rows=rows)
