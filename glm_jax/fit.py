@@ -142,19 +142,14 @@ def plan(inp: FitInputs) -> FitPlan:
             kvs.append(t)
     notes = []
     want = min(inp.cache_cap, E) if inp.cache_cap else E  # what the user asked the cache to hold
-    choice = None
     code = inp.resident_code if want >= E else 0    # a resident run's whole-model programs
-    # every expert resident (or the asked --cache_cap), with the full KV reservation: native first, then quantized
-    for f in cands:
-        if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kvs[0], code) >= want:
-            choice = (f, kvs[0])
+    # every expert resident (or the asked --cache_cap), with the full KV reservation: native first, then quantized;
+    # then every expert cached but streamed (fetch=loop: programs shared by the layers, no resident code)
+    for c in dict.fromkeys((code, 0)):
+        choice = next(((f, kvs[0]) for f in cands
+                       if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kvs[0], c) >= want), None)
+        if choice is not None:
             break
-    if choice is None and code:
-        # every expert cached but streamed (fetch=loop: programs shared by the layers), the dense weights as stored
-        for f in cands:
-            if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kvs[0]) >= want:
-                choice = (f, kvs[0])
-                break
     if choice is None:
         # streaming: the smallest dense storage that fits first (the cache shrinks last), KV lowered only if needed
         order = cands[1:] + cands[:1] if len(cands) > 1 else cands

@@ -690,6 +690,16 @@ ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 // ------------------------------------------------------------------------------------------------ MoE seam
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
+// y += w x, one fma per element (AVX2: 8 lanes at a time, the same fma each)
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if GLMJAX_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::fma(w, x[i], y[i]);
+}
+
 ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
                    ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::Buffer<ffi::F32> gus, ffi::AnyBuffer dn,
                    ffi::Buffer<ffi::F32> dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
@@ -812,7 +822,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
       if (q < 0) continue;
       const float w = wt[t * K + k];
       const float* yq = y.data() + q * H;
-      for (int64_t i = 0; i < H; ++i) o[i] = std::fma(w, yq[i], o[i]);
+      axpy(w, yq, o, H);
     }
   }
   return ffi::Error::Success();
@@ -843,15 +853,6 @@ inline float dot16(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
   for (int l = 0; l < 16; ++l) sum += acc[l];
   return sum;
-}
-
-inline void axpy(float w, const float* x, float* y, int64_t n) {    // y += w x, one fma per element
-  int64_t i = 0;
-#if GLMJAX_AVX2
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] = std::fma(w, x[i], y[i]);
 }
 
 ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,

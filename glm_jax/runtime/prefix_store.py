@@ -20,7 +20,7 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .runner import bucket, window_cache, write_back
+from .runner import bucket
 
 MIN_TOKENS = 16          # shorter sequences are not worth a copy (a row holds them, or they prefill in one step)
 
@@ -47,6 +47,7 @@ class PrefixStore:
     def clear(self):
         self.entries.clear()
         self.bytes = 0
+        self.counters.clear()
 
     # ------------------------------------------------------------------ lookup
     def best(self, prompt: list, limit: int) -> tuple[Optional[int], int]:
@@ -72,9 +73,7 @@ class PrefixStore:
                 return False
             if len(t) < n and toks[:len(t)] == t:        # this one extends it: the old entry is redundant
                 self._drop(k)
-        take = rt._jit("row_take", lambda c, r: window_cache(c, r, None))
-        part = take(rt._cache, jnp.int32(row))
-        snap = [{key: np.array(np.asarray(v)[0, :n]) for key, v in d.items()} for d in part]
+        snap = [{key: np.array(np.asarray(v)[0, :n]) for key, v in d.items()} for d in rt.take_row(row)]
         nbytes = sum(a.nbytes for d in snap for a in d.values())
         if nbytes > self.max_bytes:
             return False
@@ -91,20 +90,8 @@ class PrefixStore:
         """Write entry ``key``'s K/V at positions 0..m-1 (a bucket of them) into row ``row`` of the batch cache."""
         toks, snap, _ = self.entries[key]
         self.entries.move_to_end(key)
-        L = min(bucket(m, 64), rt._cache_len, len(toks))
-        if L < m:
-            L = m
-        part = []
-        for d, c in zip(snap, rt._cache):
-            e = {}
-            for k, a in d.items():
-                v = np.zeros((1, L) + a.shape[1:], a.dtype)
-                v[0, :min(L, a.shape[0])] = a[:L]
-                e[k] = jnp.asarray(v, c[k].dtype)
-            part.append(e)
-        put = rt._jit("prefix_put", write_back, donate_argnums=(0,))
-        cache, rt._cache = rt._cache, None
-        rt._cache = put(cache, part, jnp.int32(row))
+        L = min(bucket(m, 64), rt._cache_len, len(toks))     # >= m: m < the prompt's length <= both
+        rt.put_row([{k: jnp.asarray(a[None, :L]) for k, a in d.items()} for d in snap], row)
         self.counters["restored"] += 1
         self.counters["restored_tokens"] += m
 

@@ -267,21 +267,29 @@ class Runner:
         def __enter__(self):
             rt = self.rt
             self.full = rt._cache
-            take = rt._jit("row_take", lambda c, r: window_cache(c, r, None))
-            rt._cache = take(self.full, jnp.int32(self.row))
+            rt._cache = rt.take_row(self.row)
             self.saved = (rt._cache_batch,)
             rt._cache_batch = 1
             return self
 
         def __exit__(self, *exc):
             rt = self.rt
-            put = rt._jit("row_put", write_back, donate_argnums=(0,))
-            part = rt._cache
-            rt._cache = None
-            rt._cache = put(self.full, part, jnp.int32(self.row))
+            part, rt._cache = rt._cache, self.full
+            rt.put_row(part, self.row)
             rt._cache_batch = self.saved[0]
             self.full = None
             return False
+
+    def take_row(self, row: int):
+        """Row ``row`` of the batch cache: a [1, S, ...] part per entry (``put_row`` writes one back)."""
+        take = self._jit("row_take", lambda c, r: window_cache(c, r, None))
+        return take(self._cache, jnp.int32(row))
+
+    def put_row(self, part, row: int):
+        """``part`` ([1, L, ...] per entry, L <= S) written into row ``row`` at positions 0.. (the cache donated)."""
+        put = self._jit("row_put", write_back, donate_argnums=(0,))
+        cache, self._cache = self._cache, None
+        self._cache = put(cache, part, jnp.int32(row))
 
     def row_view(self, row: int):
         """Context: ``self._cache`` is row ``row``'s slice [1, S, ...] inside, written back at exit (code written

@@ -446,7 +446,6 @@ class Scheduler:
         key, ms = self.saved.best(req.prompt, len(req.prompt) - 1)
         if ms > m:
             self.saved.restore(self.rt, key, i, ms)
-            self.counters["prefix_store_hits"] += 1
             return ms
         return m
 

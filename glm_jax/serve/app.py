@@ -294,7 +294,7 @@ class Server:
         Gauge("glmjax_prefix_store_bytes", "Host RAM held by the prefix store (--prefix_store_mb)",
               registry=r).set_function(lambda: s.saved.bytes if s.saved is not None else 0)
         Gauge("glmjax_prefix_store_hits", "Requests whose prefix came back from the prefix store (since start)",
-              registry=r).set_function(lambda: s.counters["prefix_store_hits"])
+              registry=r).set_function(lambda: s.saved.counters["restored"] if s.saved is not None else 0)
         self._rate = [time.perf_counter(), 0]
 
         def tok_s():
