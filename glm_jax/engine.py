@@ -226,7 +226,7 @@ class Engine(Runner):
                                                                          else fitted.workspace)
                                            + prefix_store_reserve(opts),
                                            kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
-                                                     (opts["max_seq_len"] or KV_RESERVE_TOKENS) * opts["max_batch"]
+                                                     (opts["max_seq_len"] or F.KV_DEFAULT_TOKENS) * opts["max_batch"]
                                                      if fitted is None else fitted.kv_bytes),
                                            # slots for one decode / verify's union; a larger one (a prefill) is
                                            # fetched and computed in chunks of this many experts (streaming.py)
@@ -274,6 +274,7 @@ class Engine(Runner):
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
         eng = cls(path, cfg, params, opts, tok, store, kernel, plan)
         eng._fitted = fitted if store is not None and fetch != "resident" else None
+        eng._kv_planned = fitted.kv_tokens if store is not None and fitted is not None else None
         return eng
 
     # ------------------------------------------------------------------ public API
@@ -659,7 +660,6 @@ def prefix_store_reserve(opts) -> int:
 
 RUNTIME_RESERVE = 150 << 20   # compile workspace + the step's buffers beyond the resident set at open (measured:
                               # 15-60 MB on the 1.9 GB synthetic model; tools/bench.py --mode=lowram)
-KV_RESERVE_TOKENS = 4096      # KV positions the RAM budget reserves when --max_seq_len is not given
 
 
 def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense_kernel: str, pack):

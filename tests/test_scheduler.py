@@ -321,6 +321,37 @@ def test_warmup_leaves_the_kv_cache_at_the_length_its_programs_were_compiled_for
         e.close()
 
 
+def test_a_servers_kv_cache_is_the_planned_length_so_a_long_turn_recompiles_nothing_else(tmp_path):
+    """glm-jax-serve's K/V cache started at 256 positions and grew with the first longer conversation: every program
+    compiled for the old length compiled again while clients waited (seen on b: a chat's first turns after the
+    cache grew 256 -> 512 took 3-3.5 s instead of 60-100 ms).  A server now allocates the positions the memory plan
+    reserved (here the 1024-position context) at its first request: after a 300-token request, a short one at the
+    short one's width and window compiles nothing."""
+    from glm_jax.runtime.scheduler import Request, Sampling
+    from glm_jax.serve.app import Server
+    from tools.fixtures import synth_model as SM
+
+    SM.write_hf_checkpoint(str(tmp_path / "hf"), SM.tiny_config(max_position_embeddings=1024,
+                                                                num_nextn_predict_layers=0), keep_reference=False)
+    e = glm_jax.Engine.load(str(tmp_path / "hf"), max_batch=2, prefill_chunk=256)
+    try:
+        sched = Server(e).sched
+
+        def run(prompt):
+            r = Request(prompt, Sampling(max_new_tokens=6, stop_on_eos=False), on_event=lambda *a: None)
+            sched.submit(r)
+            sched.run([r])
+            assert r.error is None and len(r.out) == 6 and r.cached_tokens == 0, (r.error, len(prompt))
+        run([3, 4, 5, 6, 7, 8, 9, 10])
+        run([11 + i % 50 for i in range(300)])
+        c0 = e.compile_s
+        run([12, 4, 5, 6, 7, 8, 9, 10])
+        assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling for a short request again"
+        assert e._cache_len == 1024
+    finally:
+        e.close()
+
+
 def test_running_a_request_that_was_never_submitted_is_an_error_not_a_hang(eng):
     """Scheduler.run([req]) without submit(req) stepped an empty loop forever (the request never becomes done)."""
     from glm_jax.errors import GlmJaxError

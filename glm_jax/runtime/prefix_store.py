@@ -73,7 +73,7 @@ class PrefixStore:
                 return False
             if len(t) < n and toks[:len(t)] == t:        # this one extends it: the old entry is redundant
                 self._drop(k)
-        snap = [{key: np.array(np.asarray(v)[0, :n]) for key, v in d.items()} for d in rt.take_row(row)]
+        snap = [{key: np.array(np.asarray(v)[0, :n]) for key, v in d.items()} for d in rt.take_row(row, n)]
         nbytes = sum(a.nbytes for d in snap for a in d.values())
         if nbytes > self.max_bytes:
             return False

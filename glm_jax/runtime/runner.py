@@ -25,6 +25,7 @@ from glm_jax_plugins import contract
 
 from .. import model as M
 from ..errors import GlmJaxError, NonFiniteError, PluginError
+from ..fit import KV_DEFAULT_TOKENS
 from ..model.modules import GlmModel, Split
 from .stats import routing_summary
 from .streaming import stream_step
@@ -130,6 +131,13 @@ class Runner:
         n = int(self.cfg.max_position_embeddings)
         ms = int(self.opts["max_seq_len"] or 0)
         return min(n, ms) if ms else n
+
+    @property
+    def kv_reserve_tokens(self) -> int:
+        """K/V positions the memory plan reserved per row: ``--max_seq_len``, the store-backed load's fit plan
+        (fit.py, lowered where memory is short), else fit.KV_DEFAULT_TOKENS -- never past the context limit."""
+        planned = getattr(self, "_kv_planned", None)
+        return min(self.context_limit, int(self.opts["max_seq_len"] or planned or KV_DEFAULT_TOKENS))
 
     def _ensure_cache(self, batch: int, need: int):
         """A cache of ``batch`` rows holding at least ``need`` positions (a new one, zeroed, when it does not)."""
@@ -280,9 +288,11 @@ class Runner:
             self.full = None
             return False
 
-    def take_row(self, row: int):
-        """Row ``row`` of the batch cache: a [1, S, ...] part per entry (``put_row`` writes one back)."""
-        take = self._jit("row_take", lambda c, r: window_cache(c, r, None))
+    def take_row(self, row: int, upto: Optional[int] = None):
+        """Row ``row`` of the batch cache: a [1, S, ...] part per entry (``put_row`` writes one back); with ``upto``
+        only its positions [:W], W a power of two >= upto (a short sequence's copy, not the whole row's)."""
+        w = None if upto is None or bucket(upto, 64) >= self._cache_len else bucket(upto, 64)
+        take = self._jit(("row_take", w), lambda c, r: window_cache(c, r, w))
         return take(self._cache, jnp.int32(row))
 
     def put_row(self, part, row: int):

@@ -226,6 +226,7 @@ class Scheduler:
         self.step_lock = threading.Lock()            # one driver at a time
         self.serving = False                         # a thread runs serve_forever: others wait instead of stepping
         self._sink = None                            # kernels.StreamSink of the streamed fused loop (native_sink)
+        self.kv_reserve = 0                          # a server's K/V positions per row, allocated up front
 
     # ------------------------------------------------------------------ submitting (any thread)
     def check(self, prompt_ids: list, sampling: Sampling):
@@ -482,12 +483,21 @@ class Scheduler:
             cap = rt.opts["max_seq_len"]
         else:
             cap = min(bucket(need, 256), max(lim, 256))
+            if self.kv_reserve and self._windowed():
+                # a server: the positions the memory plan reserved, up front (llama-server's -c); growing the
+                # cache later would recompile every program compiled for its old length while a client waits
+                cap = max(cap, min(self.kv_reserve, lim))
         if rt._cache is None or rt._cache_batch != self.B:
             if any(r is not None and r.state != "prefill" for r in self.rows):
                 raise GlmJaxError("internal: the batch cache was replaced while rows were running")
             rt._new_cache(self.B, max(cap, rt._cache_len if rt._cache_batch == self.B else 0))
         elif cap > rt._cache_len:
             rt.grow_cache(self.B, cap)
+
+    def _windowed(self) -> bool:
+        """Decode reads a window of the cache (GQA, every expert resident): its cost does not grow with the cache's
+        length (DSA and a streamed store's step run over the whole cache)."""
+        return self.rt.cfg.model_type != "glm_moe_dsa" and self.rt.opts["fetch"] == "resident"
 
     def _window(self, end: int) -> int:
         return min(self.rt._cache_len, bucket(end, MIN_WINDOW))

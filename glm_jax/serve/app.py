@@ -232,6 +232,7 @@ class Server:
         self.engine = engine
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
+        self.sched.kv_reserve = engine.kv_reserve_tokens  # the planned K/V, allocated at the first request
         self.model_name = model_name or _default_name(engine.path)
         self.api_key = api_key.encode("utf-8")           # compared as bytes (hmac.compare_digest)
         self.max_body = int(max_body_mb * (1 << 20))
