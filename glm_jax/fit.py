@@ -10,7 +10,8 @@ process's resident set before the weights, so a run that cannot fit is refused *
    otherwise min(context limit, 4096), lowered in halves down to 256 positions when that is what stops the fit;
    the cache itself always grows with the requests, runtime.py);
 2. the step's workspace: estimated from the model (``workspace_bytes``: one prefill chunk's activations, the
-   logits row, the compiler's working memory), not a fixed reserve;
+   logits row, the compiler's working memory), not a fixed reserve; at the KV floor the prefill chunk is halved
+   (down to 32 tokens) before anything is refused;
 3. the dense weights' storage: quantized at load (int8_row, then int4_g64) when the container's (or checkpoint's)
    float dense weights leave the experts no room -- or when quantizing lets every expert stay resident;
 4. direct I/O: on when the experts do not all fit (the page cache would hold a second copy of what the expert cache
@@ -34,6 +35,7 @@ from .memory import round_up_gb
 QUANT_STEPS = ("int8_row", "int4_g64")        # what the dense weights are quantized to at load, in this order
 KV_DEFAULT_TOKENS = 4096                      # reserved when the run's length is unknown (the Python API, a server)
 KV_FLOOR_TOKENS = 256                         # the reservation is never lowered below this (nor below the run's)
+CHUNK_FLOOR = 32                              # nor the prefill chunk below this (where only that lets it start)
 COMPILE_BYTES = 100 << 20                     # compiled programs, kept (see workspace_bytes)
 COMPILE_TRANSIENT = 100 << 20                 # XLA's working memory while compiling, given back (measured, ibid.)
 LATER_COMPILE = 64 << 20                      # kept free after the first run: later programs (other buckets)
@@ -113,13 +115,26 @@ def _chunk(inp: FitInputs, kv_tokens: int) -> int:
     return min(inp.prefill_chunk, kv_tokens)
 
 
-def _workspace(inp: FitInputs, kv_tokens: int) -> int:
-    return inp.workspace - (inp.prefill_chunk - _chunk(inp, kv_tokens)) * inp.act_per_position
+def _steps(inp: FitInputs, kvs: list) -> list:
+    """(KV positions, prefill chunk) to try in order: the KV reservation halved (the chunk following it), then at
+    the KV floor the chunk halved down to CHUNK_FLOOR (llama.cpp's -ub: a smaller prefill batch, a slower prefill,
+    the same output) -- the expert cache shrinks last."""
+    steps = [(kv, _chunk(inp, kv)) for kv in kvs]
+    kv, c = steps[-1]
+    while not inp.chunk_fixed and inp.act_per_position and c > CHUNK_FLOOR:
+        c = max(CHUNK_FLOOR, c // 2)
+        steps.append((kv, c))
+    return steps
 
 
-def _cap(inp: FitInputs, dense: int, kv: int, code: int = 0) -> int:
-    avail = (inp.budget - inp.runtime - _workspace(inp, kv // inp.kv_per_token if inp.kv_per_token else 0) - dense
-             - kv - inp.buffers - inp.pin_bytes - code)
+def _workspace(inp: FitInputs, chunk: int) -> int:
+    return inp.workspace - (inp.prefill_chunk - chunk) * inp.act_per_position
+
+
+def _cap(inp: FitInputs, dense: int, step: tuple, code: int = 0) -> int:
+    kv, chunk = step
+    avail = (inp.budget - inp.runtime - _workspace(inp, chunk) - dense - inp.kv_per_token * kv - inp.buffers
+             - inp.pin_bytes - code)
     return int(avail // inp.rec_sum) if inp.rec_sum else inp.num_experts
 
 
@@ -145,25 +160,22 @@ def plan(inp: FitInputs) -> FitPlan:
     code = inp.resident_code if want >= E else 0    # a resident run's whole-model programs
     # every expert resident (or the asked --cache_cap), with the full KV reservation: native first, then quantized;
     # then every expert cached but streamed (fetch=loop: programs shared by the layers, no resident code)
+    steps = _steps(inp, kvs)
     for c in dict.fromkeys((code, 0)):
-        choice = next(((f, kvs[0]) for f in cands
-                       if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kvs[0], c) >= want), None)
+        choice = next(((f, steps[0]) for f in cands
+                       if _loads(inp, f) and _cap(inp, inp.dense[f], steps[0], c) >= want), None)
         if choice is not None:
             break
     if choice is None:
-        # streaming: the smallest dense storage that fits first (the cache shrinks last), KV lowered only if needed
+        # streaming: the smallest dense storage that fits first (the cache shrinks last), KV (then the prefill
+        # chunk) lowered only if needed
         order = cands[1:] + cands[:1] if len(cands) > 1 else cands
-        for kv in kvs:
-            for f in order:
-                if _loads(inp, f) and _cap(inp, inp.dense[f], inp.kv_per_token * kv) >= 1:
-                    choice = (f, kv)
-                    break
-            if choice is not None:
-                break
+        choice = next(((f, st) for st in steps for f in order
+                       if _loads(inp, f) and _cap(inp, inp.dense[f], st) >= 1), None)
     if choice is None:
         f = cands[-1]
-        kv = kvs[-1]
-        ws = _workspace(inp, kv)
+        kv, chunk = steps[-1]
+        ws = _workspace(inp, chunk)
         need = (inp.runtime + ws + inp.dense[f] + inp.kv_per_token * kv + inp.buffers + inp.pin_bytes
                 + inp.rec_sum)
         need = max(need, inp.runtime + inp.dense[f] + inp.load_extra.get(f, 0))
@@ -171,12 +183,12 @@ def plan(inp: FitInputs) -> FitPlan:
             f"RAM budget {inp.budget / 1e9:.2f} GB ({inp.budget_from}) too small for one layer's experts: runtime "
             f"{inp.runtime / 1e9:.2f} + dense weights {inp.dense[f] / 1e9:.2f} ({f}) + KV "
             f"{inp.kv_per_token * kv / 1e9:.2f} "
-            f"({kv} positions) + workspace {ws / 1e9:.2f} + I/O buffers and one layer's working set "
-            f"{inp.buffers / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
+            f"({kv} positions) + workspace {ws / 1e9:.2f} (prefill chunk {chunk}) + I/O buffers and one layer's "
+            f"working set {inp.buffers / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {round_up_gb(need / 1e9):.2f} would fit (decided before loading anything)")
-    f, kv = choice
-    cap = max(0, min(E, _cap(inp, inp.dense[f], inp.kv_per_token * kv)))
-    all_fit = cap >= E and _cap(inp, inp.dense[f], inp.kv_per_token * kv, inp.resident_code) >= E
+    f, (kv, chunk) = choice
+    cap = max(0, min(E, _cap(inp, inp.dense[f], (kv, chunk))))
+    all_fit = cap >= E and _cap(inp, inp.dense[f], (kv, chunk), inp.resident_code) >= E
     if cap >= E and not all_fit:
         notes.append(f"every expert cached, streamed: a resident run's compiled programs "
                      f"({inp.resident_code / 1e9:.2f} GB at {inp.layers} layers) would not fit")
@@ -185,7 +197,6 @@ def plan(inp: FitInputs) -> FitPlan:
                      + ("would keep experts out of RAM" if all_fit else "leave too little for the expert cache"))
     if kv < kvs[0]:
         notes.append(f"KV reservation lowered from {kvs[0]} positions; longer contexts grow past the budget")
-    chunk = _chunk(inp, kv)
     if chunk < inp.prefill_chunk:
         notes.append(f"prefill chunk {chunk} tokens")
     if inp.direct_io is None:
@@ -196,7 +207,7 @@ def plan(inp: FitInputs) -> FitPlan:
         direct = bool(inp.direct_io)
     return FitPlan(dense_format=f, kv_tokens=kv, kv_bytes=inp.kv_per_token * kv, direct_io=direct, cap_fits=cap,
                    all_fit=all_fit, dense_bytes=inp.dense[f], notes=tuple(notes), prefill_chunk=chunk,
-                   workspace=_workspace(inp, kv) + (inp.resident_code if all_fit else 0))
+                   workspace=_workspace(inp, chunk) + (inp.resident_code if all_fit else 0))
 
 
 # ----------------------------------------------------------------------------- estimates from headers

@@ -82,6 +82,22 @@ def test_prefill_chunk_lowered_with_the_kv_reservation():
     assert F.plan(inputs(chunk_fixed=False, prefill_chunk=512, act_per_position=100_000)).prefill_chunk == 512
 
 
+def test_prefill_chunk_halved_at_the_kv_floor_before_refusing():
+    """At the KV floor the plan refused although a smaller prefill chunk (llama.cpp's -ub) would have started the run:
+    the GLM-5.2 slice's 0.44 GB workspace estimate (a 256-token chunk of H 6144 activations) refused its 24 GB-box
+    and 0.7x rows where llama.cpp ran (docs/real-scale.md).  Now the chunk halves (to 32 at least) first."""
+    kw = dict(budget=300 * MB, prefill_chunk=512, act_per_position=100_000)
+    # runtime 100 + workspace + int4 dense 60 + KV 2.56 + buffers 20, then a 10 MB expert: chunk 256 (workspace
+    # 124.4) 317 MB, 128 (111.6) 304.2, 64 (105.2) 297.8 -> 1 expert
+    p = F.plan(inputs(chunk_fixed=False, **kw))
+    assert (p.kv_tokens, p.prefill_chunk, p.cap_fits, p.dense_format) == (256, 64, 1, "int4_g64")
+    assert p.workspace == 150 * MB - (512 - 64) * 100_000 and "prefill chunk 64 tokens" in p.notes
+    with pytest.raises(F.FitError, match=r"prefill chunk 512\)"):
+        F.plan(inputs(**kw))                              # --prefill_chunk given: kept
+    with pytest.raises(F.FitError, match=r"prefill chunk 32\)"):
+        F.plan(inputs(chunk_fixed=False, **dict(kw, budget=290 * MB)))   # 32 (102): 294.6 > 290
+
+
 def test_refusal_names_the_budget_that_fits_and_that_budget_starts():
     inp = inputs(budget=300 * MB)
     with pytest.raises(F.FitError) as e:
