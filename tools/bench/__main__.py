@@ -111,6 +111,10 @@ flags.DEFINE_string("slice_fracs", "0.7,0.45,0.3", "--mode=slice: memory limits 
 flags.DEFINE_integer("slice_experts", 0, "--mode=slice: routed experts per layer of the slice (0: the "
                     "architecture's own; fewer when the disk can't hold a full layer: the rows then say so).",
                     lower_bound=0)
+flags.DEFINE_enum("slice_dtype", "bfloat16", ["bfloat16", "fp8"], "--mode=slice: the random source checkpoint's "
+                  "dtype (fp8: 128x128 block scales as in the FP8 releases, half the disk of bf16).")
+flags.DEFINE_enum("slice_gguf_base", "bf16", ["bf16", "q8_0"], "--mode=slice: what llama.cpp's converter writes "
+                  "before llama-quantize makes the Q4_0 (q8_0: a quarter of the disk of bf16, then requantized).")
 flags.DEFINE_string("slice_engines", "llama,glm-jax", "--mode=slice: engines to run (llama: only where --llamacpp "
                     "has llama-bench).")
 flags.DEFINE_string("contexts", "1024,2048,4096,16384,65536", "--mode=dsa: context lengths (cache slots).")
@@ -372,7 +376,8 @@ def peer_main(argv):
                                         log=lambda m: print(m, file=sys.stderr, flush=True),
                                         engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")),
                                         fracs=tuple(P.parse_list(FLAGS.slice_fracs, "slice_fracs", float)),
-                                        experts=FLAGS.slice_experts)
+                                        experts=FLAGS.slice_experts, dtype=FLAGS.slice_dtype,
+                                        gguf_base=FLAGS.slice_gguf_base.upper())
         else:
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):

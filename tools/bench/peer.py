@@ -468,9 +468,11 @@ def hf_to_gguf_script() -> str:
     raise BenchError("hf_to_gguf.py not found (expected ../shared/tools/hf_to_gguf.py next to the repo)")
 
 
-def ensure_gguf(hf_dir: str, mdir: str, qtype: str, prefix: str, log=print, keep_f32: bool = True) -> str:
-    """GGUF of hf_dir in qtype (F32 | Q8_0 | Q4_0): llama.cpp's own converter to F32 (or BF16 when keep_f32 is
-    False: half the disk for a big model), then llama-quantize."""
+def ensure_gguf(hf_dir: str, mdir: str, qtype: str, prefix: str, log=print, keep_f32: bool = True,
+                base_type: str = "BF16") -> str:
+    """GGUF of hf_dir in qtype (F32 | Q8_0 | Q4_0): llama.cpp's own converter to F32 (or ``base_type`` when
+    keep_f32 is False: BF16 is half the disk for a big model, Q8_0 a quarter -- then requantized, for a slice whose
+    BF16 GGUF does not fit the disk), then llama-quantize."""
     lp = llamacpp_paths(prefix)
     gdir = os.path.join(mdir, "gguf")
     os.makedirs(gdir, exist_ok=True)
@@ -478,7 +480,7 @@ def ensure_gguf(hf_dir: str, mdir: str, qtype: str, prefix: str, log=print, keep
     if os.path.exists(out):
         return out
     have_f32 = os.path.exists(os.path.join(gdir, "model-F32.gguf"))
-    base_t = "F32" if (keep_f32 or have_f32 or qtype == "F32") else "BF16"
+    base_t = "F32" if (keep_f32 or have_f32 or qtype == "F32") else base_type
     base = os.path.join(gdir, f"model-{base_t}.gguf")
     logf = os.path.join(mdir, "gguf.log")
     if not os.path.exists(base):
@@ -488,9 +490,10 @@ def ensure_gguf(hf_dir: str, mdir: str, qtype: str, prefix: str, log=print, keep
         os.replace(base + ".tmp", base)
     if qtype != base_t:
         log(f"quantizing {base} -> {out}")
-        run_logged([lp["llama-quantize"], base, out + ".tmp", qtype], logf, "llama-quantize")
+        run_logged([lp["llama-quantize"]] + (["--allow-requantize"] if base_t == "Q8_0" else [])
+                   + [base, out + ".tmp", qtype], logf, "llama-quantize")
         os.replace(out + ".tmp", out)
-        if base_t == "BF16":
+        if base_t != "F32":
             os.remove(base)
     return out
 

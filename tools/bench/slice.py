@@ -139,7 +139,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
               prompt_tokens: int, boxes: list, os_reserve_mb: float, runtime_mb: float, nolimit_mb: float,
               timeout: float, glmjax_options: dict, dense_formats: list, log=print,
               proc_cgroup: Optional[str] = None, engines_wanted: tuple = ("llama", "glm-jax"),
-              fracs: tuple = (), experts: int = 0) -> str:
+              fracs: tuple = (), experts: int = 0, dtype: str = "bfloat16", gguf_base: str = "BF16") -> str:
     if proc_cgroup is None:
         with open("/proc/self/cgroup") as f:
             proc_cgroup = f.read()
@@ -151,11 +151,10 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     have_llama = bool(llamacpp) and os.path.exists(os.path.join(llamacpp, "bin", "llama-bench"))
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
-    hf = os.path.join(workdir, "slices", f"{arch}-L{layers}", "hf")
     over = dict(n_routed_experts=experts) if experts else {}
-    if experts:
-        hf = os.path.join(workdir, "slices", f"{arch}-L{layers}-E{experts}", "hf")
-    synth_slice.write_slice(hf, arch, layers, log=log, **over)
+    name = f"{arch}-L{layers}" + (f"-E{experts}" if experts else "") + ("" if dtype == "bfloat16" else f"-{dtype}")
+    hf = os.path.join(workdir, "slices", name, "hf")
+    synth_slice.write_slice(hf, arch, layers, dtype=dtype, log=log, **over)
     mdir = bp.model_workdir(workdir, hf)
     with open(os.path.join(hf, "config.json")) as f:
         c_slice = json.load(f)
@@ -177,7 +176,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     notes = []
     if have_llama and "llama" in engines_wanted:
         t0 = time.time()
-        gguf = bp.ensure_gguf(hf, mdir, "Q4_0", llamacpp, log, keep_f32=False)
+        gguf = bp.ensure_gguf(hf, mdir, "Q4_0", llamacpp, log, keep_f32=False, base_type=gguf_base)
         g_size = os.path.getsize(gguf)
         dense = g_size - n_moe_s * c_slice["n_routed_experts"] * e_params * Q4_0_BYTES_PER_PARAM
         engines.insert(0, ("llama", "llama.cpp Q4_0 (mmap, --repack 0)", "llama", gguf,
