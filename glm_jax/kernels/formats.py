@@ -530,6 +530,11 @@ def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: boo
         lp["mlp"] = mlp(lp["mlp"])
     if "moe" in lp:
         lp["moe"] = dict(lp["moe"], shared=mlp(lp["moe"]["shared"]))
+        if kernel == "native" and fuse and not isinstance(lp["moe"]["router_w"], QWeight):
+            # the router's f32 product on the native kernel (decode rows: XLA's one tiny dot per layer went through
+            # its XNNPACK fusion at 50-140 us a step); row-invariant, as the padded XLA product was made to be
+            lp["moe"]["router_w"] = QWeight(jnp.asarray(np.asarray(lp["moe"]["router_w"], np.float32)), fmt="f32",
+                                            kernel=kernel)
     return lp
 
 

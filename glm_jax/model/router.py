@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from glm_jax_plugins.routing import RoutingState
 
 from .config import ModelConfig
+from ..kernels.formats import QWeight, qdot
 from .layers import F32, row_sum
 
 
@@ -19,9 +20,13 @@ def route(cfg: ModelConfig, mp, hn, positions_valid, resident, layer=None, seq_p
     T = hn.shape[0]
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     h32 = hn.astype(F32)
-    if T == 1:      # XLA:CPU runs a one-row dot as a matrix-vector product, whose sums differ in the last bits from
-        h32 = jnp.pad(h32, ((0, 1), (0, 0)))    # the GEMM of 2+ rows: a row's routing must not depend on the width
-    logits = jnp.einsum("th,eh->te", h32, mp["router_w"].astype(F32))[:T]
+    rw = mp["router_w"]
+    if isinstance(rw, QWeight):     # the native kernels (decode rows): one f32 product, row-invariant by construction
+        logits = qdot(h32, rw)
+    else:
+        if T == 1:  # XLA:CPU runs a one-row dot as a matrix-vector product, whose sums differ in the last bits from
+            h32 = jnp.pad(h32, ((0, 1), (0, 0)))    # the GEMM of 2+ rows: a row's routing must not depend on the width
+        logits = jnp.einsum("th,eh->te", h32, rw.astype(F32))[:T]
     scores = jax.nn.sigmoid(logits)
     biased = scores + mp["router_bias"].astype(F32)[None, :]
     if cfg.n_group > 1:

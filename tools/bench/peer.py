@@ -306,6 +306,13 @@ def b_config(vocab: int = 2048) -> dict:
     return _with_shipped_tokens(bench_config(hidden=1024, moe_inter=1024, experts=32, layers=4, top_k=8, vocab=vocab))
 
 
+def b2_config(vocab: int = 2048) -> dict:
+    """The second ~300 M shape (issue 21's own: "H 1536, 24 experts of I 768, top-6, 4 layers"): wider and with
+    fewer, smaller experts than b, top-6; the first layer dense (intermediate 3072), 1 shared expert."""
+    from tools.fixtures.synth_model import bench_config
+    return _with_shipped_tokens(bench_config(hidden=1536, moe_inter=768, experts=24, layers=4, top_k=6, vocab=vocab))
+
+
 def stream_config(vocab: int = 2048) -> dict:
     """The low-RAM table's model: H 1024, 64 routed experts of moe_intermediate 2048 (3.54 MB at int4_g64), top-8,
     9 layers (the first dense, so 8 MoE layers), the shipped model's vocabulary."""
@@ -389,22 +396,25 @@ def model_workdir(workdir: str, hf_dir: str) -> str:
 
 
 def resolve_model(name: str, workdir: str, log=print) -> str:
-    """'shipped' | 'b' | 'stream' | an HF directory -> an HF directory (b / stream are made in the workdir)."""
+    """'shipped' | 'b' | 'b2' | 'stream' | an HF directory -> an HF directory (b / b2 / stream are made in the
+    workdir)."""
     if name == "shipped":
         return SHIPPED_HF
     if name == "b":
         return make_model(os.path.join(workdir, "models", "b", "hf"), b_config(), log=log)
+    if name == "b2":
+        return make_model(os.path.join(workdir, "models", "b2", "hf"), b2_config(), log=log)
     if name == "stream":
         return make_model(os.path.join(workdir, "models", "stream", "hf"), stream_config(), zipf=1.1, log=log)
     if not os.path.exists(os.path.join(name, "config.json")):
-        raise BenchError(f"--model: {name}: no config.json (expected an HF checkpoint dir, 'shipped', 'b' or "
-                         "'stream')")
+        raise BenchError(f"--model: {name}: no config.json (expected an HF checkpoint dir, 'shipped', 'b', "
+                         "'b2' or 'stream')")
     return os.path.abspath(name)
 
 
 def model_label(name: str, hf_dir: str) -> str:
     n = param_count(hf_dir)
-    short = {"shipped": "shipped", "b": "b", "stream": "stream"}.get(name, os.path.basename(hf_dir.rstrip("/")))
+    short = {"shipped": "shipped", "b": "b", "b2": "b2", "stream": "stream"}.get(name, os.path.basename(hf_dir.rstrip("/")))
     return f"{short} ({n / 1e6:.3g} M)"
 
 
