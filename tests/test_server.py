@@ -419,13 +419,15 @@ def test_disconnect_frees_the_row(server, eng, monkeypatch):
 
 # ----------------------------------------------------------------------------- the scheduler
 def test_batch_invariance_of_greedy_output(eng):
-    """A request's greedy tokens are the same alone and beside others: other rows of other lengths (a long one
-    widens the attention window), chunked prefills interleaved with decode, admitted at another time and row."""
+    """A request's greedy tokens (and a seeded sample's) are the same alone and beside others: other rows of other
+    lengths (a long one widens the attention window), chunked prefills interleaved with decode, admitted at another
+    time and row."""
     heldout = open(glm_jax.default_model_path() + "/heldout.txt").read()
     long_ids = eng.encode(heldout[:4000])[:150]              # 10 prefill chunks of 16
     a, b = "JULIET:\n", "To be, or not"
     alone = [_alone(eng, p, 30).tokens for p in (ROMEO, a, b)]
     alone_long = eng.generate(long_ids, max_new_tokens=30).tokens
+    alone_sampled = _alone(eng, ROMEO, 30, temperature=0.8, seed=3).tokens
     sched = eng.scheduler
     reqs = [eng.request(long_ids, max_new_tokens=30), eng.request(b, max_new_tokens=30),
             eng.request(ROMEO, max_new_tokens=30, temperature=0.8, seed=3), eng.request(a, max_new_tokens=30)]
@@ -440,6 +442,7 @@ def test_batch_invariance_of_greedy_output(eng):
     sched.run(reqs + [late])
     assert reqs[0].out == alone_long
     assert reqs[1].out == alone[2] and reqs[3].out == alone[1] and late.out == alone[0]
+    assert reqs[2].out == alone_sampled        # a seeded sample beside greedy rows: its keys advance as alone
     assert len({r.row for r in reqs}) == 4                     # four rows: not all where they ran alone
 
 

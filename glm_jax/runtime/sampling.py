@@ -77,18 +77,18 @@ def filtered_probs_rows(logits, temperature, top_k, top_p):
 
 
 def sample_rows(logits, keys, temperature, top_k, top_p):
-    """One token per row of logits [B, V] with per-row parameters and PRNG keys [B, 2]: each row splits its key
-    once (``key, sk = split(key)``, as the one-row loop did) and samples with ``sk`` (greedy rows: argmax).
+    """One token per row of logits [B, V] with per-row parameters and PRNG keys [B, 2]: each sampling row splits its
+    key once (``key, sk = split(key)``, as the one-row loop did) and samples with ``sk``; greedy rows take the argmax
+    and never use a key.  When every row is greedy nothing is split (the threefry rounds were a while loop of ~20 XLA
+    ops in every decode step); a sampling row's keys advance once per step either way, so its tokens are the same.
     Returns (tokens [B] int32, keys [B, 2])."""
-    split = jax.vmap(jax.random.split)(keys)                       # [B, 2, 2]
-    keys, sk = split[:, 0], split[:, 1]
     greedy = jnp.argmax(logits, -1).astype(jnp.int32)
 
-    def sampled(_):
+    def sampled(keys):
+        split = jax.vmap(jax.random.split)(keys)                   # [B, 2, 2]
+        keys, sk = split[:, 0], split[:, 1]
         p = filtered_probs_rows(logits, temperature, top_k, top_p)
-        return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(sk, jnp.log(p)).astype(jnp.int32)
+        return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(sk, jnp.log(p)).astype(jnp.int32), keys
 
-    tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    tok, keys = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda k: (greedy, k), keys)
     return jnp.where(temperature > 0, tok, greedy), keys
-
-
