@@ -407,3 +407,36 @@ def test_the_ram_budget_bounds_the_whole_process(tmp_path):
     peak, budget, cap, n_exp = (float(v) for v in line[0].split()[1:])
     assert cap < n_exp                     # the cache was sized down to fit beside the runtime
     assert peak <= budget, (peak / 1e6, budget / 1e6)
+
+
+def test_reads_into_aligned_slots_count_no_staging_buffers(cont, tmp_path, monkeypatch):
+    """The memory plan and the store reserved one record-sized staging buffer per I/O thread (4 x 19 MB at GLM-5.2's
+    widths, 4 x 9.7 MB at GLM-4.5-Air's), but a read of a layout whose sections are all 4096-byte multiples -- those
+    real widths -- scatters straight into the slot arenas, O_DIRECT or not: nothing is staged, so nothing is counted.
+    A misaligned layout (this module's tiny int4_g32 experts) still counts them."""
+    from glm_jax.experts import container as C
+    from glm_jax.experts.store import read_buffer_bytes
+
+    hf, dst = str(tmp_path / "hf"), str(tmp_path / "c")
+    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=128, intermediate_size=256,
+                                        num_hidden_layers=2, n_routed_experts=4, num_nextn_predict_layers=0), seed=1)
+    convert(hf, dst, expert_format="int4_g64", progress=False)
+    cfg = load_config(dst)
+    c = open_container(dst, cfg)
+    assert c.layout(1).direct_into_slots and read_buffer_bytes(c, 4) == 0
+    staged = []
+    real = C._scratch
+    monkeypatch.setattr(C, "_scratch", lambda n: staged.append(n) or real(n))
+    try:
+        st = ExpertStore.open(dst, cfg, cache_cap=2, io_threads=2, max_working_set=3, direct_io=True)
+    except StoreError as e:   # a file system without O_DIRECT
+        pytest.skip(str(e))
+    rec = c.layout(1).record_len
+    assert st.sizing["buffer_bytes"] == 3 * rec                  # the transient working set only
+    bank, so = st.fetch(1, np.array([0, 3, 2]))
+    _check(bank, so, [0, 3, 2], c, 1)
+    assert max(staged, default=0) < rec                          # at most the padding between sections
+    st.close(save_usage=False)
+    small = open_container(cont, load_config(cont))
+    assert not small.layout(3).direct_into_slots
+    assert read_buffer_bytes(small, 4) == 4 * small.layout(3).record_len

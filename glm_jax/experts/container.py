@@ -134,6 +134,12 @@ class RecordLayout:
     def payload_bytes(self) -> int:
         return sum(s.nbytes for s in self.sections)
 
+    @property
+    def direct_into_slots(self) -> bool:
+        """Every section a multiple of ALIGN bytes: an O_DIRECT read scatters straight into a (page-aligned) slot
+        arena's rows; otherwise ``record_reads`` stages the record in a per-thread buffer and copies it."""
+        return all(s.nbytes % ALIGN == 0 for s in self.sections)
+
     def to_json(self) -> dict:
         return {"fmt": self.fmt, "hidden": self.hidden, "inter": self.inter, "record_len": self.record_len,
                 "sections": [[s.name, s.offset, s.nbytes, s.dtype, list(s.shape)] for s in self.sections]}
@@ -449,6 +455,16 @@ class Container:
 
     def layout(self, layer: int) -> RecordLayout:
         return self.entry(layer).layout
+
+    def read_buffer_bytes(self, threads: int) -> int:
+        """Memory the reads themselves take beyond the slots: one record-sized staging buffer per I/O thread where a
+        layout's sections are not ALIGN multiples (O_DIRECT then stages, ``record_reads``), else none (buffered and
+        aligned direct reads scatter straight into the slots).  At GLM-4.5-Air's and GLM-5.2's real widths every
+        section is aligned: 4 x 19 MB were counted for nothing."""
+        lays = [e.layout for e in self._entries.values()]
+        if not lays or all(lay.direct_into_slots for lay in lays):
+            return 0
+        return max(1, threads) * max(lay.record_len for lay in lays)
 
     def files(self) -> list:
         return [e.path for e in self._entries.values()]
