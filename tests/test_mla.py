@@ -349,7 +349,10 @@ def test_mla_linears_stay_quantized_in_memory(tmp_path):
             assert isinstance(a[k], Q.QWeight) and a[k].fmt == "int8_row", (k, type(a[k]))
         # the indexer's projections stay float: int8 activations there flipped top-k picks (top-1 0.92 -> 0.67)
         assert "indexer" in a and not any(isinstance(a["indexer"][k], Q.QWeight) for k in ("wq_b", "wk"))
-        assert not isinstance(a["kv_b_w"], Q.QWeight) and a["kv_b_w"].dtype == jnp.float32
+        # kv_b: float, split once at load into the absorbed per-head W_UK / W_UV (no per-step slice copies)
+        assert "kv_b_w" not in a and a["w_uk_t"].shape == (eng.cfg.num_attention_heads, eng.cfg.kv_lora_rank,
+                                                            eng.cfg.qk_nope_head_dim)
+        assert all(not isinstance(a[k], Q.QWeight) and a[k].dtype == jnp.float32 for k in ("w_uk_t", "w_uv"))
         got = eng.logits(exp["input_ids"][0].tolist())
         ref = exp["logits"][0]
         assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9 and np.median(np.abs(got - ref)) < 0.05

@@ -281,6 +281,9 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     # every piece is packed and cast to device arrays as soon as it is read, so the load's peak memory is the
     # result plus one layer's temporaries (not the whole model in numpy, then packed, then cast)
     def layer(lp):
+        a = lp.get("attn")
+        if fuse and a is not None and "kv_b_w" in a:      # one device: W_UK / W_UV contiguous, split once
+            lp = dict(lp, attn=mla.presplit_kv_b(a, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim))
         return _cast_tree(pack_layer(lp, kernel, dense_fmt, dtype, fuse) if pack else lp, dtype)
 
     def table(a):

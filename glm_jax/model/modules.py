@@ -172,7 +172,9 @@ class MLAAttention(Node):
     (q_b, kv_b) and o split by heads over the model axis; the latent KV cache is shared by all heads (replicated)."""
     AXES = {"q_a_w": ("lora", "embed"), "q_a_norm": _vector("lora"), "q_b_w": ("heads", "lora"),
             "kv_a_w": ("lora", "embed"), "kv_a_norm": _vector("lora"), "kv_b_w": ("heads", "lora"),
-            "o_w": ("embed", "heads"), "q_a_b": _vector("lora"), "kv_a_b": _vector("lora"), "o_b": _vector("embed")}
+            "o_w": ("embed", "heads"), "q_a_b": _vector("lora"), "kv_a_b": _vector("lora"), "o_b": _vector("embed"),
+            # one device: kv_b split at load into contiguous per-head W_UK^T / W_UV (mla.py absorbs them)
+            "w_uk_t": ("heads", "lora", "head_dim"), "w_uv": ("heads", "head_dim", "lora")}
     CHILDREN = {"indexer": Indexer}
 
 
@@ -183,7 +185,7 @@ class MoE(Node):
 
 
 def _attention_class(d):
-    return MLAAttention(d) if "kv_b_w" in d else GQAAttention(d)
+    return MLAAttention(d) if ("kv_b_w" in d or "w_uk_t" in d) else GQAAttention(d)
 
 
 class DecoderLayer(Node):

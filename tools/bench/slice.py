@@ -282,7 +282,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
                       "run, or found)"
                       for _, lbl, _, _, f in engines)
     head = (f"{arch} slice, {layers} layers ({n_moe_s} MoE), vocab {c_slice['vocab_size']}, real widths" + (f", but {experts} routed experts per layer (the architecture has {c_full['n_routed_experts']})" if experts else "") + " "
-            f"(tools/fixtures/synth_slice.py, random bf16 weights, Zipf-skewed router bias); full model: {n_moe_f} MoE layers, "
+            f"(tools/fixtures/synth_slice.py, random {'FP8 (128x128 block scales)' if dtype == 'fp8' else dtype} weights, Zipf-skewed router bias); full model: {n_moe_f} MoE layers, "
             f"vocab {c_full['vocab_size']}, {dp_f / 1e9:.2f} B dense parameters (slice: {dp_s / 1e9:.3f} B). "
             f"Files: {sizes}. Decode: {new_tokens} tokens after a {prompt_tokens}-token prompt, {threads} threads, "
             "batch 1, greedy, each run a fresh process in a fresh memory cgroup (page cache charged), file cache "
