@@ -289,7 +289,8 @@ class Scheduler:
         template lands), its prefill and the decode program at every width the loop runs for 1, 2, 4, ... max_batch
         streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache hit's prefill, and the
         prefill of every other bucket from 32 tokens up to ``--prefill_chunk`` that fits the K/V cache as the rest
-        left it (256 positions: a longer prompt grows the cache, and with it every program).  Other attention windows still
+        left it (a server's: the planned length, ``kv_reserve``; else 256 positions, where a longer prompt would
+        grow the cache, and with it every program).  Other attention windows still
         compile on first use, and so does each real length of a prompt shorter than 16 tokens (its prefill
         computes the real rows' experts only); the persistent compile cache keeps all of them for the next start
         (but for programs holding a Python host callback: --fetch=callback / fused, meshes).  Everything it wrote
