@@ -10,17 +10,10 @@ real ~/.cache or ~/.local/state.  Under pytest-xdist (README's test command: -n 
 this file and so gets its own temp dir and caches (JAX's cache writes its entries non-atomically: a worker must not
 read one another is writing).
 
-The native kernels are built once for the whole session: the workers' (and their subprocesses')
-$XDG_CACHE_HOME/glm-jax/kernels is a link to the first process's (the xdist controller's) directory; the build
-takes a lock and renames its finished files into place (glm_jax/kernels), so one worker builds while the other
-waits, instead of both compiling the same library (and its portable variant).
-
-Scheduling under xdist (``--dist=loadgroup``, set in pyproject.toml's addopts): the tests of one module form one
-group, run by one worker, so a module fixture is built once and a test's own engine finds the programs its
-module's other tests compiled in that worker's persistent cache (two tests of test_mtp loading the same engine: 41
-s for the first, 6 s for the second in one process; scattered over both workers, each compiled everything).  The
-groups are handed out longest first (the order of ``_FIRST``, then by test count): a worker that finishes
-early takes the next, and the small ones even out the end."""
+Scheduling under xdist (``--dist=loadgroup``, set in pyproject.toml's addopts): the tests of one module that use a
+module-scoped fixture (an engine, a server, a converted container, the mesh subprocess) form one group, run by one
+worker, so the fixture is built once; every other test is scheduled on its own.  xdist hands out the biggest groups
+first and the single tests last, which evens out the workers' finishing times."""
 
 import os
 import shutil
@@ -32,14 +25,6 @@ import pytest
 _ROOT = tempfile.mkdtemp(prefix="glm-jax-test-home-")
 os.environ["XDG_CACHE_HOME"] = os.path.join(_ROOT, "cache")
 os.environ["XDG_STATE_HOME"] = os.path.join(_ROOT, "state")
-_KERNELS = os.path.join(os.environ["XDG_CACHE_HOME"], "glm-jax", "kernels")     # == glm_jax.kernels.build_dir()
-# the first process's (xdist's controller, started before its workers: they inherit its environment)
-_SHARED_KERNELS = os.environ.setdefault("GLM_JAX_TEST_SHARED_KERNELS", _KERNELS)
-os.makedirs(os.path.dirname(_KERNELS), exist_ok=True)
-if _SHARED_KERNELS != _KERNELS and os.path.isdir(_SHARED_KERNELS):
-    os.symlink(_SHARED_KERNELS, _KERNELS)
-else:
-    os.makedirs(_KERNELS, mode=0o700, exist_ok=True)
 
 import jax  # noqa: E402  (after the environment is set)
 
@@ -54,37 +39,16 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_ROOT, ignore_errors=True)
 
 
-# handed out in this order (the longest first, from CI's --durations: test_mesh / test_multiprocess are a few
-# subprocesses, not many tests); the rest after them by test count
-_FIRST = ("test_mesh", "test_multiprocess", "test_scheduler", "test_server", "test_mtp", "test_streaming",
-          "test_plugins", "test_hardening", "test_convert", "test_fit", "test_store", "test_hardening2", "test_fused",
-          "test_server_hardening", "test_fuzz", "test_eval", "test_engine_golden", "test_engine_plugins")
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False        # xdist's order by test count: the order below instead
-
-
 def pytest_itemcollected(item):
     # per item as it is collected: xdist's pytest_collection_modifyitems (which turns the marks into scheduling
     # groups) runs before a conftest's, so the mark is added here
-    item.add_marker(pytest.mark.xdist_group(item.module.__name__.rpartition(".")[2]))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    # under xdist only (a worker: its collection is what the controller schedules, in this order); one process (-n 0)
-    # runs the files in their usual order
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
         return
-    mods = {}
-    for it in items:
-        mods.setdefault(it.module.__name__.rpartition(".")[2], []).append(it)
-
-    def rank(m):
-        return (0, _FIRST.index(m)) if m in _FIRST else (1, -len(mods[m]))
-    items[:] = [it for m in sorted(mods, key=rank) for it in mods[m]]
+    shared = [name for name, defs in info.name2fixturedefs.items()
+              if defs and defs[-1].scope in ("module", "package", "session") and defs[-1].baseid]
+    if shared:                             # baseid "": a plugin's fixture (tmp_path_factory), not the suite's own
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__.rpartition(".")[2]))
 
 
 # ----------------------------------------------------------------------------- the streamed golden model
