@@ -415,7 +415,6 @@ def test_reads_into_aligned_slots_count_no_staging_buffers(cont, tmp_path, monke
     real widths -- scatters straight into the slot arenas, O_DIRECT or not: nothing is staged, so nothing is counted.
     A misaligned layout (this module's tiny int4_g32 experts) still counts them."""
     from glm_jax.experts import container as C
-    from glm_jax.experts.store import read_buffer_bytes
 
     hf, dst = str(tmp_path / "hf"), str(tmp_path / "c")
     write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=128, intermediate_size=256,
@@ -423,7 +422,7 @@ def test_reads_into_aligned_slots_count_no_staging_buffers(cont, tmp_path, monke
     convert(hf, dst, expert_format="int4_g64", progress=False)
     cfg = load_config(dst)
     c = open_container(dst, cfg)
-    assert c.layout(1).direct_into_slots and read_buffer_bytes(c, 4) == 0
+    assert c.layout(1).direct_into_slots and c.read_buffer_bytes(4) == 0
     staged = []
     real = C._scratch
     monkeypatch.setattr(C, "_scratch", lambda n: staged.append(n) or real(n))
@@ -439,4 +438,4 @@ def test_reads_into_aligned_slots_count_no_staging_buffers(cont, tmp_path, monke
     st.close(save_usage=False)
     small = open_container(cont, load_config(cont))
     assert not small.layout(3).direct_into_slots
-    assert read_buffer_bytes(small, 4) == 4 * small.layout(3).record_len
+    assert small.read_buffer_bytes(4) == 4 * small.layout(3).record_len

@@ -33,6 +33,7 @@ Expert sources (what ``ExpertStore`` reads from) share one duck type::
     src.layout(layer) -> RecordLayout                src.read_expert(layer, e, dests) -> bytes read
     src.read_jobs(layer, e, dests, chunk) -> (jobs, finish)   (the same read split into parallel byte ranges)
     src.files() -> list of paths                     src.close()
+    src.read_buffer_bytes(io_threads) -> bytes the reads take beyond the slots (staging buffers)
 
 ``Container`` is the converted form; ``HFExpertSource`` (``open_expert_source`` on a plain HF directory) reads
 the experts straight from the safetensors files (f32 or bf16 records).
@@ -1006,6 +1007,10 @@ class HFExpertSource:
 
     def files(self) -> list:
         return sorted({t.file for t in self.st.tensors.values()})
+
+    def read_buffer_bytes(self, threads: int) -> int:
+        """One record per I/O thread: tensors are read, converted and copied into the slots record by record."""
+        return max(1, threads) * max((lay.record_len for lay in self._layouts.values()), default=0)
 
     def read_expert(self, layer: int, e: int, dests: dict) -> int:
         lay = self.layout(layer)

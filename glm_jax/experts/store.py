@@ -168,16 +168,6 @@ class CacheIndex:
 
 
 # ----------------------------------------------------------------------------- helpers
-def read_buffer_bytes(src, threads: int) -> int:
-    """The reads' own memory beyond the slots: the source's staging (``Container.read_buffer_bytes``), else (an HF
-    directory, read tensor by tensor) one record per I/O thread."""
-    f = getattr(src, "read_buffer_bytes", None)
-    if f is not None:
-        return int(f(threads))
-    layers = list(src.expert_layers)
-    return max(1, threads) * max((src.layout(L).record_len for L in layers), default=0)
-
-
 def _mmap_array(shape: tuple, dtype) -> tuple[np.ndarray, mmap.mmap]:
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -469,8 +459,8 @@ class ExpertStore:
             budget, why = ram_gb * 1e9, "--ram_gb"
         else:
             budget, why = default_budget()
-        # the reads' staging buffers (an HF source's: one record each) + one layer's transient set
-        buffers = read_buffer_bytes(src, io_threads) + max(0, W) * max_rec
+        # the reads' staging buffers + one layer's transient set
+        buffers = src.read_buffer_bytes(io_threads) + max(0, W) * max_rec
         avail = budget - used_bytes - kv_bytes - buffers - pin_bytes
         if share > 1:       # this shard's part of what the process has left (the shards' buffers and pins too)
             avail = (budget - used_bytes - kv_bytes) / share - buffers - pin_bytes
