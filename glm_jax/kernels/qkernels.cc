@@ -403,6 +403,11 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], _mm512_mul_ps(accf[c], sc));
 }
 #elif GLMJAX_AVX2
+// Software prefetch 4 KiB ahead in the weight stream (one 64-byte line per unit): the hardware prefetchers stop at
+// 4 KiB page boundaries, and a decode step's weights come from DRAM.  Standalone bench, one core, 36 experts of
+// 2048 x 1024 int4 rotating (beyond L3): one token 14 -> 19 GB/s, two tokens 8 -> 12.5 GB/s.  A prefetch past the end of
+// a buffer is harmless (it never faults)
+constexpr int64_t kPrefetchAhead = 4096;
 // int4: per 64-block and half, u8 nibbles x s8 activations by vpmaddubsw (pairs <= 2*15*128 = 3840, no saturation);
 // a unit's low- and high-nibble products summed (<= 7680) into one int16 accumulator per token over 4 units (<= 30720,
 // exact), widened by vpmaddwd into int32: the exact int32 sums of the VNNI build.  One accumulator per token (not
@@ -413,28 +418,36 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
   const float* st = W.tscale(t);
   const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t nb = (W.in + BLK - 1) / BLK;
-  if constexpr (C == 1) {   // one token: a low- and a high-nibble accumulator over the block's 8 units (<= 30720 each)
-    for (int h = 0; h < 2; ++h) {
-      __m256 accf = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        __m256i lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
-        const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
-        for (int64_t u = b * (BLK / 8); u < u1; ++u) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
-          const int8_t* xq = P[0]->xq + u * 8;
-          lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(_mm256_and_si256(v, lo4),
-                                                              _mm256_set1_epi32(*(const int32_t*)xq)));
-          hi16 = _mm256_add_epi16(hi16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4),
-                                                              _mm256_set1_epi32(*(const int32_t*)(xq + 4))));
-        }
-        const __m256 sc = _mm256_loadu_ps(st + W.gt[b] * 16 + 8 * h);
-        const __m256i isum = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_set1_epi32(P[0]->corr[b]), _mm256_madd_epi16(lo16, ones)),
-            _mm256_madd_epi16(hi16, ones));
-        accf = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(P[0]->sx[b])), accf);
+  if constexpr (C == 1) {
+    // one token, one pass over the tile: both halves' low- and high-nibble accumulators (4 independent int16 chains,
+    // <= 30720 each over the block's 8 units), so each 64-byte unit is loaded once and the loads keep the core busy
+    // (18 -> 32-35 GB/s a core from L3 in a standalone bench, against two passes of 32 bytes).  The same integer sums
+    // and the same per-lane float operations as before
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0;
+      const int64_t u0 = b * (BLK / 8), u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 8));
+      for (int64_t u = u0; u < u1; ++u) {
+        _mm_prefetch((const char*)(wt + u * 64 + kPrefetchAhead), _MM_HINT_T0);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wt + u * 64));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32));
+        const __m256i xa = _mm256_set1_epi32(*(const int32_t*)(P[0]->xq + u * 8));
+        const __m256i xb = _mm256_set1_epi32(*(const int32_t*)(P[0]->xq + u * 8 + 4));
+        l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(_mm256_and_si256(v0, lo4), xa));
+        h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4), xb));
+        l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(_mm256_and_si256(v1, lo4), xa));
+        h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4), xb));
       }
-      _mm256_storeu_ps(out[0] + 8 * h, accf);
+      const float* sb = st + W.gt[b] * 16;
+      const __m256 sx = _mm256_set1_ps(P[0]->sx[b]);
+      const __m256i cr = _mm256_set1_epi32(P[0]->corr[b]);
+      const __m256i i0 = _mm256_add_epi32(_mm256_add_epi32(cr, _mm256_madd_epi16(l0, ones)), _mm256_madd_epi16(h0, ones));
+      const __m256i i1 = _mm256_add_epi32(_mm256_add_epi32(cr, _mm256_madd_epi16(l1, ones)), _mm256_madd_epi16(h1, ones));
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(_mm256_loadu_ps(sb), sx), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(_mm256_loadu_ps(sb + 8), sx), acc1);
     }
+    _mm256_storeu_ps(out[0], acc0);
+    _mm256_storeu_ps(out[0] + 8, acc1);
     return;
   }
   // one half (8 rows) at a time, the tile's other half read again from L1
@@ -450,6 +463,7 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
         for (int c = 0; c < C; ++c) a16[c] = _mm256_setzero_si256();
         const int64_t ge = std::min<int64_t>(u1, g + 4);
         for (int64_t u = g; u < ge; ++u) {
+          if (h == 0) _mm_prefetch((const char*)(wt + u * 64 + kPrefetchAhead), _MM_HINT_T0);
           const __m256i v = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
           const __m256i lo = _mm256_and_si256(v, lo4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
@@ -490,6 +504,7 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
       for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_si256();
       const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 4));
       for (int64_t u = b * (BLK / 4); u < u1; ++u) {
+        if (h == 0) _mm_prefetch((const char*)(wt + u * 64 + kPrefetchAhead), _MM_HINT_T0);
         const __m256i w = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32 * h));
         for (int c = 0; c < C; ++c) {
           const __m256i sg = _mm256_set1_epi32(kSignPattern[P[c]->neg[u] & 15]);
