@@ -509,6 +509,37 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
   const uint8_t* wt = W.tile(t);
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t nb = (W.in + BLK - 1) / BLK;
+  if constexpr (C <= 3) {      // one pass over the tile, as tile_i4's (float accumulators in L1)
+    alignas(32) float acc[C][16];
+    for (int c = 0; c < C; ++c) std::memset(acc[c], 0, sizeof(acc[c]));
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i a0[C], a1[C];
+      for (int c = 0; c < C; ++c) a0[c] = a1[c] = _mm256_setzero_si256();
+      const int64_t u1 = std::min<int64_t>(W.units, (b + 1) * (BLK / 4));
+      for (int64_t u = b * (BLK / 4); u < u1; ++u) {
+        _mm_prefetch((const char*)(wt + u * 64 + kPrefetchAhead), _MM_HINT_T0);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wt + u * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wt + u * 64 + 32));
+        for (int c = 0; c < C; ++c) {
+          const __m256i sg = _mm256_set1_epi32(kSignPattern[P[c]->neg[u] & 15]);
+          const __m256i xa = _mm256_set1_epi32(*(const int32_t*)(P[c]->xa + u * 4));
+          a0[c] = _mm256_add_epi32(a0[c], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, sg)), ones));
+          a1[c] = _mm256_add_epi32(a1[c], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, sg)), ones));
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        const __m256 sx = _mm256_set1_ps(P[c]->sx[b]);
+        _mm256_store_ps(acc[c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[c]), sx, _mm256_load_ps(acc[c])));
+        _mm256_store_ps(acc[c] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[c]), sx, _mm256_load_ps(acc[c] + 8)));
+      }
+    }
+    const float* sc = W.tscale(t);
+    for (int c = 0; c < C; ++c) {
+      _mm256_storeu_ps(out[c], _mm256_mul_ps(_mm256_load_ps(acc[c]), _mm256_loadu_ps(sc)));
+      _mm256_storeu_ps(out[c] + 8, _mm256_mul_ps(_mm256_load_ps(acc[c] + 8), _mm256_loadu_ps(sc + 8)));
+    }
+    return;
+  }
   for (int h = 0; h < 2; ++h) {              // one half at a time, as tile_i4
     __m256 accf[C];
     for (int c = 0; c < C; ++c) accf[c] = _mm256_setzero_ps();
