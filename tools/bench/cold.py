@@ -75,17 +75,16 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
             eng.generate(prompt, max_new_tokens=4, stop_on_eos=False)
     rows_e2e = {k: [] for k in cold}
     reads, comps, res_s = [], {f: [] for f in fetches}, []
-    tokens = None
+    tokens = {}                # per fetch mode: cold / warm, prefetch on / off must give the same greedy tokens
     bytes_read = {}
     tmp = tempfile.mkdtemp(prefix="glm-jax-cold-")
 
     def per_token(r):
         return r.stats["decode_s"] / max(1, r.stats["decode_tokens"])
 
-    def check(r):
-        nonlocal tokens
-        tokens = tokens or r.tokens
-        assert r.tokens == tokens, "lossless configurations must produce the same tokens"
+    def check(r, fetch):
+        assert tokens.setdefault(fetch, r.tokens) == r.tokens, \
+            f"fetch={fetch}: lossless configurations (cold / warm, prefetch) must produce the same tokens"
 
     for rep in range(reps):
         for k, eng in cold.items():
@@ -94,7 +93,7 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
             r = eng.generate(prompt, max_new_tokens=new_tokens, stop_on_eos=False)
             rows_e2e[k].append(per_token(r))
             bytes_read.setdefault(k, set()).add(eng.store.stats()["bytes_read"])
-            check(r)
+            check(r, k[0])
         # read alone: record this routing once, replay it on a cold store of the same cap
         trace = os.path.join(tmp, f"trace{rep}.jsonl")
         eng = cold[(fetches[0], prefetch[0])]
@@ -112,7 +111,7 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
             r = w.generate(prompt, max_new_tokens=new_tokens, stop_on_eos=False)
             assert r.stats.get("decode_misses", 0) == 0, "compute-alone run had misses"
             comps[f].append(per_token(r))
-            check(r)
+            check(r, f)
         r = resident.generate(prompt, max_new_tokens=new_tokens, stop_on_eos=False)    # one compiled step of
         res_s.append(per_token(r))              # other shapes: equal to the streamed logits within 1e-4, not bitwise
     read = statistics.median(reads)
@@ -136,9 +135,16 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
                       "decode tok/s": 1 / c, "vs resident": res / c})
     for e in list(cold.values()) + list(warm.values()) + [resident]:
         e.close()
+    modes = list(tokens)
+    ref = tokens[modes[0]]
+    agree = "; ".join(
+        f"fetch={f}: " + ("the same greedy tokens as fetch=" + modes[0] if tokens[f] == ref else
+                          "greedy tokens first differ from fetch=" + modes[0] + "'s at token "
+                          + str(next(i for i, (a, b) in enumerate(zip(ref, tokens[f])) if a != b)))
+        for f in modes[1:])
     return markdown(rows, list(rows[0])) + "\n\n" + markdown(speed, list(speed[0])) + (
         f"\n\nmodel {model_dir}; cache {cache_cap} experts per layer (cold: store and page cache dropped before every "
         f"rep{', O_DIRECT reads' if direct_io else ''}); {new_tokens} greedy tokens after a {len(prompt)}-token "
-        f"prompt (every streamed configuration the same tokens); medians of {reps} interleaved reps; read alone = the run's "
+        f"prompt (within a fetch mode every configuration the same tokens{'; ' + agree if agree else ''}); medians of {reps} interleaved reps; read alone = the run's "
         f"routing replayed through a cold store of the same cap; compute alone = the same tokens with every expert in "
         f"RAM (streamed, warmed); --dispatch_ms={dispatch_ms:g}; load average {os.getloadavg()[0]:.1f} at the end")
