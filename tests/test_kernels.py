@@ -138,6 +138,24 @@ def test_seam_rows_are_batch_and_slot_invariant(fmt):
     assert np.array_equal(got, full)
 
 
+@pytest.mark.parametrize("fmt", ["int8_row", "int4_g64"])
+def test_a_tokens_result_is_the_same_in_every_group_size(fmt):
+    """The tile kernels take an expert's tokens 4 at a time, then 3, 2 or 1 (each group size its own code path):
+    with every token on the same experts, groups of 1..9 tokens give each token bitwise its result alone."""
+    E, H, I, K = 4, 192, 96, 2
+    bank, _ = _bank(fmt, E, H, I, seed=21)
+    rng = np.random.default_rng(22)
+    x = rng.normal(size=(9, H)).astype(np.float32)
+    w = np.full((9, K), 0.5, np.float32)
+    slots = np.tile(np.array([[1, 3]], np.int32), (9, 1))
+    alone = [np.asarray(_moe(jnp.asarray(x[t:t + 1]), jnp.asarray(slots[:1]), jnp.asarray(w[:1]), bank, False))[0]
+             for t in range(9)]
+    for T in range(2, 10):
+        got = np.asarray(_moe(jnp.asarray(x[:T]), jnp.asarray(slots[:T]), jnp.asarray(w[:T]), bank, False))
+        for t in range(T):
+            assert np.array_equal(got[t], alone[t]), (fmt, T, t)
+
+
 def test_seam_through_moe_routed_and_slot_map():
     """model.moe_routed on a native bank with a slot map = the emulation on the mapped slots; invalid -> 0."""
     E, H, I, T, K = 8, 128, 64, 4, 2
