@@ -44,6 +44,7 @@ import time
 
 from absl import app, flags
 
+from tools.bench.peer import cold_generate
 from tools.bench.tables import markdown
 
 FLAGS = flags.FLAGS
@@ -289,9 +290,7 @@ def _interleaved(engines: dict, prompt, n_new: int, reps: int, warm: int = 8) ->
     last = {}
     for _ in range(reps):
         for k, e in engines.items():
-            e.scheduler.forget()                # a cold prefill (no K/V reused from the previous rep)
-            r = e.generate(prompt, max_new_tokens=n_new, stop_on_eos=False)
-            assert r.stats.get("cached_tokens", 0) == 0, "the prefill reused cached K/V"
+            r = cold_generate(e, prompt, n_new)       # a cold prefill (no K/V reused from the previous rep)
             res[k][0].append(r.stats["decode_tok_s"])
             res[k][1].append(r.stats["prefill_tokens"] / max(r.stats["prefill_s"], 1e-9))
             last[k] = r

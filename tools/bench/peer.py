@@ -1143,6 +1143,17 @@ def _serve(one):
             break
 
 
+def cold_generate(eng, prompt, max_new_tokens: int):
+    """eng.generate with a cold prefill, as llama-bench's: the scheduler's prefix cache would otherwise find the
+    prompt's K/V from the previous run still in its row and prefill one token (every glm-jax prefill rate the benches
+    printed from f742171, 2026-12-01 09:37, to stop 30's fix)."""
+    eng.scheduler.forget()
+    r = eng.generate(prompt, max_new_tokens=max_new_tokens, stop_on_eos=False)
+    if r.stats.get("cached_tokens", 0):
+        raise BenchError(f"the prefill reused {r.stats['cached_tokens']} cached prompt tokens")
+    return r
+
+
 def _glmjax_worker(spec: dict):
     import glm_jax
     prompt, n = spec["prompt"], spec["new_tokens"]
@@ -1154,12 +1165,7 @@ def _glmjax_worker(spec: dict):
            "sizing": getattr(st, "sizing", None), "cache_cap": getattr(st, "cache_cap", None)})
 
     def gen(k):
-        # a cold prefill every run, as llama-bench's: the scheduler's prefix cache would otherwise reuse the prompt's
-        # K/V from the previous run and prefill one token (the prefill rates of 2026-12-01 09:37 - 12-02 01:50)
-        eng.scheduler.forget()
-        r = eng.generate(prompt, max_new_tokens=k, stop_on_eos=False)
-        assert r.stats.get("cached_tokens", 0) == 0, "the prefill reused cached K/V"
-        return r
+        return cold_generate(eng, prompt, k)
 
     def one():
         # like llama-bench in the same round: a warmup run, then LLAMA_REPS runs, the median of each rate
