@@ -413,7 +413,7 @@ class Scheduler:
             req.row, req.state, req.t_admit = i, "prefill", time.perf_counter()
             self.rows[i] = req
             self.counters["admitted"] += 1
-            self.keys[i] = np.asarray(jax.random.PRNGKey(s.seed), np.uint32)
+            self.keys[i] = _seed_key(s.seed)
             if s.max_new_tokens == 0:
                 self._finish(req, "length")
                 continue
@@ -526,7 +526,7 @@ class Scheduler:
                 tok, key = self._sample_hosted(logits[0, n - 1][None], self.keys[i][None], [req], [0])
                 tok, key = int(tok[0]), key[0]
             else:
-                tok, key = _sample_one(rt, logits[0, n - 1], self.keys[i], req.sampling)
+                tok, key = _sample_one(rt, logits, n - 1, self.keys[i], req.sampling)
             self.keys[i] = key
             req.prefill_s += time.perf_counter() - t0 - (rt.compile_s - c0)
             req.store_prefill = rt.store.stats() if rt.store is not None else None
@@ -895,12 +895,34 @@ class Scheduler:
 
 
 # ----------------------------------------------------------------------------- compiled pieces
-def _sample_one(rt, logits, key, s: Sampling):
-    """The first token of a row (from its prefill's last logits), with the row's key.  Returns (token, key)."""
-    f = rt._jit("sample_rows", sample_rows)
-    tok, keys = f(logits[None], jnp.asarray(key)[None], jnp.asarray([s.temperature], jnp.float32),
-                  jnp.asarray([s.top_k], jnp.int32), jnp.asarray([s.top_p], jnp.float32))
-    return int(tok[0]), np.asarray(keys[0], np.uint32)
+def _first_token(logits, t, key, temperature, top_k, top_p):
+    tok, keys = sample_rows(jax.lax.dynamic_index_in_dim(logits[0], t, 0, keepdims=True), key[None], temperature,
+                            top_k, top_p)
+    return tok[0], keys[0]
+
+
+def _sample_one(rt, logits, t: int, key, s: Sampling):
+    """The first token of a row from its prefill's logits [1, T, V] at position ``t``, with the row's key: one
+    dispatch and one transfer (the slicing, the parameters' transfers and the indexing were eager ops of their own,
+    ~2 ms of a short request's time to first token).  Returns (token, key)."""
+    f = rt._jit("first_token", _first_token)
+    tok, key = jax.device_get(f(logits, np.int32(t), np.asarray(key, np.uint32),
+                                np.asarray([s.temperature], np.float32), np.asarray([s.top_k], np.int32),
+                                np.asarray([s.top_p], np.float32)))
+    return int(tok), np.array(key, np.uint32)
+
+
+_SEED_KEYS: dict = {}
+
+
+def _seed_key(seed: int) -> np.ndarray:
+    """jax.random.PRNGKey(seed) as uint32 numpy, remembered per seed (an eager dispatch per admission otherwise)."""
+    k = _SEED_KEYS.get(seed)
+    if k is None:
+        if len(_SEED_KEYS) > 4096:
+            _SEED_KEYS.clear()
+        k = _SEED_KEYS[seed] = np.asarray(jax.random.PRNGKey(seed), np.uint32)
+    return k.copy()
 
 
 def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False):
