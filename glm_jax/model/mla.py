@@ -190,7 +190,13 @@ def load_mla_params(get: Callable, prefix: str, cfg, layer: int) -> dict:
     return p
 
 
-def split_kv_b(p: dict, nH: int, nope: int, v: int, kl: int) -> tuple:
+def _cut_kv_b(kv_b, nH: int, nope: int, v: int) -> tuple:
+    """kv_b_proj [nH*(nope+v), kl] (numpy or jax) -> (W_UK^T [nH, kl, nope], W_UV [nH, v, kl]) as views."""
+    kv_b = kv_b.reshape(nH, nope + v, -1)
+    return kv_b[:, :nope, :].swapaxes(1, 2), kv_b[:, nope:, :]
+
+
+def split_kv_b(p: dict, nH: int, nope: int, v: int) -> tuple:
     """(W_UK^T [nH, kl, nope], W_UV [nH, v, kl]): as loaded on one device (``w_uk_t`` / ``w_uv``, contiguous), else
     cut out of kv_b_proj [nH*(nope+v), kl] -- XLA:CPU copies those slices on every step (2 x 29 MB a layer at
     GLM-5.2's widths in f32: 40 % of a decode step on the 64-expert slice, profiled).  W_UK is kept transposed so
@@ -198,19 +204,15 @@ def split_kv_b(p: dict, nH: int, nope: int, v: int, kl: int) -> tuple:
     ran as a strided batched GEMM at ~1.3 GB/s, 20 ms a layer a step there."""
     if "w_uk_t" in p:
         return p["w_uk_t"], p["w_uv"]
-    kv_b = p["kv_b_w"].reshape(nH, nope + v, kl)
-    return jnp.swapaxes(kv_b[:, :nope, :], 1, 2), kv_b[:, nope:, :]
+    return _cut_kv_b(p["kv_b_w"], nH, nope, v)
 
 
 def presplit_kv_b(p: dict, nH: int, nope: int, v: int) -> dict:
     """``p`` (an MLA attention's loaded params) with kv_b_proj replaced by contiguous ``w_uk_t`` / ``w_uv``
     (numpy, the loaded dtype): what ``split_kv_b`` would cut on every step, done once."""
     p = dict(p)
-    kv_b = np.asarray(p.pop("kv_b_w"))
-    kl = kv_b.shape[-1]
-    kv_b = kv_b.reshape(nH, nope + v, kl)
-    p["w_uk_t"] = np.ascontiguousarray(np.swapaxes(kv_b[:, :nope, :], 1, 2))
-    p["w_uv"] = np.ascontiguousarray(kv_b[:, nope:, :])
+    w_uk_t, w_uv = _cut_kv_b(np.asarray(p.pop("kv_b_w")), nH, nope, v)
+    p["w_uk_t"], p["w_uv"] = np.ascontiguousarray(w_uk_t), np.ascontiguousarray(w_uv)
     return p
 
 
@@ -350,7 +352,7 @@ def mla_attention(cfg, p: dict, x, cache: dict, start, layer: int, prev_sel=None
     """
     B, T, H = x.shape
     S = cache["ckv"].shape[1]
-    nH, nope, v, kl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    nH, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     start = jnp.asarray(start, jnp.int32)
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]          # [B,T]
     q_resid, q_nope, q_rot, ckv_new, kpe_new, cos, sin = _front(cfg, p, x, positions)
@@ -375,7 +377,7 @@ def mla_attention(cfg, p: dict, x, cache: dict, start, layer: int, prev_sel=None
 
     ckv, kpe = new_cache["ckv"], new_cache["kpe"]
     scale = softmax_scale(cfg)
-    w_uk_t, w_uv = split_kv_b(p, nH, nope, v, kl)                                   # [nH,kl,nope], [nH,v,kl]
+    w_uk_t, w_uv = split_kv_b(p, nH, nope, v)                                       # [nH,kl,nope], [nH,v,kl]
     if sel is not None and absorbed and (use_gather(cfg, T, sel.shape[-1], S) if gather is None else gather):
         o = _sparse_absorbed(cfg, q_nope, q_rot, ckv, kpe, sel, positions, w_uk_t, w_uv, scale, x.dtype)
         return _lin(o.reshape(B, T, nH * v), p["o_w"], p.get("o_b")), new_cache, sel
