@@ -153,8 +153,8 @@ PrepLayout prep_layout(int fmt, int64_t in) {
 #if defined(__AVX2__) && !defined(GLMJAX_PORTABLE)
 // a full 64-block in 8-lane vectors: the same amax, the same products x * inv rounded to nearest even (vcvtps2dq
 // under the default MXCSR rounding is lrintf's), the same clamp: bitwise the scalar code below (test_kernels' portable
-// build comparison).  Returns the scale; *sum = the block's sum of q (int4's offset correction)
-inline float block_quant64(const float* x, int8_t* q, int32_t* sum) {
+// build comparison).  Returns the scale
+inline float block_quant64(const float* x, int8_t* q) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 m = _mm256_setzero_ps();
   for (int i = 0; i < 64; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
@@ -165,26 +165,21 @@ inline float block_quant64(const float* x, int8_t* q, int32_t* sum) {
   const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
   const __m256 vinv = _mm256_set1_ps(inv);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  __m256i acc = _mm256_setzero_si256();
   for (int i = 0; i < 64; i += 32) {
     __m256i v[4];
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < 4; ++j)
       v[j] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vinv))));
-      acc = _mm256_add_epi32(acc, v[j]);
-    }
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
     _mm256_storeu_si256((__m256i*)(q + i), _mm256_permutevar8x32_epi32(p, perm));
   }
-  alignas(32) int32_t av[8];
-  _mm256_store_si256((__m256i*)av, acc);
-  int32_t t = 0;
-  for (int l = 0; l < 8; ++l) t += av[l];
-  *sum = t;
   return s;
 }
 #endif
 
 inline float block_quant(const float* x, int64_t n, int8_t* q /* 64 */) {
+#if defined(__AVX2__) && !defined(GLMJAX_PORTABLE)
+  if (n == BLK) return block_quant64(x, q);
+#endif
   float amax = 0.f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   float s = amax / 127.f;
@@ -206,14 +201,6 @@ void prep_row(int fmt, const float* x, int64_t in, const PrepLayout& L, uint8_t*
     int8_t* xq = (int8_t*)(buf + L.off_a);
     int32_t* corr = (int32_t*)(buf + L.off_b);
     for (int64_t b = 0; b < L.nb; ++b) {
-#if defined(__AVX2__) && !defined(GLMJAX_PORTABLE)
-      if (in - b * BLK >= BLK) {
-        int32_t sum = 0;
-        sx[b] = block_quant64(x + b * BLK, xq + b * BLK, &sum);
-        corr[b] = -8 * sum;
-        continue;
-      }
-#endif
       sx[b] = block_quant(x + b * BLK, std::min(BLK, in - b * BLK), xq + b * BLK);
       int32_t sum = 0;
       for (int i = 0; i < BLK; ++i) sum += xq[b * BLK + i];
@@ -227,13 +214,7 @@ void prep_row(int fmt, const float* x, int64_t in, const PrepLayout& L, uint8_t*
   uint64_t* neg = (uint64_t*)(buf + L.off_b);
   alignas(64) int8_t q[BLK];
   for (int64_t b = 0; b < L.nb; ++b) {
-#if defined(__AVX2__) && !defined(GLMJAX_PORTABLE)
-    int32_t unused;
-    sx[b] = in - b * BLK >= BLK ? block_quant64(x + b * BLK, q, &unused)
-                                : block_quant(x + b * BLK, std::min(BLK, in - b * BLK), q);
-#else
     sx[b] = block_quant(x + b * BLK, std::min(BLK, in - b * BLK), q);
-#endif
     for (int u = 0; u < 16; ++u) {
       uint64_t bits = 0;
       for (int j = 0; j < 4; ++j) {
