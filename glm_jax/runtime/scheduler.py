@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -912,17 +913,13 @@ def _sample_one(rt, logits, t: int, key, s: Sampling):
     return int(tok), np.array(key, np.uint32)
 
 
-_SEED_KEYS: dict = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _seed_key(seed: int) -> np.ndarray:
-    """jax.random.PRNGKey(seed) as uint32 numpy, remembered per seed (an eager dispatch per admission otherwise)."""
-    k = _SEED_KEYS.get(seed)
-    if k is None:
-        if len(_SEED_KEYS) > 4096:
-            _SEED_KEYS.clear()
-        k = _SEED_KEYS[seed] = np.asarray(jax.random.PRNGKey(seed), np.uint32)
-    return k.copy()
+    """jax.random.PRNGKey(seed) as uint32 numpy, remembered per seed (an eager dispatch per admission otherwise);
+    read-only (callers copy it into their key rows)."""
+    k = np.asarray(jax.random.PRNGKey(seed), np.uint32)
+    k.setflags(write=False)
+    return k
 
 
 def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False):
