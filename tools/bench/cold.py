@@ -60,6 +60,7 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
           direct_io: bool = False, prompt=None, fetches=("loop", "fused"), dispatch_ms: float = 50.0) -> str:
     import glm_jax
     from glm_jax.experts.store import ExpertStore
+    from tools.bench.peer import first_difference
     from tools.bench.tables import markdown
 
     prompt = prompt or list(range(5, 21))
@@ -140,7 +141,7 @@ def bench(model_dir: str, cache_cap: int = 2, new_tokens: int = 32, reps: int = 
     agree = "; ".join(
         f"fetch={f}: " + ("the same greedy tokens as fetch=" + modes[0] if tokens[f] == ref else
                           "greedy tokens first differ from fetch=" + modes[0] + "'s at token "
-                          + str(next(i for i, (a, b) in enumerate(zip(ref, tokens[f])) if a != b)))
+                          + str(first_difference(ref, tokens[f])))
         for f in modes[1:])
     return markdown(rows, list(rows[0])) + "\n\n" + markdown(speed, list(speed[0])) + (
         f"\n\nmodel {model_dir}; cache {cache_cap} experts per layer (cold: store and page cache dropped before every "

@@ -132,16 +132,20 @@ def bench_rate(rows: list, n_prompt: int, n_gen: int) -> float:
     raise BenchError(f"llama-bench printed no test with n_prompt={n_prompt} n_gen={n_gen}")
 
 
+def first_difference(a: list, b: list) -> Optional[int]:
+    """The first index where two token lists differ (within the shorter one), or None."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def same_tokens(a: Optional[list], b: Optional[list], n: int = 32) -> str:
     if a is None or b is None:
         return "–"
     a, b = list(a)[:n], list(b)[:n]
-    m = min(len(a), len(b))
-    for i in range(m):
-        if a[i] != b[i]:
-            return f"no (first difference at token {i})"
+    i = first_difference(a, b)
+    if i is not None:
+        return f"no (first difference at token {i})"
     if len(a) != len(b):
-        return f"no (only {m} tokens)"
+        return f"no (only {min(len(a), len(b))} tokens)"
     return "yes"
 
 
@@ -1164,14 +1168,11 @@ def _glmjax_worker(spec: dict):
     _emit({"ready": True, "dtype": str(getattr(eng.dtype, "name", eng.dtype)), "fetch": eng.opts["fetch"],
            "sizing": getattr(st, "sizing", None), "cache_cap": getattr(st, "cache_cap", None)})
 
-    def gen(k):
-        return cold_generate(eng, prompt, k)
-
     def one():
         # like llama-bench in the same round: a warmup run, then LLAMA_REPS runs, the median of each rate
         # (a single run right after the other engines' turns measures this process's caches refilling)
-        gen(2)
-        rs = [gen(n) for _ in range(LLAMA_REPS)]
+        cold_generate(eng, prompt, 2)
+        rs = [cold_generate(eng, prompt, n) for _ in range(LLAMA_REPS)]
         dec = sorted(x.stats["decode_tok_s"] for x in rs)
         pre = sorted(x.stats["prefill_tokens"] / max(x.stats["prefill_s"], 1e-9) for x in rs)
         r, s = rs[-1], rs[-1].stats
