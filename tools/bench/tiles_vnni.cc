@@ -1,0 +1,219 @@
+// Standalone microbenchmark of the AVX-512 VNNI int4 / int8 tile loops (glm_jax/kernels/qkernels.cc's tile_i4 /
+// tile_i8, same layout: tiles of 16 rows, one 64-byte vector per unit) for 1-4 tokens, with and without a software
+// prefetch PF bytes ahead in the weight stream (the AVX2 build's kPrefetchAhead), interleaved, medians of 8 reps.
+// Not part of the build or of CI.
+//
+//   g++ -O3 -march=native -std=c++17 tools/bench/tiles_vnni.cc -o /tmp/tvnni && taskset -c 1 /tmp/tvnni [EXPERTS]
+//
+// EXPERTS (default 36) matrices of 2048 x 1024 (int4: 1.06 MB, int8: 2.1 MB each with scales) are cycled through, 9
+// per "call": 36 exceed L3 (the decode regime).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+constexpr int64_t BLK = 64;
+struct W {
+  const uint8_t* q; const float* s; int64_t out, in, units, ng; const int32_t* gt;
+  const uint8_t* tile(int64_t t) const { return q + t * units * 64; }
+  const float* tscale(int64_t t) const { return s + t * ng * 16; }
+};
+struct P { const int8_t* xq; const float* sx; const int32_t* corr; const uint8_t* xa; const uint64_t* neg; };
+
+template <int C, int PF>
+void tile_i4(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
+  const uint8_t* wt = Wm.tile(t);
+  const float* st = Wm.tscale(t);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  __m512 accf[C];
+  for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
+  const int64_t nb = (Wm.in + BLK - 1) / BLK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo_acc[C], hi_acc[C];
+    for (int c = 0; c < C; ++c) {
+      lo_acc[c] = _mm512_set1_epi32(Pp[c]->corr[b]);
+      hi_acc[c] = _mm512_setzero_si512();
+    }
+    const int64_t u1 = std::min<int64_t>(Wm.units, (b + 1) * (BLK / 8));
+    for (int64_t u = b * (BLK / 8); u < u1; ++u) {
+      if (PF) _mm_prefetch((const char*)(wt + u * 64 + PF), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512((const void*)(wt + u * 64));
+      const __m512i lo = _mm512_and_si512(v, lo4);
+      const __m512i hi = _mm512_andnot_si512(lo4, v);
+      for (int c = 0; c < C; ++c) {
+        const int8_t* xq = Pp[c]->xq + u * 8;
+        lo_acc[c] = _mm512_dpbusd_epi32(lo_acc[c], lo, _mm512_set1_epi32(*(const int32_t*)xq));
+        hi_acc[c] = _mm512_dpbusd_epi32(hi_acc[c], hi, _mm512_set1_epi32(*(const int32_t*)(xq + 4)));
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(st + Wm.gt[b] * 16);
+    for (int c = 0; c < C; ++c) {
+      const __m512i isum = _mm512_add_epi32(lo_acc[c], _mm512_srai_epi32(hi_acc[c], 4));
+      accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(Pp[c]->sx[b])), accf[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], accf[c]);
+}
+
+template <int C, int PF>
+void tile_i8(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
+  const uint8_t* wt = Wm.tile(t);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 accf[C];
+  for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
+  const int64_t nb = (Wm.in + BLK - 1) / BLK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = zero;
+    const int64_t u1 = std::min<int64_t>(Wm.units, (b + 1) * (BLK / 4));
+    for (int64_t u = b * (BLK / 4); u < u1; ++u) {
+      if (PF) _mm_prefetch((const char*)(wt + u * 64 + PF), _MM_HINT_T0);
+      const __m512i w = _mm512_loadu_si512((const void*)(wt + u * 64));
+      for (int c = 0; c < C; ++c) {
+        const __m512i ws = _mm512_mask_sub_epi8(w, (__mmask64)Pp[c]->neg[u], zero, w);
+        acc[c] = _mm512_dpbusd_epi32(acc[c], _mm512_set1_epi32(*(const int32_t*)(Pp[c]->xa + u * 4)), ws);
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), _mm512_set1_ps(Pp[c]->sx[b]), accf[c]);
+  }
+  const __m512 sc = _mm512_loadu_ps(Wm.tscale(t));
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], _mm512_mul_ps(accf[c], sc));
+}
+
+
+// f32 rows (the float kernel's dot_float<4, 1>): 4 rows x 1 token, one 16-lane accumulator per row; prefetch PF rows
+// ahead (PF * row bytes) at the same offset
+template <int PFR>
+void rows_f32(const float* w, int64_t in, int64_t r0, const float* x, float* out) {
+  __m512 acc[4];
+  for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int r = 0; r < 4; ++r) {
+      if (PFR) _mm_prefetch((const char*)(w + (r0 + r + PFR) * in + i), _MM_HINT_T0);
+      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + (r0 + r) * in + i), xv, acc[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+struct Variant { const char* name; int tokens; bool i8; void (*f)(const W&, int64_t, const P* const*, float (*)[16]); };
+
+int main(int argc, char** argv) {
+  const int64_t out = 2048, in = 1024;
+  const int NE = argc > 1 ? atoi(argv[1]) : 36, K = 9;
+  const int64_t tiles = out / 16, ng = in / 64;
+  std::vector<uint8_t*> q4(NE), q8(NE);
+  std::vector<float*> ss(NE);
+  for (int e = 0; e < NE; ++e) {
+    q4[e] = (uint8_t*)aligned_alloc(64, tiles * (in / 8) * 64);
+    for (int64_t i = 0; i < tiles * (in / 8) * 64; ++i) q4[e][i] = rand();
+    q8[e] = (uint8_t*)aligned_alloc(64, tiles * (in / 4) * 64);
+    for (int64_t i = 0; i < tiles * (in / 4) * 64; ++i) q8[e][i] = rand();
+    ss[e] = (float*)aligned_alloc(64, tiles * ng * 16 * 4);
+    for (int64_t i = 0; i < tiles * ng * 16; ++i) ss[e][i] = 0.01f;
+  }
+  std::vector<int32_t> gt(ng), gt1(ng, 0);
+  for (int i = 0; i < ng; ++i) gt[i] = i;
+  alignas(64) static int8_t xq[4096];
+  alignas(64) static uint8_t xa[4096];
+  alignas(64) static uint64_t neg[1024];
+  alignas(64) static float sx[64];
+  alignas(64) static int32_t corr[64];
+  for (int i = 0; i < in; ++i) xq[i] = (rand() % 255) - 127, xa[i] = rand() % 128;
+  for (int i = 0; i < in / 4; ++i) neg[i] = (uint64_t)(rand() & 15) * 0x1111111111111111ull;
+  for (int i = 0; i < 64; ++i) sx[i] = 0.01f, corr[i] = 0;
+  const P p{xq, sx, corr, xa, neg};
+  const P* pp[4] = {&p, &p, &p, &p};
+  std::vector<float> y(out);
+  alignas(64) float o[4][16];
+  const Variant vs[] = {
+      {"int4 1 tok", 1, false, tile_i4<1, 0>},
+      {"int4 1 tok + prefetch 4K", 1, false, tile_i4<1, 4096>},
+      {"int4 1 tok + prefetch 8K", 1, false, tile_i4<1, 8192>},
+      {"int4 1 tok + prefetch 16K", 1, false, tile_i4<1, 16384>},
+      {"int4 2 tok", 2, false, tile_i4<2, 0>},
+      {"int4 2 tok + prefetch 4K", 2, false, tile_i4<2, 4096>},
+      {"int4 2 tok + prefetch 8K", 2, false, tile_i4<2, 8192>},
+      {"int4 2 tok + prefetch 16K", 2, false, tile_i4<2, 16384>},
+      {"int4 4 tok", 4, false, tile_i4<4, 0>},
+      {"int4 4 tok + prefetch 4K", 4, false, tile_i4<4, 4096>},
+      {"int4 4 tok + prefetch 8K", 4, false, tile_i4<4, 8192>},
+      {"int4 4 tok + prefetch 16K", 4, false, tile_i4<4, 16384>},
+      {"int8 1 tok", 1, true, tile_i8<1, 0>},
+      {"int8 1 tok + prefetch 4K", 1, true, tile_i8<1, 4096>},
+      {"int8 1 tok + prefetch 8K", 1, true, tile_i8<1, 8192>},
+      {"int8 1 tok + prefetch 16K", 1, true, tile_i8<1, 16384>},
+      {"int8 2 tok", 2, true, tile_i8<2, 0>},
+      {"int8 2 tok + prefetch 4K", 2, true, tile_i8<2, 4096>},
+      {"int8 2 tok + prefetch 8K", 2, true, tile_i8<2, 8192>},
+      {"int8 2 tok + prefetch 16K", 2, true, tile_i8<2, 16384>},
+      {"int8 4 tok", 4, true, tile_i8<4, 0>},
+      {"int8 4 tok + prefetch 4K", 4, true, tile_i8<4, 4096>},
+      {"int8 4 tok + prefetch 8K", 4, true, tile_i8<4, 8192>},
+      {"int8 4 tok + prefetch 16K", 4, true, tile_i8<4, 16384>},
+  };
+  const int NF = sizeof(vs) / sizeof(vs[0]);
+  int iter = 0;
+  printf("| variant | GB/s of weights, median | min | x tokens |\n|---|---|---|---|\n");
+  std::vector<std::vector<double>> res(NF);
+  for (int rep = 0; rep < 9; ++rep)
+    for (int f = 0; f < NF; ++f) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int calls = 60;
+      const int64_t units = vs[f].i8 ? in / 4 : in / 8;
+      for (int c = 0; c < calls; ++c)
+        for (int k = 0; k < K; ++k) {
+          const int e = (iter++ * 7 + k * 13) % NE;
+          const W Wm{vs[f].i8 ? q8[e] : q4[e], ss[e], out, in, units, vs[f].i8 ? 1 : ng, vs[f].i8 ? gt1.data() : gt.data()};
+          for (int64_t t = 0; t < tiles; ++t) {
+            vs[f].f(Wm, t, pp, o);
+            std::memcpy(y.data() + 16 * t, o[0], sizeof(o[0]));
+          }
+        }
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double bytes = (double)calls * K * (tiles * units * 64 + tiles * (vs[f].i8 ? 1 : ng) * 64);
+      if (rep >= 1) res[f].push_back(bytes / dt / 1e9);
+    }
+  // f32: 6 matrices of 2048 x 1024 f32 (8 MB each) rotating
+  {
+    const int NEF = 12;
+    std::vector<float*> wf(NEF);
+    for (int e = 0; e < NEF; ++e) {
+      wf[e] = (float*)aligned_alloc(64, out * in * 4);
+      for (int64_t i = 0; i < out * in; ++i) wf[e][i] = (rand() % 100) * 0.01f;
+    }
+    alignas(64) static float xf[4096];
+    for (int i = 0; i < in; ++i) xf[i] = 0.5f;
+    void (*ff[])(const float*, int64_t, int64_t, const float*, float*) = {rows_f32<0>, rows_f32<4>, rows_f32<8>};
+    const char* fn[] = {"f32 4 rows x 1 tok", "f32 + prefetch 4 rows ahead", "f32 + prefetch 8 rows ahead"};
+    std::vector<std::vector<double>> rf(3);
+    for (int rep = 0; rep < 9; ++rep)
+      for (int f = 0; f < 3; ++f) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int c = 0; c < 24; ++c) {
+          const float* w = wf[(iter++ * 7) % NEF];
+          for (int64_t r = 0; r < out; r += 4) ff[f](w, in, r, xf, y.data() + r);
+        }
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (rep >= 1) rf[f].push_back(24.0 * out * in * 4 / dt / 1e9);
+      }
+    for (int f = 0; f < 3; ++f) {
+      auto v = rf[f];
+      std::sort(v.begin(), v.end());
+      printf("| %s | %.2f | %.2f | 1 |\n", fn[f], v[v.size() / 2], v[0]);
+    }
+  }
+  for (int f = 0; f < NF; ++f) {
+    auto v = res[f];
+    std::sort(v.begin(), v.end());
+    printf("| %s | %.2f | %.2f | %.1f |\n", vs[f].name, v[v.size() / 2], v[0], vs[f].tokens * v[v.size() / 2]);
+  }
+  return 0;
+}
