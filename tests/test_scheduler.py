@@ -137,6 +137,12 @@ def test_prefix_store_gives_back_a_taken_rows_kv_from_host_ram():
     eng = glm_jax.Engine.load(max_batch=1, prefill_chunk=16, prefix_store_mb=1.0)
     try:
         sched = eng.scheduler
+        rt, put, written = sched.rt, sched.rt.put_row, []
+
+        def put_row(part, row):                   # the restores' lengths: buckets of 64 (or the whole row), not
+            written.append(int(jax.tree_util.tree_leaves(part)[0].shape[1]))   # each entry's own (one program each)
+            return put(part, row)
+        rt.put_row = put_row
         first = [eng.generate(t, max_new_tokens=8) for t in texts]
         assert len(sched.saved) == 2 and 0 < sched.saved.bytes <= 1e6     # the last one is still in the row
         again = eng.generate(texts[0], max_new_tokens=8)
@@ -148,6 +154,7 @@ def test_prefix_store_gives_back_a_taken_rows_kv_from_host_ram():
         full = eng.generate(texts[1] + " Speak.", max_new_tokens=8)
         assert full.stats["cached_tokens"] == 0 and full.tokens == longer.tokens
         sched.prefix_cache = True
+        assert len(written) == 2 and all(n % 64 == 0 or n == rt._cache_len for n in written), written
         # the bound: room for one entry of these lengths -> saving the second pushes the first out
         one = max(nb for _, _, nb in sched.saved.entries.values())
         sched.saved.clear()
@@ -212,7 +219,7 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
         sched.dispatch_s = eng.opts["dispatch_ms"] / 1000.0
 
 
-def test_warmup_compiles_what_the_first_requests_need():
+def test_warmup_compiles_what_the_first_requests_need(monkeypatch):
     """glm-jax-serve --warmup (the default): before it, a server's first request at each batch width compiled
     that width's decode program while its client waited (measured on b: TTFT 1.6-3 s for the first requests at 2,
     4, 8 clients, 19.8 s for the first prefix-cache hit).  After Scheduler.warmup(), streamed requests at every
@@ -245,6 +252,33 @@ def test_warmup_compiles_what_the_first_requests_need():
         sched.submit(longer)                      # another prefill bucket (32)
         sched.run([longer])
         assert longer.cached_tokens == 0 and len(longer.out) == 4
+        # replies long enough to decode into the next attention window (8 + 60 positions > 64), at both widths and
+        # not streamed (before, those programs compiled while the clients waited: 1.9 s on b at 8 clients)
+        for w, streamed in ((1, True), (2, True), (1, False)):
+            reqs = [Request([9 + i] + ids, Sampling(max_new_tokens=60, seed=i, stop_on_eos=False),
+                            on_event=(lambda *a: None) if streamed else None) for i in range(w)]
+            for r in reqs:
+                sched.submit(r)
+            sched.run(reqs)
+            assert all(len(r.out) == 60 for r in reqs)
+        # a streamed row decoding one step at a time while a newcomer prefills (its prompt > --prefill_chunk): before,
+        # those 1-step dispatches ran another program (unstreamed, its own window) at every width
+        from glm_jax.runtime import scheduler as S
+        a = Request(ids + [3], Sampling(max_new_tokens=40, stop_on_eos=False), on_event=lambda *a: None)
+        sched.submit(a)
+        sched.step()
+        b = Request([7 + i for i in range(33)], Sampling(max_new_tokens=4), on_event=lambda *a: None)
+        sched.submit(b)
+        steps0, ran = sched.counters["decode_steps"], []
+        fused_fn = S._fused_fn
+        monkeypatch.setattr(S, "_fused_fn", lambda *args: ran.append(args[1:]) or fused_fn(*args))
+        sched.step()                              # b's first chunk, one decode step of a
+        assert b.state == "prefill" and sched.counters["decode_steps"] == steps0 + 1
+        monkeypatch.setattr(S, "_fused_fn", fused_fn)
+        (_, _, window, _, every, _), = ran        # the streamed program, in the window of a full dispatch
+        assert every == sched.stream_interval and window >= sched._window(int(sched.pos[a.row]) + S.FUSED_CHUNK)
+        sched.run([a, b])
+        assert len(a.out) == 40 and len(b.out) == 4
         assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling after the warm-up"
     finally:
         e.close()

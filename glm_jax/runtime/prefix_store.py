@@ -90,11 +90,22 @@ class PrefixStore:
         """Write entry ``key``'s K/V at positions 0..m-1 (a bucket of them) into row ``row`` of the batch cache."""
         toks, snap, _ = self.entries[key]
         self.entries.move_to_end(key)
-        L = min(bucket(m, 64), rt._cache_len, len(toks))     # >= m: m < the prompt's length <= both
-        rt.put_row([{k: jnp.asarray(a[None, :L]) for k, a in d.items()} for d in snap], row)
+        # a bucket of positions (>= m: m < the prompt's length <= the cache's), the entry's K/V zero-padded to it:
+        # one write program per bucket, not one per entry length (positions m.. are the prompt's to prefill)
+        L = min(bucket(m, 64), rt._cache_len)
+        rt.put_row([{k: jnp.asarray(_padded(a, L)[None]) for k, a in d.items()} for d in snap], row)
         self.counters["restored"] += 1
         self.counters["restored_tokens"] += m
 
     def _drop(self, key: int):
         _, _, nbytes = self.entries.pop(key)
         self.bytes -= nbytes
+
+
+def _padded(a: np.ndarray, L: int) -> np.ndarray:
+    """``a``'s first L positions (axis 0), zero-padded to L when it is shorter."""
+    if a.shape[0] >= L:
+        return a[:L]
+    out = np.zeros((L,) + a.shape[1:], a.dtype)
+    out[:a.shape[0]] = a
+    return out

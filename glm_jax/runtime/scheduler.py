@@ -288,10 +288,11 @@ class Scheduler:
         """Compile, before the first client, what the first requests would otherwise compile while they wait: for a
         prompt of each of ``lengths`` tokens (72: the 128-position attention window, where a short chat turn with its
         template lands), its prefill and the decode program at every width the loop runs for 1, 2, 4, ... max_batch
-        streamed requests (``decode_rows``) and for a non-streamed one; then a prefix-cache hit's prefill, and the
+        streamed requests (``decode_rows``) and for a non-streamed one, in the prompt's attention window and the next
+        (its replies decode into the next window after ~56 tokens); then a prefix-cache hit's prefill, and the
         prefill of every other bucket from 32 tokens up to ``--prefill_chunk`` that fits the K/V cache as the rest
         left it (a server's: the planned length, ``kv_reserve``; else 256 positions, where a longer prompt would
-        grow the cache, and with it every program).  Other attention windows still
+        grow the cache, and with it every program).  Longer windows still
         compile on first use, and so does each real length of a prompt shorter than 16 tokens (its prefill
         computes the real rows' experts only); the persistent compile cache keeps all of them for the next start
         (but for programs holding a Python host callback: --fetch=callback / fused, meshes).  Everything it wrote
@@ -318,15 +319,28 @@ class Scheduler:
             if n + 2 * self.B + 16 > lim:
                 break
             prompt = [1 + i % max(1, vocab - 1) for i in range(n)]
+            # decode into the next attention window too: a first dispatch reads the window of n + FUSED_CHUNK + 1
+            # positions, a later one the next (a 72-token prompt's replies cross 128 at ~56 tokens; before, those
+            # programs compiled while 1-8 clients waited: 1.9 s of a server's first 8-client pass on b)
+            new = max(2 * self.B + 8, min(bucket(n + FUSED_CHUNK + 1, MIN_WINDOW) - n + 2, lim - n - 1))
             w = 1
             while True:
-                batch(prompt, w)
+                batch(prompt, w, new_tokens=new)
                 if w >= self.B:
                     break
                 w = min(self.B, 2 * w)
-            batch(prompt, 1, streamed=False)
+            batch(prompt, 1, streamed=False, new_tokens=new)
         if self.prefix_cache and prompt:
             batch(prompt + [prompt[0]], 1)               # the prompt + 1 token: a row holds the rest
+        if self.saved is not None and self.rt._cache is not None:
+            # the prefix store's copy of a row's first positions out (save) and back (restore), for every bucket of
+            # them (64, 128, ... the whole row): one small program each, compiled on a save or restore otherwise
+            L = 64
+            while True:
+                self.rt.put_row(self.rt.take_row(0, L), 0)       # (row 0's K/V unchanged; forgotten below)
+                if L >= self.rt._cache_len:
+                    break
+                L *= 2
         warmed = bucket(len(prompt)) if prompt else 0
         T = 32
         # the other prefill buckets (a first token, no decode) that fit the K/V the warm-up has made: a longer one
@@ -692,16 +706,19 @@ class Scheduler:
         active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
         # the host callback where someone reads tokens as they come (a stream; its stop strings, its cancel): the
         # loop then hands them over, stops rows and ends early for a newcomer itself, so it may run FUSED_CHUNK
-        # steps; without it a dispatch runs what fits in --dispatch_ms
-        streamed = self.stream_interval > 0 and n > 1 and any(r.on_event is not None for r in rows)
+        # steps; without it a dispatch runs what fits in --dispatch_ms.  A streamed dispatch of fewer steps (a
+        # newcomer waits, a row's budget ends) runs the same program, in the window of FUSED_CHUNK steps: before, a
+        # 1-step dispatch ran the unstreamed one and its own window, programs a server's warm-up had not compiled
+        # (1.9 s of compiling in the first 8-client pass on b, at 1, 2, 4 and 8 rows)
+        streamed = self.stream_interval > 0 and any(r.on_event is not None for r in rows)
         n = int(min(n, budget.max(), FUSED_CHUNK if streamed else self.steps_per_dispatch()))
-        end = int(max(self.pos[r.row] for r in rows)) + n + W
+        end = int(max(self.pos[r.row] for r in rows)) + (FUSED_CHUNK if streamed else n) + W
         # the store's path runs at max_batch over the whole cache, as fetch=loop's one step does (bitwise its output)
         window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" and not streamed_store else rt._cache_len
         rmap = None if streamed_store else self.decode_rows(rows, W)
         w = self.B if rmap is None else len(rmap)
         sel = slice(None) if rmap is None else rmap
-        every = self.stream_interval if streamed and n > 1 else 0
+        every = self.stream_interval if streamed else 0
         sink = self._native_sink() if every else None
         compiled = _fused_key(self.B, W, window, w, every, sink is not None) in rt._jits
         fn = _fused_fn(rt, self.B, W, window, w, every, sink is not None)

@@ -327,6 +327,9 @@ class Server:
             return s.counters["drafts_accepted"] / p if p else 0.0
 
         Gauge("glmjax_mtp_acceptance", "Accepted / proposed draft tokens (since start)", registry=r).set_function(mtp)
+        Gauge("glmjax_compile_seconds", "Seconds spent compiling XLA programs since start (the warm-up's included): "
+              "a rise while serving is a request waiting for a program", registry=r).set_function(
+            lambda: float(s.rt.compile_s))
 
     # ------------------------------------------------------------------ handlers
     def _app(self):
