@@ -263,6 +263,16 @@ def test_warmup_compiles_what_the_first_requests_need(monkeypatch):
             assert all(len(r.out) == 60 for r in reqs)
         # a streamed row decoding one step at a time while a newcomer prefills (its prompt > --prefill_chunk): before,
         # those 1-step dispatches ran another program (unstreamed, its own window) at every width
+        assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling after the warm-up"
+        # a prefix hit deeper into the prompt than the warm-up's (before, its suffix's prefill ran in another window)
+        long_ = [11 + i for i in range(60)]
+        for p in (long_, long_ + [1]):               # (one new token: moe_rows 1, as the warm-up's hit)
+            c0 = e.compile_s                      # (the 60-token prompt's own two chunks may compile)
+            r = Request(p, Sampling(max_new_tokens=2), on_event=lambda *a: None)
+            sched.submit(r)
+            sched.run([r])
+        assert r.cached_tokens >= 60
+        assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling for a prefix hit"
         from glm_jax.runtime import scheduler as S
         a = Request(ids + [3], Sampling(max_new_tokens=40, stop_on_eos=False), on_event=lambda *a: None)
         sched.submit(a)

@@ -75,6 +75,9 @@ from .streaming import fused_applies, fused_banks, fused_finish, fused_forward, 
 
 FUSED_CHUNK = 32      # decode steps per dispatch of the compiled loop (at most; it stops when every row is done)
 MIN_WINDOW = 64       # smallest attention window (cache positions)
+# smallest prefill window: a prefix hit's suffix, a 1-token-cached prompt and the warm-up's prefills then share the
+# programs of their bucket (seen on b: 16- and 64-token prefills at window 64 compiled in a server's first pass)
+PREFILL_MIN_WINDOW = 128
 
 
 class QueueFull(GlmJaxError):
@@ -531,7 +534,8 @@ class Scheduler:
             lr[0, n - 1] = True
         c0, t0 = rt.compile_s, time.perf_counter()
         logits, hidden = rt.forward(toks, np.array([req.pf_done], np.int32), np.array([n], np.int32), logit_rows=lr,
-                                    row=req.row if self.B > 1 else None, window=self._window(req.pf_done + T))
+                                    row=req.row if self.B > 1 else None,
+                                    window=self._window(max(req.pf_done + T, PREFILL_MIN_WINDOW)))
         if req.plan is not None and req.plan.source == "mtp":
             req.hidden.append(hidden[0, :n])
         req.pf_done += n
