@@ -126,6 +126,30 @@ def test_prefix_cache_reuses_a_finished_rows_kv_with_the_same_output(eng):
     assert again.stats["cached_tokens"] == 0 and again.tokens == r.tokens
 
 
+def test_a_short_suffix_prefills_at_4_rows_with_the_tokens_of_a_full_prefill(eng):
+    """A prefix hit with 1-4 new tokens prefills them at SHORT_PREFILL (4) rows instead of the 16-row bucket (the
+    padding rows' attention and dense products were most of a 1-token prefill's time, the TTFT of a chat turn's
+    resend): its logits' first row, and so the greedy tokens, are those of prefilling the whole prompt."""
+    from glm_jax.runtime import scheduler as S
+    sched = eng.scheduler
+    base = eng.encode("ROMEO:\nBut soft, what light through yonder window breaks?")
+    eng.generate(base, max_new_tokens=2, stop_on_eos=False)
+    widths = []
+    forward = sched.rt.forward
+    try:
+        sched.rt.forward = lambda toks, *a, **k: widths.append(toks.shape[1]) or forward(toks, *a, **k)
+        for extra in ([5], [5, 6, 7]):
+            sched.prefix_cache = True
+            hit = eng.generate(base + extra, max_new_tokens=8, stop_on_eos=False)
+            assert hit.stats["cached_tokens"] >= len(base) and widths[-1] == S.SHORT_PREFILL
+            sched.prefix_cache = False
+            full = eng.generate(base + extra, max_new_tokens=8, stop_on_eos=False)
+            assert full.stats["cached_tokens"] == 0 and full.tokens == hit.tokens
+    finally:
+        sched.rt.forward = forward
+        sched.prefix_cache = True
+
+
 def test_prefix_store_gives_back_a_taken_rows_kv_from_host_ram():
     """One row: every new prompt rewrites it.  What it held is copied to the prefix store first, so a later
     request for an earlier prompt (or its continuation) prefills only its new tokens, with the greedy tokens of a

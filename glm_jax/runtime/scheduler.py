@@ -78,6 +78,9 @@ MIN_WINDOW = 64       # smallest attention window (cache positions)
 # smallest prefill window: a prefix hit's suffix, a 1-token-cached prompt and the warm-up's prefills then share the
 # programs of their bucket (seen on b: 16- and 64-token prefills at window 64 compiled in a server's first pass)
 PREFILL_MIN_WINDOW = 128
+# a prefill chunk of at most this many tokens (a prefix hit's new turn, a 1-token suffix) runs at this many rows, not
+# the 16-row bucket: the padding rows' attention and dense products are most of a 1-token prefill
+SHORT_PREFILL = 4
 
 
 class QueueFull(GlmJaxError):
@@ -525,7 +528,7 @@ class Scheduler:
         rt = self.rt
         P = len(req.prompt)
         n = min(self.chunk, P - req.pf_done)
-        T = min(bucket(n), max(self.chunk, n))
+        T = min(SHORT_PREFILL if n <= SHORT_PREFILL else bucket(n), max(self.chunk, n))
         last = req.pf_done + n == P
         toks = np.zeros((1, T), np.int32)
         toks[0, :n] = req.prompt[req.pf_done:req.pf_done + n]
