@@ -524,11 +524,18 @@ class Scheduler:
     def _window(self, end: int) -> int:
         return min(self.rt._cache_len, bucket(end, MIN_WINDOW))
 
+    def _short_prefill(self) -> bool:
+        """Whether a 1-4-token chunk may run at SHORT_PREFILL rows: where its rows' results are bitwise those of the
+        16-row bucket (GQA, every expert resident; tested).  The streamed store's fused path gave other tokens from
+        a 1-token suffix at 4 rows (b, fetch=fused: the 43rd greedy token), so it and MLA / DSA keep 16 rows."""
+        return self.rt.opts["fetch"] == "resident" and self.rt.cfg.model_type == "glm4_moe"
+
     def _prefill_chunk(self, req: Request):
         rt = self.rt
         P = len(req.prompt)
         n = min(self.chunk, P - req.pf_done)
-        T = min(SHORT_PREFILL if n <= SHORT_PREFILL else bucket(n), max(self.chunk, n))
+        short = SHORT_PREFILL if self._short_prefill() else 16
+        T = min(short if n <= short else bucket(n), max(self.chunk, n))
         last = req.pf_done + n == P
         toks = np.zeros((1, T), np.int32)
         toks[0, :n] = req.prompt[req.pf_done:req.pf_done + n]
