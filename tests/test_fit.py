@@ -257,7 +257,8 @@ def test_quantizing_at_load_needs_no_more_than_keeping_bf16(synth_bf16):
     """Before, int8_row at load quantized the [32000, 512] embedding / head matrices as whole float32 copies: peak
     +352 MB against +256 MB for keeping bf16 (measured on 136367b); row blocks keep it at or below bf16's."""
     # One load's peak scatters by ~15% (the 1 ms poll, the allocator: native 231-262 MB, int8_row 208-257 MB over
-    # three runs here), so each format's peak is the smaller of two loads, and the bound (1.2x) sits between that
+    # three runs here), and the poll can only miss a peak, never invent one (under CI's load it read native at 199
+    # MB once and failed): so each format's peak is the larger of two loads, and the bound (1.2x) sits between the
     # scatter and the old code's 1.37x.
     peaks = {}
     for fmt in ("native", "int8_row"):
@@ -268,7 +269,7 @@ def test_quantizing_at_load_needs_no_more_than_keeping_bf16(synth_bf16):
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("PEAK")]
             assert line, r.stderr[-2000:]
             runs.append(int(line[0].split()[1]))
-        peaks[fmt] = min(runs)
+        peaks[fmt] = max(runs)
     assert peaks["int8_row"] <= 1.2 * peaks["native"], {k: v / 1e6 for k, v in peaks.items()}
 
 
