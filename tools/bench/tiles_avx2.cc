@@ -11,12 +11,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "tiles_bench.h"
 
 constexpr int64_t BLK = 64;
 struct W {
@@ -189,28 +190,19 @@ int main(int argc, char** argv) {
   const int NF = sizeof(vs) / sizeof(vs[0]);
   int iter = 0;
   printf("| variant | GB/s of weights, median | min | x tokens |\n|---|---|---|---|\n");
-  std::vector<std::vector<double>> res(NF);
-  for (int rep = 0; rep < 9; ++rep)
-    for (int f = 0; f < NF; ++f) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const int calls = 100;
-      for (int c = 0; c < calls; ++c)
-        for (int k = 0; k < K; ++k) {
-          const int e = (iter++ * 7 + k * 13) % NE;
-          const W Wm{qs[e], ss[e], out, in, units, ng, gt.data()};
-          for (int64_t t = 0; t < tiles; ++t) {
-            vs[f].f(Wm, t, pp, o);
-            std::memcpy(y.data() + 16 * t, o[0], sizeof(o[0]));
-          }
+  const auto res = interleaved_rates(NF, 9, [&](int f) {
+    const int calls = 100;
+    for (int c = 0; c < calls; ++c)
+      for (int k = 0; k < K; ++k) {
+        const int e = (iter++ * 7 + k * 13) % NE;
+        const W Wm{qs[e], ss[e], out, in, units, ng, gt.data()};
+        for (int64_t t = 0; t < tiles; ++t) {
+          vs[f].f(Wm, t, pp, o);
+          std::memcpy(y.data() + 16 * t, o[0], sizeof(o[0]));
         }
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double bytes = (double)calls * K * (tiles * units * 64 + tiles * ng * 64);
-      if (rep >= 1) res[f].push_back(bytes / dt / 1e9);
-    }
-  for (int f = 0; f < NF; ++f) {
-    auto v = res[f];
-    std::sort(v.begin(), v.end());
-    printf("| %s | %.2f | %.2f | %.1f |\n", vs[f].name, v[v.size() / 2], v[0], vs[f].tokens * v[v.size() / 2]);
-  }
+      }
+    return (double)calls * K * (tiles * units * 64 + tiles * ng * 64);
+  });
+  for (int f = 0; f < NF; ++f) print_rate_row(vs[f].name, res[f], vs[f].tokens);
   printf("(checksum %f)\n", y[3]);
 }

@@ -10,12 +10,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "tiles_bench.h"
 
 constexpr int64_t BLK = 64;
 struct W {
@@ -162,58 +163,40 @@ int main(int argc, char** argv) {
   const int NF = sizeof(vs) / sizeof(vs[0]);
   int iter = 0;
   printf("| variant | GB/s of weights, median | min | x tokens |\n|---|---|---|---|\n");
-  std::vector<std::vector<double>> res(NF);
-  for (int rep = 0; rep < 9; ++rep)
-    for (int f = 0; f < NF; ++f) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const int calls = 60;
-      const int64_t units = vs[f].i8 ? in / 4 : in / 8;
-      for (int c = 0; c < calls; ++c)
-        for (int k = 0; k < K; ++k) {
-          const int e = (iter++ * 7 + k * 13) % NE;
-          const W Wm{vs[f].i8 ? q8[e] : q4[e], ss[e], out, in, units, vs[f].i8 ? 1 : ng, vs[f].i8 ? gt1.data() : gt.data()};
-          for (int64_t t = 0; t < tiles; ++t) {
-            vs[f].f(Wm, t, pp, o);
-            std::memcpy(y.data() + 16 * t, o[0], sizeof(o[0]));
-          }
+  const auto res = interleaved_rates(NF, 9, [&](int f) {
+    const int calls = 60;
+    const int64_t units = vs[f].i8 ? in / 4 : in / 8, ngf = vs[f].i8 ? 1 : ng;
+    for (int c = 0; c < calls; ++c)
+      for (int k = 0; k < K; ++k) {
+        const int e = (iter++ * 7 + k * 13) % NE;
+        const W Wm{vs[f].i8 ? q8[e] : q4[e], ss[e], out, in, units, ngf, vs[f].i8 ? gt1.data() : gt.data()};
+        for (int64_t t = 0; t < tiles; ++t) {
+          vs[f].f(Wm, t, pp, o);
+          std::memcpy(y.data() + 16 * t, o[0], sizeof(o[0]));
         }
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double bytes = (double)calls * K * (tiles * units * 64 + tiles * (vs[f].i8 ? 1 : ng) * 64);
-      if (rep >= 1) res[f].push_back(bytes / dt / 1e9);
-    }
-  // f32: 6 matrices of 2048 x 1024 f32 (8 MB each) rotating
-  {
-    const int NEF = 12;
-    std::vector<float*> wf(NEF);
-    for (int e = 0; e < NEF; ++e) {
-      wf[e] = (float*)aligned_alloc(64, out * in * 4);
-      for (int64_t i = 0; i < out * in; ++i) wf[e][i] = (rand() % 100) * 0.01f;
-    }
-    alignas(64) static float xf[4096];
-    for (int i = 0; i < in; ++i) xf[i] = 0.5f;
-    void (*ff[])(const float*, int64_t, int64_t, const float*, float*) = {rows_f32<0>, rows_f32<4>, rows_f32<8>};
-    const char* fn[] = {"f32 4 rows x 1 tok", "f32 + prefetch 4 rows ahead", "f32 + prefetch 8 rows ahead"};
-    std::vector<std::vector<double>> rf(3);
-    for (int rep = 0; rep < 9; ++rep)
-      for (int f = 0; f < 3; ++f) {
-        const auto t0 = std::chrono::steady_clock::now();
-        for (int c = 0; c < 24; ++c) {
-          const float* w = wf[(iter++ * 7) % NEF];
-          for (int64_t r = 0; r < out; r += 4) ff[f](w, in, r, xf, y.data() + r);
-        }
-        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (rep >= 1) rf[f].push_back(24.0 * out * in * 4 / dt / 1e9);
       }
-    for (int f = 0; f < 3; ++f) {
-      auto v = rf[f];
-      std::sort(v.begin(), v.end());
-      printf("| %s | %.2f | %.2f | 1 |\n", fn[f], v[v.size() / 2], v[0]);
+    return (double)calls * K * (tiles * units * 64 + tiles * ngf * 64);
+  });
+  // f32: 12 matrices of 2048 x 1024 f32 (8 MB each) rotating
+  const int NEF = 12;
+  std::vector<float*> wf(NEF);
+  for (int e = 0; e < NEF; ++e) {
+    wf[e] = (float*)aligned_alloc(64, out * in * 4);
+    for (int64_t i = 0; i < out * in; ++i) wf[e][i] = (rand() % 100) * 0.01f;
+  }
+  alignas(64) static float xf[4096];
+  for (int i = 0; i < in; ++i) xf[i] = 0.5f;
+  void (*ff[])(const float*, int64_t, int64_t, const float*, float*) = {rows_f32<0>, rows_f32<4>, rows_f32<8>};
+  const char* fn[] = {"f32 4 rows x 1 tok", "f32 + prefetch 4 rows ahead", "f32 + prefetch 8 rows ahead"};
+  const auto rf = interleaved_rates(3, 9, [&](int f) {
+    for (int c = 0; c < 24; ++c) {
+      const float* w = wf[(iter++ * 7) % NEF];
+      for (int64_t r = 0; r < out; r += 4) ff[f](w, in, r, xf, y.data() + r);
     }
-  }
-  for (int f = 0; f < NF; ++f) {
-    auto v = res[f];
-    std::sort(v.begin(), v.end());
-    printf("| %s | %.2f | %.2f | %.1f |\n", vs[f].name, v[v.size() / 2], v[0], vs[f].tokens * v[v.size() / 2]);
-  }
+    return 24.0 * out * in * 4;
+  });
+  for (int f = 0; f < 3; ++f) print_rate_row(fn[f], rf[f], 1);
+  for (int f = 0; f < NF; ++f) print_rate_row(vs[f].name, res[f], vs[f].tokens);
+  printf("(checksum %f)\n", y[3]);
   return 0;
 }
