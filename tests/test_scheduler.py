@@ -9,6 +9,7 @@ import pytest
 
 import glm_jax
 from glm_jax import model as M
+from glm_jax.runtime import scheduler as S
 from glm_jax.runtime.runner import BIG_POS
 
 ROMEO = "ROMEO:\n"
@@ -130,7 +131,6 @@ def test_a_short_suffix_prefills_at_4_rows_with_the_tokens_of_a_full_prefill(eng
     """A prefix hit with 1-4 new tokens prefills them at SHORT_PREFILL (4) rows instead of the 16-row bucket (the
     padding rows' attention and dense products were most of a 1-token prefill's time, the TTFT of a chat turn's
     resend): its logits' first row, and so the greedy tokens, are those of prefilling the whole prompt."""
-    from glm_jax.runtime import scheduler as S
     sched = eng.scheduler
     base = eng.encode("ROMEO:\nBut soft, what light through yonder window breaks?")
     eng.generate(base, max_new_tokens=2, stop_on_eos=False)
@@ -285,8 +285,6 @@ def test_warmup_compiles_what_the_first_requests_need(monkeypatch):
                 sched.submit(r)
             sched.run(reqs)
             assert all(len(r.out) == 60 for r in reqs)
-        # a streamed row decoding one step at a time while a newcomer prefills (its prompt > --prefill_chunk): before,
-        # those 1-step dispatches ran another program (unstreamed, its own window) at every width
         assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling after the warm-up"
         # a prefix hit deeper into the prompt than the warm-up's (before, its suffix's prefill ran in another window)
         long_ = [11 + i for i in range(60)]
@@ -297,7 +295,8 @@ def test_warmup_compiles_what_the_first_requests_need(monkeypatch):
             sched.run([r])
         assert r.cached_tokens >= 60
         assert e.compile_s == c0, f"{e.compile_s - c0:.2f} s of tracing/compiling for a prefix hit"
-        from glm_jax.runtime import scheduler as S
+        # a streamed row decoding one step at a time while a newcomer prefills (its prompt > --prefill_chunk): before,
+        # those 1-step dispatches ran another program (unstreamed, its own window) at every width
         a = Request(ids + [3], Sampling(max_new_tokens=40, stop_on_eos=False), on_event=lambda *a: None)
         sched.submit(a)
         sched.step()
@@ -325,8 +324,6 @@ def test_a_request_arriving_while_the_loop_goes_idle_is_not_left_waiting(eng, mo
     the last one ended, found the loop trimming, its notify was lost and it waited the full 50 ms (measured on b:
     TTFT 80 ms instead of 30).  The lock's wait is instrumented: it must never be entered with work queued."""
     import threading
-
-    from glm_jax.runtime import scheduler as S
 
     sched = eng.scheduler
     waits_while_busy = []

@@ -93,7 +93,9 @@ class PrefixStore:
         # a bucket of positions (>= m: m < the prompt's length <= the cache's), the entry's K/V zero-padded to it:
         # one write program per bucket, not one per entry length (positions m.. are the prompt's to prefill)
         L = min(bucket(m, 64), rt._cache_len)
-        rt.put_row([{k: jnp.asarray(_padded(a, L)[None]) for k, a in d.items()} for d in snap], row)
+        def padded(a):                                   # [1, L, ...]: the entry's first L positions, zero-padded
+            return np.pad(a[:L], [(0, L - min(L, len(a)))] + [(0, 0)] * (a.ndim - 1))[None]
+        rt.put_row([{k: jnp.asarray(padded(a)) for k, a in d.items()} for d in snap], row)
         self.counters["restored"] += 1
         self.counters["restored_tokens"] += m
 
@@ -101,11 +103,3 @@ class PrefixStore:
         _, _, nbytes = self.entries.pop(key)
         self.bytes -= nbytes
 
-
-def _padded(a: np.ndarray, L: int) -> np.ndarray:
-    """``a``'s first L positions (axis 0), zero-padded to L when it is shorter."""
-    if a.shape[0] >= L:
-        return a[:L]
-    out = np.zeros((L,) + a.shape[1:], a.dtype)
-    out[:a.shape[0]] = a
-    return out

@@ -534,8 +534,7 @@ class Scheduler:
         rt = self.rt
         P = len(req.prompt)
         n = min(self.chunk, P - req.pf_done)
-        short = SHORT_PREFILL if self._short_prefill() else 16
-        T = min(short if n <= short else bucket(n), max(self.chunk, n))
+        T = min(SHORT_PREFILL if n <= SHORT_PREFILL and self._short_prefill() else bucket(n), max(self.chunk, n))
         last = req.pf_done + n == P
         toks = np.zeros((1, T), np.int32)
         toks[0, :n] = req.prompt[req.pf_done:req.pf_done + n]
