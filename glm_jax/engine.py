@@ -255,7 +255,9 @@ class Engine(Runner):
                                      f"{opts.label('ram_gb')}, or leave {fl} unset: every expert cached, streamed)")
             if fetch in ("auto", "resident") and container:
                 # every expert fits the RAM budget: load them all now, then run one compiled step per token over
-                # the store's slot arenas (no per-layer host round trip); otherwise stream them (fetch=loop)
+                # the store's slot arenas (no per-layer host round trip); otherwise stream them: fetch=fused where
+                # the banks alias the store's arenas on one device (its decode runs without a host call while
+                # every expert it meets is cached), else fetch=loop
                 if resident:
                     store.preload_all()
                     fetch = "resident"
@@ -266,7 +268,8 @@ class Engine(Runner):
                                          f"holds {cap} of {E} per layer (raise {opts.label('ram_gb')} or "
                                          f"--cache_cap, or use --fetch=loop)")
                 else:
-                    fetch = "loop"
+                    fetch = ("fused" if store.aliased and plan is None and (fitted is None or fitted.fused)
+                             else "loop")
             elif fetch == "resident":
                 raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint or a container")
             opts["fetch"] = fetch

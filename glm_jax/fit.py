@@ -45,6 +45,7 @@ LATER_COMPILE = 64 << 20                      # kept free after the first run: l
 # private-memory peak of two 16-token generates after load, slope over the layer count at tiny widths
 # (docs/real-scale.md): glm_moe_dsa 5 -> 78 layers 13.7 MB / layer, glm4_moe 4 -> 28 layers 7.9 MB / layer.
 RESIDENT_CODE_PER_LAYER = {"glm_moe_dsa": 14 << 20, "glm4_moe": 8 << 20}
+FUSED_CODE_SHARE = 0.1                        # fetch=fused where its code costs at most this share of the cache
 LOAD_OVERHEAD = 32 << 20                      # what loading adds besides the weights (measured on the shipped model:
                                               # NNX model, tokenizer, device copies' bookkeeping: 25 MB private)
 
@@ -89,6 +90,7 @@ class FitPlan:
     notes: tuple                 # what was decided and why (for the one line)
     prefill_chunk: int = 0       # the prefill chunk the workspace holds (lowered with the KV reservation)
     workspace: int = 0
+    fused: bool = False          # streamed: room for fetch=fused's whole-model decode programs (FUSED_CODE_SHARE)
 
     def line(self, inp: FitInputs, cache_cap: Optional[int] = None, resident: Optional[bool] = None) -> str:
         """What was chosen, in one line (``cache_cap`` / ``resident``: what the store made of it, when known)."""
@@ -199,6 +201,15 @@ def plan(inp: FitInputs) -> FitPlan:
         notes.append(f"KV reservation lowered from {kvs[0]} positions; longer contexts grow past the budget")
     if chunk < inp.prefill_chunk:
         notes.append(f"prefill chunk {chunk} tokens")
+    # streamed with fetch=fused: its decode programs (without and with the store's calls) unroll every layer like a
+    # resident run's; counted as a resident run's whole code (an upper bound: no prefill programs), and chosen
+    # only where that costs the expert cache at most FUSED_CODE_SHARE of its slots (else fetch=loop's shared
+    # per-layer programs)
+    fcap = max(0, min(E, _cap(inp, inp.dense[f], (kv, chunk), inp.resident_code)))
+    fused = fcap >= 1 and fcap >= (1 - FUSED_CODE_SHARE) * cap      # (where all_fit: a --cache_cap below E)
+    if not all_fit and not fused:
+        notes.append(f"fetch=loop: fetch=fused's compiled programs ({inp.resident_code / 1e9:.2f} GB) would take "
+                     f"{cap - fcap} of {cap} cached experts per layer")
     if inp.direct_io is None:
         direct = cap < E and (not inp.cache_cap or inp.cache_cap >= cap)
         if direct:
@@ -207,7 +218,8 @@ def plan(inp: FitInputs) -> FitPlan:
         direct = bool(inp.direct_io)
     return FitPlan(dense_format=f, kv_tokens=kv, kv_bytes=inp.kv_per_token * kv, direct_io=direct, cap_fits=cap,
                    all_fit=all_fit, dense_bytes=inp.dense[f], notes=tuple(notes), prefill_chunk=chunk,
-                   workspace=_workspace(inp, chunk) + (inp.resident_code if all_fit else 0))
+                   workspace=_workspace(inp, chunk) + (inp.resident_code if all_fit or fused else 0),
+                   fused=fused)
 
 
 # ----------------------------------------------------------------------------- estimates from headers

@@ -332,3 +332,16 @@ def test_an_explicit_cache_cap_is_kept_after_the_first_run():
         assert eng.opts["direct_io"] is False        # the page cache holds what a small --cache_cap does not
     finally:
         eng.close()
+
+
+def test_streamed_runs_fused_only_where_its_programs_cost_little_of_the_cache():
+    # int8 dense at 450 MB: 39 MB -> 3 experts per layer; fetch=fused's programs counted as a resident run's code
+    p = F.plan(inputs(budget=450 * MB, resident_code=1 * MB))           # 38 MB -> still 3: fused, code reserved
+    assert (p.all_fit, p.cap_fits, p.fused, p.workspace) == (False, 3, True, 151 * MB)
+    p = F.plan(inputs(budget=450 * MB, resident_code=10 * MB))          # 29 MB -> 2 of 3 slots: fetch=loop
+    assert (p.cap_fits, p.fused, p.workspace) == (3, False, 150 * MB)
+    assert any("fetch=loop: fetch=fused's compiled programs (0.01 GB) would take 1 of 3" in n for n in p.notes)
+    # every expert fits with its code: the resident run's programs are counted once (a --cache_cap below the
+    # expert count streams fused with them)
+    p = F.plan(inputs(resident_code=1 * MB))
+    assert (p.all_fit, p.fused, p.workspace) == (True, True, 151 * MB)

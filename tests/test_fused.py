@@ -52,6 +52,7 @@ def test_fused_is_bitwise_loop_with_misses_and_evictions(int4_dir, exp):
             assert any(k[0] == "fused_step" for k in eng._jits)         # the one-forward program ran
             assert any(k[0] == "fused_decode" for k in eng._jits)       # and the multi-step decode loop
             assert eng.scheduler.counters["decode_steps"] > eng.scheduler.counters["dispatches"]
+            assert eng.scheduler.counters["optimistic_misses"] > 0       # steps rolled back at a miss, re-run
         eng.close()
     (la, ta, sa), (lb, tb, sb) = runs["loop"], runs["fused"]
     assert np.array_equal(la, lb), np.abs(la - lb).max()
@@ -154,3 +155,26 @@ def test_fused_mtp_speculation_matches_loop(int4_dir, exp):
             assert any(k[0] == "fused_step" for k in eng._jits)
         eng.close()
     assert out["loop"] == out["fused"]
+
+
+def test_streamed_default_is_fused_and_its_all_cached_decode_has_no_host_call(int4_dir, exp, monkeypatch):
+    """A container whose experts stream runs fetch=fused by default; with every expert it meets cached, its decode
+    loop is the optimistic program: no host callback traced into it (the one that made each dispatch take JAX's
+    Python path) and no dispatch ended at a miss.  Before, auto streamed with fetch=loop, and fused's decode loop
+    held an io_callback per MoE layer."""
+    eng = glm_jax.Engine.load(int4_dir, cache_cap=3, draft=0)          # 3 of 8 experts per layer
+    assert eng.opts["fetch"] == "fused"
+    eng.close()
+    ref = _load(int4_dir, "loop", cache_cap=8).generate(exp["greedy_prompt"].tolist(), max_new_tokens=16,
+                                                         stop_on_eos=False).tokens
+    eng = _load(int4_dir, "fused", cache_cap=8)
+    eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=16, stop_on_eos=False)   # caches what it meets
+    for k in [k for k in eng._jits if k[0] == "fused_decode"]:
+        del eng._jits[k]
+    monkeypatch.setattr(streaming, "io_callback", lambda *a, **k: (_ for _ in ()).throw(AssertionError("host call")))
+    misses = eng.scheduler.counters["optimistic_misses"]
+    g = eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=16, stop_on_eos=False)
+    assert g.tokens == ref
+    assert eng.scheduler.counters["optimistic_misses"] == misses
+    assert any(k[0] == "fused_decode" and k[-1] for k in eng._jits)
+    eng.close()

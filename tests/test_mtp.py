@@ -358,7 +358,7 @@ def test_trained_model_streamed_mtp_keeps_the_contract():
     """The shipped model (an int4 container: experts, MTP experts included, through the store): greedy with MTP
     drafts equals greedy without, and its trained MTP head gets drafts accepted."""
     eng = glm_jax.Engine.load(None, cache_cap=2)
-    assert eng.opts["fetch"] == "loop"
+    assert eng.opts["fetch"] == "fused"           # streamed (the default where experts stream)
     plain = _gen(eng, "ROMEO:\n", PLAIN, n=32)
     spec = _gen(eng, "ROMEO:\n", MTP0, n=32)
     assert spec.tokens == plain.tokens

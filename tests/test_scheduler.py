@@ -308,7 +308,7 @@ def test_warmup_compiles_what_the_first_requests_need(monkeypatch):
         sched.step()                              # b's first chunk, one decode step of a
         assert b.state == "prefill" and sched.counters["decode_steps"] == steps0 + 1
         monkeypatch.setattr(S, "_fused_fn", fused_fn)
-        (_, _, window, _, every, _), = ran        # the streamed program, in the window of a full dispatch
+        (_, _, window, _, every, _, _), = ran        # the streamed program, in the window of a full dispatch
         assert every == sched.stream_interval and window >= sched._window(int(sched.pos[a.row]) + S.FUSED_CHUNK)
         sched.run([a, b])
         assert len(a.out) == 40 and len(b.out) == 4

@@ -233,6 +233,7 @@ class Scheduler:
         self.step_lock = threading.Lock()            # one driver at a time
         self.serving = False                         # a thread runs serve_forever: others wait instead of stepping
         self._sink = None                            # kernels.StreamSink of the streamed fused loop (native_sink)
+        self._missed = False                         # fetch=fused: the last optimistic dispatch ended at a miss
         self.kv_reserve = 0                          # a server's K/V positions per row, allocated up front
 
     # ------------------------------------------------------------------ submitting (any thread)
@@ -733,8 +734,12 @@ class Scheduler:
         sel = slice(None) if rmap is None else rmap
         every = self.stream_interval if streamed else 0
         sink = self._native_sink() if every else None
-        compiled = _fused_key(self.B, W, window, w, every, sink is not None) in rt._jits
-        fn = _fused_fn(rt, self.B, W, window, w, every, sink is not None)
+        # the store's program without host calls first; after a dispatch it ended at a miss, the one with them,
+        # until one of those runs without a miss (a cold cache: every optimistic try would end at its first step)
+        optimistic = streamed_store and not rt.opts["prefetch"] and not self._missed
+        misses0 = _store_misses(rt)
+        compiled = _fused_key(self.B, W, window, w, every, sink is not None, optimistic) in rt._jits
+        fn = _fused_fn(rt, self.B, W, window, w, every, sink is not None, optimistic)
         live = dict(rows=[self.rows[int(i)] for i in (range(self.B) if rmap is None else rmap)],
                     sent=np.zeros(w, np.int64), pos0=self.pos.copy())
         if sink is not None:
@@ -765,7 +770,12 @@ class Scheduler:
         steps = int(acc.pop("_steps"))
         if streamed_store:
             fused_finish(rt, state, steps)
-        if compiled and steps:                            # a first call's time is mostly its compilation
+            if optimistic:
+                self._missed = bool(state["miss"])
+                self.counters["optimistic_misses"] += self._missed
+            else:
+                self._missed = _store_misses(rt) > misses0
+        if compiled and steps and not self._missed:      # a first call's time is mostly its compilation
             self.observe_step((time.perf_counter() - t0) / steps)
         if not finite:
             r = rows[0]
@@ -952,11 +962,17 @@ def _seed_key(seed: int) -> np.ndarray:
     return k
 
 
-def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False):
-    return ("fused_decode", B, W, window, B if w is None else w, every, bool(sink))
+def _store_misses(rt) -> int:
+    return getattr(rt.store, "_stats", {}).get("misses", 0) if rt.store is not None else 0
 
 
-def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False):
+def _fused_key(B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False,
+               optimistic: bool = False):
+    return ("fused_decode", B, W, window, B if w is None else w, every, bool(sink), bool(optimistic))
+
+
+def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: int = 0, sink: bool = False,
+              optimistic: bool = False):
     """jit: up to ``n`` decode steps of every active row, on the device: step at [B, W] (row b's pending token at
     column 0, the rest padding) over the cache window [:window] -> per-row sampling -> per-row stop (EOS when the
     row stops at EOS, its budget).  Returns (cache, tokens [FUSED_CHUNK, B], counts [B], keys, stats).
@@ -965,9 +981,12 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     ``every`` > 0: every that many steps the loop hands the tokens so far to the host, which streams them and may
     stop rows or the loop: with ``sink`` through the native stream sink (``kernels.sink_call``; an int32 ``slot``
     argument names the scheduler's ``StreamSink``, drained by ``Scheduler._drain_sink``), else through
-    ``io_callback`` -> ``rt._stream_sink`` (the scheduler's ``_on_steps``)."""
+    ``io_callback`` -> ``rt._stream_sink`` (the scheduler's ``_on_steps``).
+    ``optimistic`` (fetch=fused): the store's program without a host call (``streaming.fused_forward``): a step
+    that meets an expert outside the cache is rolled back (its tokens, counts, keys, stats, store state) and ends
+    the loop with the returned state's ``miss`` set; the scheduler runs the next dispatch with the store's calls."""
     w = B if w is None else w
-    key_ = _fused_key(B, W, window, w, every, sink)
+    key_ = _fused_key(B, W, window, w, every, sink, optimistic)
     f = rt._jits.get(key_)
     if f is not None:
         return f
@@ -982,7 +1001,8 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     # (streaming.fused_forward); params = (the params pytree, the MoE layers' banks); ``resident`` is then the
     # store's state (fused_state: slot maps, resident masks, the routing log its bookkeeping is replayed from),
     # carried step to step
-    fwd = fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None) if rt.opts["fetch"] == "fused" else None
+    fwd = (fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None, optimistic)
+           if rt.opts["fetch"] == "fused" else None)
 
     def one(params, part, tok, pos, active, resident):
         toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
@@ -1017,16 +1037,23 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
             acc["_steps"] = c["acc"]["_steps"] + 1
             out = c["out"].at[c["i"]].set(jnp.where(act, nxt, -1))
             brk = c["brk"]
+            ok = ~res["miss"] if optimistic else True      # an optimistic step that met a miss is rolled back
             if every:
-                due = acc["_finite"] & ((c["i"] + 1) % every == 0) & (c["i"] + 1 < n)
+                due = ok & acc["_finite"] & ((c["i"] + 1) % every == 0) & (c["i"] + 1 < n)
                 shapes = (jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
                 to_host = ((lambda: kernels.sink_call(slot, out, cnt)) if sink else
                            (lambda: io_callback(lambda o, k: rt._stream_sink(o, k), shapes, out, cnt, ordered=True)))
                 host = jax.lax.cond(due, to_host, lambda: (jnp.zeros((B,), jnp.bool_), jnp.bool_(False)))
                 stop, brk = stop | host[0], host[1]
-            return dict(part=part, tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
-                        keys=jnp.where(act[:, None], nkeys, c["keys"]), active=act & ~stop, cnt=cnt, i=c["i"] + 1,
-                        out=out, acc=acc, brk=brk, res=res)
+            new = dict(tok=jnp.where(act, nxt, c["tok"]), pos=c["pos"] + act,
+                       keys=jnp.where(act[:, None], nkeys, c["keys"]), active=act & ~stop, cnt=cnt, i=c["i"] + 1,
+                       out=out, acc=acc, brk=brk, res=res)
+            if optimistic:      # (the K/V this step wrote sits at the positions the step will write again)
+                old = {k: c[k] for k in new}
+                new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+                new["brk"] = new["brk"] | res["miss"]
+                new["res"] = dict(new["res"], miss=res["miss"])
+            return dict(new, part=part)
 
         c = jax.lax.while_loop(
             lambda c: (c["i"] < n) & jnp.any(c["active"]) & c["acc"]["_finite"] & ~c["brk"], body,

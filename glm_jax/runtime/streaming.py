@@ -412,7 +412,7 @@ def fused_state(engine, steps: int, B: int, T: int) -> dict:
     K = cfg.num_experts_per_tok
     engine._fused_pred, engine._fused_trace, engine._fused_next = {}, [], 0
     return dict(cur=jnp.asarray(np.stack([store._layer(i).slot_of for i in idx]).astype(np.int32)),
-                res=engine._resident_masks(), step=jnp.int32(0),
+                res=engine._resident_masks(), step=jnp.int32(0), miss=jnp.bool_(False),
                 log_ids=jnp.zeros((steps, len(idx), B * T, K), jnp.int32),
                 log_valid=jnp.zeros((steps, len(idx), B * T, K), jnp.bool_))
 
@@ -472,11 +472,16 @@ def _fused_host(engine, mi: int, nxt, step, ids, valid, log_ids, log_valid, pred
     return np.asarray(slot_of, np.int32), np.asarray(engine.store._layer(layer).slot_of, np.int32), res, nres
 
 
-def fused_forward(engine, B: int, T: int, short_rows=None):
+def fused_forward(engine, B: int, T: int, short_rows=None, optimistic: bool = False):
     """The traceable streamed forward of tokens [B, T] (fetch=loop's ops, one program):
     ``f(params, banks, cache, tokens, start, lengths, state, logit_rows=None)`` -> (logits, hidden, cache, routing
     summary, state) with ``state`` from ``fused_state`` (carried from step to step by a decode loop).
-    ``short_rows``: the real rows of a padded decode / verify (fetch=loop's ``rows``)."""
+    ``short_rows``: the real rows of a padded decode / verify (fetch=loop's ``rows``).
+    ``optimistic`` (no --prefetch): no host call at all -- a layer with an expert not in the cache sets
+    ``state["miss"]`` instead, and the forward's results are then garbage the caller must discard (the decode loop
+    rolls the step back and stops; its K/V writes at the step's positions are rewritten when the step runs again).
+    Holding no host callback, the program is dispatched through JAX's C++ path (a program with one paid ~4-7 ms
+    per dispatch on b) and can be kept in the persistent compile cache."""
     cfg, store = engine.cfg, engine.store
     plugin = engine.plugin or M.identity_plugin
     want_stats = engine.plugin is not None
@@ -492,7 +497,7 @@ def fused_forward(engine, B: int, T: int, short_rows=None):
         x = M.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
         cache = list(cache)
         sel, summs, mi = None, [], 0
-        cur, resm, step = st["cur"], st["res"], st["step"]
+        cur, resm, step, miss = st["cur"], st["res"], st["step"], st["miss"]
         log_ids, log_valid = st["log_ids"], st["log_valid"]
         layers = params["layers"]
         for i, lp in enumerate(layers):
@@ -517,11 +522,15 @@ def fused_forward(engine, B: int, T: int, short_rows=None):
                 args += (pred, valid_bt.reshape(-1))
             host = functools.partial(_fused_host, engine, mi, nxt)
             call = lambda: io_callback(host, shapes, *args, ordered=True)     # noqa: E731
+            hit = lambda: (cur[mi], cur[mi], resm[mi], resm[mi])               # noqa: E731
             if prefetch:        # the host computes recall and starts the next layer's loads at every layer
                 got = call()
             else:               # every routed expert resident: no host call (its bookkeeping is replayed)
                 have = jnp.all(jnp.where(valid, cur[mi][jnp.clip(ids, 0, E - 1)] >= 0, True))
-                got = jax.lax.cond(have, lambda: (cur[mi], cur[mi], resm[mi], resm[mi]), call)
+                if optimistic:  # a missing expert's slot is -1: the kernels skip it, the step is discarded
+                    miss, got = miss | ~have, hit()
+                else:
+                    got = jax.lax.cond(have, hit, call)
             slot_of, now, mres, nres = got
             cur = cur.at[mi].set(now)
             resm = resm.at[mi].set(mres)
@@ -542,7 +551,7 @@ def fused_forward(engine, B: int, T: int, short_rows=None):
             mi += 1
         hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
         logits = M.head_logits(hidden, params["lm_head"], valid_bt if logit_rows is None else logit_rows)
-        st = dict(cur=cur, res=resm, step=step + 1, log_ids=log_ids, log_valid=log_valid)
+        st = dict(cur=cur, res=resm, step=step + 1, miss=miss, log_ids=log_ids, log_valid=log_valid)
         return logits, hidden, cache, _routing_summary(summs, want_stats), st
 
     return f
