@@ -76,6 +76,8 @@ class FitInputs:
     resident_code: int = 0       # a resident run's compiled whole-model programs (resident_code_bytes): counted
                                  # only when every expert is to stay resident
     layers: int = 0              # decoder layers (for the message about resident_code)
+    fetch: str = "auto"          # --fetch: "loop" never reserves the unrolled programs' code; "fused" / "callback"
+                                 # always do (a whole-model program each); "auto" where it costs <= FUSED_CODE_SHARE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +161,9 @@ def plan(inp: FitInputs) -> FitPlan:
             kvs.append(t)
     notes = []
     want = min(inp.cache_cap, E) if inp.cache_cap else E  # what the user asked the cache to hold
-    code = inp.resident_code if want >= E else 0    # a resident run's whole-model programs
+    # a resident run's whole-model programs (none with --fetch=loop: its programs are shared by the layers)
+    rcode = 0 if inp.fetch == "loop" else inp.resident_code
+    code = rcode if want >= E else 0
     # every expert resident (or the asked --cache_cap), with the full KV reservation: native first, then quantized;
     # then every expert cached but streamed (fetch=loop: programs shared by the layers, no resident code)
     steps = _steps(inp, kvs)
@@ -190,7 +194,7 @@ def plan(inp: FitInputs) -> FitPlan:
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {round_up_gb(need / 1e9):.2f} would fit (decided before loading anything)")
     f, (kv, chunk) = choice
     cap = max(0, min(E, _cap(inp, inp.dense[f], (kv, chunk))))
-    all_fit = cap >= E and _cap(inp, inp.dense[f], (kv, chunk), inp.resident_code) >= E
+    all_fit = cap >= E and _cap(inp, inp.dense[f], (kv, chunk), rcode) >= E
     if cap >= E and not all_fit:
         notes.append(f"every expert cached, streamed: a resident run's compiled programs "
                      f"({inp.resident_code / 1e9:.2f} GB at {inp.layers} layers) would not fit")
@@ -206,8 +210,13 @@ def plan(inp: FitInputs) -> FitPlan:
     # only where that costs the expert cache at most FUSED_CODE_SHARE of its slots (else fetch=loop's shared
     # per-layer programs)
     fcap = max(0, min(E, _cap(inp, inp.dense[f], (kv, chunk), inp.resident_code)))
-    fused = fcap >= 1 and fcap >= (1 - FUSED_CODE_SHARE) * cap      # (where all_fit: a --cache_cap below E)
-    if not all_fit and not fused:
+    if inp.fetch == "loop":                       # asked for: shared per-layer programs, the cache keeps its slots
+        fused = False
+    elif inp.fetch in ("fused", "callback"):      # asked for: its whole-model programs are reserved, whatever cost
+        fused = fcap >= 1
+    else:
+        fused = fcap >= 1 and fcap >= (1 - FUSED_CODE_SHARE) * cap      # (where all_fit: a --cache_cap below E)
+    if not all_fit and not fused and inp.fetch == "auto":
         notes.append(f"fetch=loop: fetch=fused's compiled programs ({inp.resident_code / 1e9:.2f} GB) would take "
                      f"{cap - fcap} of {cap} cached experts per layer")
     if inp.direct_io is None:
@@ -218,7 +227,7 @@ def plan(inp: FitInputs) -> FitPlan:
         direct = bool(inp.direct_io)
     return FitPlan(dense_format=f, kv_tokens=kv, kv_bytes=inp.kv_per_token * kv, direct_io=direct, cap_fits=cap,
                    all_fit=all_fit, dense_bytes=inp.dense[f], notes=tuple(notes), prefill_chunk=chunk,
-                   workspace=_workspace(inp, chunk) + (inp.resident_code if all_fit or fused else 0),
+                   workspace=_workspace(inp, chunk) + (rcode if all_fit or fused else 0),
                    fused=fused)
 
 

@@ -345,3 +345,19 @@ def test_streamed_runs_fused_only_where_its_programs_cost_little_of_the_cache():
     # expert count streams fused with them)
     p = F.plan(inputs(resident_code=1 * MB))
     assert (p.all_fit, p.fused, p.workspace) == (True, True, 151 * MB)
+
+
+def test_an_asked_fetch_decides_whether_the_unrolled_programs_are_reserved():
+    # --fetch=loop shares one program per layer kind: no whole-model code is taken from the cache (stop 32 reserved
+    # it whatever --fetch said); --fetch=fused / callback reserve it even where auto would stream with loop
+    p = F.plan(inputs(budget=450 * MB, resident_code=1 * MB, fetch="loop"))
+    assert (p.cap_fits, p.fused, p.workspace) == (3, False, 150 * MB)
+    p = F.plan(inputs(budget=450 * MB, resident_code=10 * MB, fetch="fused"))
+    assert (p.cap_fits, p.fused, p.workspace) == (3, True, 160 * MB)
+    assert not any("fetch=loop" in n for n in p.notes)
+    p = F.plan(inputs(budget=450 * MB, resident_code=10 * MB, fetch="loop"))
+    assert not any("fetch=loop" in n for n in p.notes)
+    # every expert fits without the code: with loop that is "every expert cached", not a note about resident code
+    p = F.plan(inputs(resident_code=10 ** 12, fetch="loop"))
+    assert (p.all_fit, p.fused, p.workspace) == (True, False, 150 * MB)
+    assert not p.notes
