@@ -609,6 +609,20 @@ def llama_bench(prefix: str, gguf: str, threads: int, p: int, n: int, d: int, ex
     return parse_llama_bench(r.stdout)
 
 
+def llama_defaults_crash(prefix: str, gguf: str, threads: int, log_path: str) -> str:
+    """'' where llama-bench runs the GGUF with its defaults; else how it died (a signal, or its exit status)."""
+    cmd = [os.path.join(prefix, "bin", "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "4", "-n", "2",
+           "-r", "1", "-o", "jsonl"]
+    with open(log_path or os.devnull, "a") as lf:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=600,
+                           preexec_fn=_preexec(pinned_cpus(threads)))
+    if r.returncode == 0 and r.stdout.strip():
+        return ""
+    if r.returncode < 0:
+        return f"llama-bench killed by {signal.Signals(-r.returncode).name}"
+    return f"llama-bench exit {r.returncode}" + ("" if r.stdout.strip() else ", no result")
+
+
 def wait_healthy(url: str, srv, log_path: str, name: str, timeout: float = 300.0):
     """Until ``url``/health answers 200; BenchError when the server ``srv`` (a Popen) exits or ``timeout`` passes."""
     t0 = time.time()
@@ -632,12 +646,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_greedy_tokens(prefix: str, gguf: str, prompt: list, n: int, threads: int, log_path: str) -> list:
+def llama_greedy_tokens(prefix: str, gguf: str, prompt: list, n: int, threads: int, log_path: str,
+                        extra=()) -> list:
     """llama.cpp's greedy continuation of the prompt ids: llama-server on 127.0.0.1, POST /completion with the
     prompt as token ids, temperature 0, top_k 1, ignore_eos, return_tokens; the server is stopped after."""
     port = free_port()
     cmd = [os.path.join(prefix, "bin", "llama-server"), "-m", gguf, "-t", str(threads), "--host", "127.0.0.1",
-           "--port", str(port), "-c", str(len(prompt) + n + 16), "-np", "1"]
+           "--port", str(port), "-c", str(len(prompt) + n + 16), "-np", "1", *extra]
     lf = open(log_path, "a")
     srv = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
                            preexec_fn=_preexec(pinned_cpus(threads)))
@@ -655,12 +670,15 @@ def llama_greedy_tokens(prefix: str, gguf: str, prompt: list, n: int, threads: i
                              "(a BOS token added?)")
         return list(out["tokens"])
     finally:
-        try:
-            os.killpg(srv.pid, signal.SIGTERM)
-            srv.wait(timeout=30)
-        except Exception:
-            os.killpg(srv.pid, signal.SIGKILL)
-            srv.wait()
+        if srv.poll() is None:           # (a server that died at start has no process group left to signal)
+            try:
+                os.killpg(srv.pid, signal.SIGTERM)
+                srv.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(srv.pid, signal.SIGKILL)
+                srv.wait()
+            except ProcessLookupError:
+                srv.wait()
         lf.close()
 
 
@@ -739,16 +757,25 @@ def run_peer(models: list, formats: list, dense_formats: list, llamacpp: str, wo
                              weights=f"GGUF {qt}, llama.cpp defaults (mmap, repack)")
                     cells.append(c)
                     lp = os.path.join(logs, "llamacpp.log")
+                    # llama.cpp's defaults first; where they crash (its weight repacking died of SIGSEGV / SIGILL
+                    # on an AMX Xeon VM, 2026-12-02), the row is --repack 0, the flag such a user falls back to
+                    crash = llama_defaults_crash(llamacpp, g, threads, lp)
+                    if crash:
+                        c["weights"] = f"GGUF {qt}, llama.cpp --repack 0 (its defaults crashed here: {crash})"
+                        notes.append(f"llama.cpp defaults ({label}, {qt}): {crash}; measured with --repack 0")
+                    rp = ("--repack", "0") if crash else ()
                     try:
-                        c["tokens"] = llama_greedy_tokens(llamacpp, g, prompt, n_cmp, threads, lp)
+                        c["tokens"] = llama_greedy_tokens(llamacpp, g, prompt, n_cmp, threads, lp,
+                                                          ("--no-repack",) if crash else ())
                     except BenchError as e:
                         c["tokens"] = None
                         notes.append(f"llama.cpp greedy tokens ({label}, {qt}): {e}")
 
-                    def lrun(c=c, g=g, lp=lp):
+                    def lrun(c=c, g=g, lp=lp, rp=rp):
                         read_through(g)         # the GGUF in the page cache (F32 is mmap'd, never repacked)
-                        pp = llama_bench(llamacpp, g, threads, prompt_tokens, 0, 0, log_path=lp, reps=LLAMA_REPS)
-                        tg = llama_bench(llamacpp, g, threads, 0, new_tokens, prompt_tokens, log_path=lp,
+                        pp = llama_bench(llamacpp, g, threads, prompt_tokens, 0, 0, rp, log_path=lp,
+                                         reps=LLAMA_REPS)
+                        tg = llama_bench(llamacpp, g, threads, 0, new_tokens, prompt_tokens, rp, log_path=lp,
                                          reps=LLAMA_REPS)
                         c["prefill"].append(bench_rate(pp, prompt_tokens, 0))
                         c["decode"].append(bench_rate(tg, 0, new_tokens))

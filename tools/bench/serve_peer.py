@@ -49,9 +49,16 @@ def start_servers(logdir: str):
     servers["glm-jax-serve"] = (srv,
                                 f"http://127.0.0.1:{pg}", lg, " ".join(cmd[1:]))
     pl = bp.free_port()
-    cmd = [os.path.join(FLAGS.llamacpp, "bin", "llama-server"), "-m", FLAGS.gguf, "--host", "127.0.0.1", "--port",
-           str(pl), "-t", str(FLAGS.threads), "-np", str(FLAGS.np), "-c", str(FLAGS.np * FLAGS.ctx_per_slot)]
     ll = os.path.join(logdir, "llama-server.log")
+    # llama.cpp's defaults, unless they crash here (its weight repacking, on an AMX Xeon VM): then --no-repack,
+    # the flag such a user falls back to (said in the table's caption)
+    crash = bp.llama_defaults_crash(FLAGS.llamacpp, FLAGS.gguf, FLAGS.threads, ll)
+    cmd = [os.path.join(FLAGS.llamacpp, "bin", "llama-server"), "-m", FLAGS.gguf, "--host", "127.0.0.1", "--port",
+           str(pl), "-t", str(FLAGS.threads), "-np", str(FLAGS.np), "-c", str(FLAGS.np * FLAGS.ctx_per_slot),
+           *(("--no-repack",) if crash else ())]
+    if crash:
+        print(f"llama.cpp's defaults crashed on {FLAGS.gguf} ({crash}): llama-server runs with --no-repack",
+              flush=True)
     with open(ll, "w") as out:
         srv = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     servers["llama-server"] = (srv,
