@@ -178,3 +178,16 @@ def test_streamed_default_is_fused_and_its_all_cached_decode_has_no_host_call(in
     assert eng.scheduler.counters["optimistic_misses"] == misses
     assert any(k[0] == "fused_decode" and k[-1] for k in eng._jits)
     eng.close()
+
+
+def test_a_cache_that_misses_every_step_still_runs_several_steps_per_dispatch(int4_dir, exp):
+    """With misses in every dispatch, fetch=fused runs the program with the store's calls; its steps are timed like
+    any other, so a dispatch runs what fits in --dispatch_ms.  Before, a dispatch with a miss was never timed: the
+    step time stayed unknown and every dispatch ran one step (each paying the Python dispatch of a program holding
+    host callbacks: 448 dispatches for 448 steps on b with 16 of 32 experts cached)."""
+    eng = _load(int4_dir, "fused", cache_cap=1, dispatch_ms=10_000)
+    eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=40, stop_on_eos=False)
+    c = eng.scheduler.counters
+    assert eng.store.stats()["misses"] > 40                       # misses nearly every step
+    assert c["decode_steps"] >= 2 * (c["dispatches"] - c["optimistic_misses"])
+    eng.close()

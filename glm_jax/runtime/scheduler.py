@@ -775,7 +775,10 @@ class Scheduler:
                 self.counters["optimistic_misses"] += self._missed
             else:
                 self._missed = _store_misses(rt) > misses0
-        if compiled and steps and not self._missed:      # a first call's time is mostly its compilation
+        # a first call's time is mostly its compilation; an optimistic dispatch that ended at a miss also spent a
+        # rolled-back step (the store's program is timed with its misses: a cold cache's dispatches were else never
+        # timed, so each ran one step, every step paying the Python dispatch of a program with host calls)
+        if compiled and steps and not (optimistic and self._missed):
             self.observe_step((time.perf_counter() - t0) / steps)
         if not finite:
             r = rows[0]
