@@ -175,7 +175,9 @@ OPTIONS = [
     Opt("pin", "", "str", "Pinned hot set: 'auto' (this model's usage history in --state_dir) or a usage file path.",
         env=("PIN",), check=_pin),
     Opt("pin_gb", 0.0, "float", "RAM for the pinned hot set in GB.", env=("PIN_GB",), lo=0.0),
-    Opt("cache_policy", "lru", "enum", "Expert cache eviction policy (see the store docs).", ("lru", "lfu"),
+    Opt("cache_policy", "lfu", "enum", "Expert cache eviction policy: lfu (use counts decayed with a half-life of 64 "
+        "layer calls, ties by recency; the default: a higher hit rate than lru at every cache size in the replays "
+        "and low-RAM runs of docs/benchmarks.md, stop 33) or lru.", ("lru", "lfu"),
         env=("COLI_POLICY_CACHE",)),
     Opt("sim_disk_gbps", 0.0, "float", "Benchmark aid: after each expert read, also wait as if every loaded expert "
         "were --sim_expert_mb MB on a disk of this bandwidth (reported as sim_io_s; bytes_read stays real). 0 = off.",
