@@ -123,3 +123,31 @@ def test_cgroup_v2_detection(tmp_path):
     (tmp_path / "cgroup.subtree_control").write_text("cpu memory\n")
     cg, why = P.detect_cgroup("0::/user.slice\n", str(tmp_path), euid=0, probe=False)
     assert cg == P.Cgroup("v2", str(tmp_path)) and why == ""
+
+
+def _fake_llamacpp(tmp_path, bench_body: str, server_body: str = "exit 3") -> str:
+    """A PREFIX whose bin/llama-bench and bin/llama-server are shell scripts with these bodies."""
+    b = tmp_path / "bin"
+    b.mkdir(parents=True)
+    for name, body in (("llama-bench", bench_body), ("llama-server", server_body)):
+        p = b / name
+        p.write_text("#!/bin/sh\n" + body + "\n")
+        p.chmod(0o755)
+    return str(tmp_path)
+
+
+def test_a_peer_whose_defaults_crash_is_named_and_one_that_runs_is_not(tmp_path):
+    crash = _fake_llamacpp(tmp_path / "a", "kill -SEGV $$")
+    assert P.llama_defaults_crash(crash, "m.gguf", 1, str(tmp_path / "a.log")) == "llama-bench killed by SIGSEGV"
+    ok = _fake_llamacpp(tmp_path / "b", "echo '" + LLAMA_BENCH_JSONL.splitlines()[0] + "'")
+    assert P.llama_defaults_crash(ok, "m.gguf", 1, str(tmp_path / "b.log")) == ""
+    silent = _fake_llamacpp(tmp_path / "c", "exit 0")                   # exits 0 without a result
+    assert P.llama_defaults_crash(silent, "m.gguf", 1, str(tmp_path / "c.log")) == "llama-bench exit 0, no result"
+
+
+def test_a_llama_server_that_dies_at_start_is_a_bench_error_not_a_process_lookup_error(tmp_path):
+    # stop 33: the server crashed at start; the cleanup's killpg on its gone process group raised
+    # ProcessLookupError, which hid the BenchError naming the crash
+    prefix = _fake_llamacpp(tmp_path, "exit 0", "exit 7")
+    with pytest.raises(P.BenchError, match="exited 7"):
+        P.llama_greedy_tokens(prefix, "m.gguf", [1, 2, 3], 4, 1, str(tmp_path / "srv.log"))
