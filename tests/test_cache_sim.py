@@ -2,6 +2,7 @@
 
 import pytest
 
+from glm_jax import options as O
 from tools.bench import cache_sim
 
 
@@ -29,8 +30,6 @@ def test_belady_bounds_the_shipped_policies(cap):
 def test_the_engines_default_policy_is_the_one_that_hits_more():
     """--cache_policy defaults to lfu (stop 33): on skewed routing (and on the shipped model's own trace, the replays
     in docs/benchmarks.md) it hits more often than lru at every cache size.  Before, the default was lru."""
-    from glm_jax import options as O
-
     trace = cache_sim.synthetic_trace(n_tokens=400, layers=2, E=64, k=8, zipf=1.1, repeat=0.3, seed=1)
     for cap in (4, 16, 32):       # (cap 8 = the working set of 8: every policy keeps the last union)
         h = {p: cache_sim.simulate(trace, p, cap, 64, working_set=8, warmup=50)["hit_rate"] for p in ("lru", "lfu")}

@@ -597,13 +597,18 @@ def tail(path: str, n: int = 1) -> str:
         return ""
 
 
-def llama_bench(prefix: str, gguf: str, threads: int, p: int, n: int, d: int, extra=(), log_path: str = "",
-                timeout: float = 1800.0, reps: int = 1) -> list:
+def _run_llama_bench(prefix: str, gguf: str, threads: int, p: int, n: int, d: int, extra=(), log_path: str = "",
+                     timeout: float = 1800.0, reps: int = 1) -> subprocess.CompletedProcess:
     cmd = [os.path.join(prefix, "bin", "llama-bench"), "-m", gguf, "-t", str(threads), "-p", str(p), "-n", str(n),
            "-d", str(d), "-r", str(reps), "-o", "jsonl", *extra]
     with open(log_path or os.devnull, "a") as lf:
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout,
-                           preexec_fn=_preexec(pinned_cpus(threads)))
+        return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout,
+                              preexec_fn=_preexec(pinned_cpus(threads)))
+
+
+def llama_bench(prefix: str, gguf: str, threads: int, p: int, n: int, d: int, extra=(), log_path: str = "",
+                timeout: float = 1800.0, reps: int = 1) -> list:
+    r = _run_llama_bench(prefix, gguf, threads, p, n, d, extra, log_path, timeout, reps)
     if r.returncode != 0:
         raise BenchError(f"llama-bench exit {r.returncode}: {tail(log_path)}")
     return parse_llama_bench(r.stdout)
@@ -611,11 +616,7 @@ def llama_bench(prefix: str, gguf: str, threads: int, p: int, n: int, d: int, ex
 
 def llama_defaults_crash(prefix: str, gguf: str, threads: int, log_path: str) -> str:
     """'' where llama-bench runs the GGUF with its defaults; else how it died (a signal, or its exit status)."""
-    cmd = [os.path.join(prefix, "bin", "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "4", "-n", "2",
-           "-r", "1", "-o", "jsonl"]
-    with open(log_path or os.devnull, "a") as lf:
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=600,
-                           preexec_fn=_preexec(pinned_cpus(threads)))
+    r = _run_llama_bench(prefix, gguf, threads, 4, 2, 0, log_path=log_path, timeout=600)
     if r.returncode == 0 and r.stdout.strip():
         return ""
     if r.returncode < 0:
