@@ -68,6 +68,33 @@ def test_completions_and_chat_stream_and_not(server, client, eng):
     assert chunks[-1].usage.completion_tokens == len(cref.tokens) and not chunks[-1].choices
 
 
+def test_a_chats_later_turn_reuses_its_prefix_through_the_client(client, eng):
+    """Through the official client, streamed as a chat tool resends it: the second turn (the first turn's prompt,
+    its reply, a new user line) reports the first turn's prompt as cached and prefills only the rest; its greedy
+    text is the same with the prefix cache off (cached 0)."""
+    sched = eng.scheduler
+    first = ROMEO + "Whither away so fast, good sir? "
+    r1 = client.completions.create(model="glm-jax-default", prompt=first, max_tokens=6, temperature=0)
+    second = first + r1.choices[0].text + "\nJULIET:\nAnd what of thee?\n"
+
+    def turn():
+        chunks = list(client.completions.create(model="glm-jax-default", prompt=second, max_tokens=12,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+
+    on, u_on = turn()
+    try:
+        sched.prefix_cache = False
+        off, u_off = turn()
+    finally:
+        sched.prefix_cache = True
+    n_first = len(eng.encode(first))
+    assert u_on.prompt_tokens_details.cached_tokens >= n_first - 1      # (a token may merge across the seam)
+    assert u_on.prompt_tokens_details.cached_tokens < u_on.prompt_tokens
+    assert u_off.prompt_tokens_details.cached_tokens == 0
+    assert on == off and u_on.completion_tokens == u_off.completion_tokens == 12
+
+
 def test_stop_strings_across_token_boundaries(client, eng):
     ref = _alone(eng, ROMEO, 40).text
     # a stop string that spans tokens: the two characters around the first token boundary inside the text
