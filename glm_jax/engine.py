@@ -703,6 +703,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
         act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
         resident_code=F.resident_code_bytes(cfg), layers=cfg.num_hidden_layers, fetch=opts["fetch"],
+        top_k=cfg.num_experts_per_tok,
         rec_sum=sum(rec.values()), buffers=src.read_buffer_bytes(opts["io_threads"]) + W_ * max_rec,
         pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
         num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,
