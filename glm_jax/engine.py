@@ -442,8 +442,10 @@ class Engine(Runner):
         MEM.trim()
         kv_now = _tree_bytes(self._cache) if self._cache is not None else 0
         # the compile's transient part of the workspace the plan kept (the rest: programs and activations)
-        free = (f.inputs.budget - MEM.private_bytes() - max(0, f.kv_bytes - kv_now) - f.inputs.buffers
-                - F.LATER_COMPILE)
+        # the working set's cached part is in the private memory already (memory.cache_slots)
+        inp = f.inputs
+        buffers = inp.buffers - min(self.store.cache_cap, inp.working_set) * inp.max_rec
+        free = (inp.budget - MEM.private_bytes() - max(0, f.kv_bytes - kv_now) - buffers - F.LATER_COMPILE)
         self.store.grow_cap(free)
 
     @property
@@ -703,7 +705,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
         act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
         resident_code=F.resident_code_bytes(cfg), layers=cfg.num_hidden_layers, fetch=opts["fetch"],
-        top_k=cfg.num_experts_per_tok,
+        top_k=cfg.num_experts_per_tok, working_set=W_ if S.working_set_released(src, layers) else 0, max_rec=max_rec,
         rec_sum=sum(rec.values()), buffers=src.read_buffer_bytes(opts["io_threads"]) + W_ * max_rec,
         pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
         num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,

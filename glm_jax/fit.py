@@ -31,7 +31,7 @@ import numpy as np
 
 from .experts.container import DENSE_SCALE_SUFFIX, SafeTensorsDir, is_routed_expert_key
 from .kernels.formats import head_format, quantized_nbytes
-from .memory import round_up_gb
+from .memory import cache_slots, round_up_gb
 
 QUANT_STEPS = ("int8_row", "int4_g64")        # what the dense weights are quantized to at load, in this order
 KV_DEFAULT_TOKENS = 4096                      # reserved when the run's length is unknown (the Python API, a server)
@@ -80,6 +80,8 @@ class FitInputs:
     layers: int = 0              # decoder layers (for the message about resident_code)
     top_k: int = 0               # experts one position routes to per layer: a streamed run's prefill chunk is halved
                                  # (down to CACHE_CHUNK_FLOOR) while the cache holds fewer
+    working_set: int = 0         # experts one fetch holds at once (engine.working_set), and the largest record:
+    max_rec: int = 0             # the fetched layer's cached experts count among its working set (memory.cache_slots)
     fetch: str = "auto"          # --fetch: "loop" never reserves the unrolled programs' code; "fused" / "callback"
                                  # always do (a whole-model program each); "auto" where it costs <= FUSED_CODE_SHARE
 
@@ -143,7 +145,11 @@ def _cap(inp: FitInputs, dense: int, step: tuple, code: int = 0) -> int:
     kv, chunk = step
     avail = (inp.budget - inp.runtime - _workspace(inp, chunk) - dense - inp.kv_per_token * kv - inp.buffers
              - inp.pin_bytes - code)
-    return int(avail // inp.rec_sum) if inp.rec_sum else inp.num_experts
+    if not inp.rec_sum:
+        return inp.num_experts
+    if inp.working_set and inp.max_rec:          # buffers count the whole working set: its cached part is the cache's
+        return cache_slots(avail + inp.working_set * inp.max_rec, inp.rec_sum, inp.max_rec, inp.working_set)
+    return int(avail // inp.rec_sum)
 
 
 def _loads(inp: FitInputs, fmt: str) -> bool:
@@ -186,15 +192,16 @@ def plan(inp: FitInputs) -> FitPlan:
         f = cands[-1]
         kv, chunk = steps[-1]
         ws = _workspace(inp, chunk)
-        need = (inp.runtime + ws + inp.dense[f] + inp.kv_per_token * kv + inp.buffers + inp.pin_bytes
-                + inp.rec_sum)
+        beyond = inp.buffers - (inp.max_rec if inp.working_set and inp.max_rec else 0)   # its cached expert apart
+        need = (inp.runtime + ws + inp.dense[f] + inp.kv_per_token * kv + beyond + inp.pin_bytes + inp.rec_sum)
         need = max(need, inp.runtime + inp.dense[f] + inp.load_extra.get(f, 0))
         raise FitError(
             f"RAM budget {inp.budget / 1e9:.2f} GB ({inp.budget_from}) too small for one layer's experts: runtime "
             f"{inp.runtime / 1e9:.2f} + dense weights {inp.dense[f] / 1e9:.2f} ({f}) + KV "
             f"{inp.kv_per_token * kv / 1e9:.2f} "
             f"({kv} positions) + workspace {ws / 1e9:.2f} (prefill chunk {chunk}) + I/O buffers and one layer's "
-            f"working set {inp.buffers / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
+            f"working set{' beyond its cached expert' if inp.working_set and inp.max_rec else ''} "
+            f"{beyond / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {round_up_gb(need / 1e9):.2f} would fit (decided before loading anything)")
     f, (kv, chunk) = choice
     # streamed with fewer cached experts per layer than one token routes to, every token re-reads most of its

@@ -154,3 +154,17 @@ def default_budget() -> tuple[int, str]:
     if lim is not None and int(0.9 * lim) < b:
         b, why = int(0.9 * lim), f"0.9 x the memory cgroup's limit ({lim / 1e9:.2f} GB)"
     return b, why
+
+
+def cache_slots(avail: int, rec_sum: int, max_rec: int, working_set: int) -> int:
+    """Experts per layer an expert cache can keep in ``avail`` bytes (< 1: not even one).  Each layer keeps ``cap``
+    records; the layer being fetched holds up to ``working_set`` at once -- its kept slots plus working_set - cap
+    transient ones, returned to the OS at the next fetch of any layer (experts/store.py) -- so a cap below the
+    working set costs cap x rec_sum + (working_set - cap) x max_rec, and one at or above it cap x rec_sum.
+    ``rec_sum``: one record of every layer; ``max_rec``: the largest record."""
+    c = int(avail // rec_sum)
+    if c >= working_set:
+        return c
+    if rec_sum <= max_rec:              # one layer: its working set is all of it
+        return -1
+    return min(working_set - 1, int((avail - working_set * max_rec) // (rec_sum - max_rec)))

@@ -326,7 +326,9 @@ def test_grow_cap_hands_measured_room_to_the_cache():
     sz = probe.sizing
     probe.close(save_usage=False)
     per = sz["per_cap_bytes"]
-    budget = sz["buffer_bytes"] + 3 * per + 10 ** 8              # used 1e8: room for 3 experts per layer
+    # used 1e8: room for 3 experts per layer (where transient slots are released, the fetched layer's 3 among its
+    # working set of 4: memory.cache_slots)
+    budget = sz["buffer_bytes"] - (3 * sz["max_record_bytes"] if sz["working_set_released"] else 0) + 3 * per + 10 ** 8
     st = ExpertStore.open(path, cfg, ram_gb=budget / 1e9, used_bytes=10 ** 8, io_threads=1, max_working_set=4,
                           headroom_bytes=5 * per, state_dir="off")
     try:
@@ -380,3 +382,24 @@ def test_an_asked_fetch_decides_whether_the_unrolled_programs_are_reserved():
     p = F.plan(inputs(resident_code=10 ** 12, fetch="loop"))
     assert (p.all_fit, p.fused, p.workspace) == (True, False, 150 * MB)
     assert not p.notes
+
+
+def test_cache_slots_counts_the_fetched_layers_cached_experts_once():
+    from glm_jax.memory import cache_slots
+
+    # 3 layers of 10 MB records, a working set of 8: a cap c < 8 costs 30c + 10(8 - c) MB, c >= 8 costs 30c
+    assert cache_slots(240 * MB, 30 * MB, 10 * MB, 8) == 8          # 240 = 8 x 30
+    assert cache_slots(239 * MB, 30 * MB, 10 * MB, 8) == 7          # 7 x 30 + 10 = 220 <= 239
+    assert cache_slots(100 * MB, 30 * MB, 10 * MB, 8) == 1          # 30 + 70
+    assert cache_slots(99 * MB, 30 * MB, 10 * MB, 8) < 1            # the old sizing needed 80 + 30 = 110 for cap 1
+    assert cache_slots(79 * MB, 10 * MB, 10 * MB, 8) < 1            # one layer: its whole working set
+    assert cache_slots(80 * MB, 10 * MB, 10 * MB, 8) == 8
+    # the plan, the same rule: runtime 100 + workspace 150 + dense 200 (as given) + KV 2.56 = 452.56 MB, then the
+    # working set 80 with its one cached expert + the other two layers' 20: 552.56 (the old sizing: 562.56)
+    kw = dict(budget=555 * MB, rec_sum=30 * MB, buffers=80 * MB, kv_fixed=True, kv_tokens=256, dense_fixed=True)
+    with pytest.raises(F.FitError, match="--ram_gb >= 0.57"):
+        F.plan(inputs(**kw))
+    p = F.plan(inputs(working_set=8, max_rec=10 * MB, **kw))
+    assert p.cap_fits == 1
+    with pytest.raises(F.FitError, match=r"working set beyond its cached expert 0\.07 .*--ram_gb >= 0\.56"):
+        F.plan(inputs(working_set=8, max_rec=10 * MB, **dict(kw, budget=552 * MB)))

@@ -439,3 +439,42 @@ def test_reads_into_aligned_slots_count_no_staging_buffers(cont, tmp_path, monke
     small = open_container(cont, load_config(cont))
     assert not small.layout(3).direct_into_slots
     assert small.read_buffer_bytes(4) == 4 * small.layout(3).record_len
+
+
+def test_a_cache_below_the_working_set_holds_one_layers_transient_slots_at_a_time(cont, tmp_path):
+    """The budget counts a cap below the working set as cap x (one record of every layer) + (working set - cap) x
+    a record (memory.cache_slots): the fetched layer's kept slots are part of its working set, and the slots
+    beyond them are returned to the OS at the next fetch.  The old sizing added the whole working set on top of
+    the cap, and refused this budget."""
+    hf, d = str(tmp_path / "hf"), str(tmp_path / "c")      # sections of whole pages: transient slots released
+    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=128, intermediate_size=256,
+                                        num_hidden_layers=3, n_routed_experts=E, num_nextn_predict_layers=0), seed=1)
+    convert(hf, d, expert_format="int4_g64", progress=False)
+    cfg = load_config(d)
+    c = open_container(d, cfg)
+    rec = {L: c.layout(L).record_len for L in c.expert_layers}
+    from glm_jax.experts.store import working_set_released
+    assert working_set_released(c, list(rec)) and len(rec) >= 2
+    c.close()
+    W, mx, layers = 4, max(rec.values()), sorted(rec)
+    probe = ExpertStore.open(d, cfg, cache_cap=1, io_threads=2, max_working_set=W)
+    staging = probe.sizing["buffer_bytes"] - W * mx
+    probe.close(save_usage=False)
+    ram = (1_000_000 + staging + sum(rec.values()) + (W - 1) * mx + 10) / 1e9     # cap 1, exactly
+    st = ExpertStore.open(d, cfg, ram_gb=ram, used_bytes=1_000_000, io_threads=2, max_working_set=W,
+                          state_dir="off")
+    try:
+        assert st.cache_cap == 1 and st.sizing["cap_that_fits"] == 1
+        rng = np.random.default_rng(0)
+        for step in range(6):
+            for L in layers:
+                ids = rng.choice(E, W, replace=False)
+                bank, so = st.fetch(L, ids)
+                assert (so[ids] >= 0).all()
+                held = {L2: len(st.layers[L2].touched) for L2 in layers}
+                # every other layer is back to its one kept slot; the fetched one holds its working set
+                assert held[L] <= W and all(held[L2] <= 1 for L2 in layers if L2 != L), (step, L, held)
+    finally:
+        st.close(save_usage=False)
+    with pytest.raises(RamBudgetError, match="working set beyond its cached expert"):
+        ExpertStore.open(d, cfg, ram_gb=ram - 20e-9, used_bytes=1_000_000, io_threads=2, max_working_set=W)

@@ -68,7 +68,7 @@ import numpy as np
 from .. import paths
 from ..errors import GlmJaxError
 from ..kernels.formats import FLOAT_FORMATS, ExpertBank, with_kernel
-from ..memory import default_budget, evict_page_cache, round_up_gb
+from ..memory import cache_slots, default_budget, evict_page_cache, round_up_gb
 from ..model.config import ModelConfig
 from .container import balanced_chunk, config_hash, open_expert_source
 
@@ -240,6 +240,13 @@ def _then(jobs: list, fin) -> list:
             return n
         return run
     return [wrap(j) for j in jobs]
+
+
+def working_set_released(src, layers) -> bool:
+    """A layer's slots beyond its kept cache go back to the OS at the next fetch (``release_pages``: MADV_DONTNEED
+    of whole slots) only where every section of a slot is a multiple of the page size; elsewhere a working set
+    larger than the cap stays resident in every layer (memory.cache_slots then does not apply)."""
+    return all(all(s.nbytes % mmap.PAGESIZE == 0 for s in src.layout(L).sections) for L in layers)
 
 
 class _Layer:
@@ -459,25 +466,37 @@ class ExpertStore:
             budget, why = ram_gb * 1e9, "--ram_gb"
         else:
             budget, why = default_budget()
-        # the reads' staging buffers + one layer's transient set
-        buffers = src.read_buffer_bytes(io_threads) + max(0, W) * max_rec
-        avail = budget - used_bytes - kv_bytes - buffers - pin_bytes
+        # the reads' staging buffers + one layer's working set (its cached experts among it: memory.cache_slots)
+        staging = src.read_buffer_bytes(io_threads)
+        buffers = staging + max(0, W) * max_rec
+        avail = budget - used_bytes - kv_bytes - staging - pin_bytes
         if share > 1:       # this shard's part of what the process has left (the shards' buffers and pins too)
-            avail = (budget - used_bytes - kv_bytes) / share - buffers - pin_bytes
-        fit = int(avail // rec_sum) if rec_sum else E
+            avail = (budget - used_bytes - kv_bytes) / share - staging - pin_bytes
+        released = working_set_released(src, layers)
+        if not rec_sum:
+            fit = E
+        elif released:
+            fit = cache_slots(avail, rec_sum, max_rec, max(1, W))
+        else:               # the working set stays resident beside the cap
+            fit = int((avail - W * max_rec) // rec_sum)
         sizing = dict(budget_bytes=int(budget), budget_from=why, used_bytes=int(used_bytes), kv_bytes=int(kv_bytes),
                       buffer_bytes=int(buffers), pin_bytes=int(pin_bytes), per_cap_bytes=int(rec_sum),
+                      max_record_bytes=int(max_rec), working_set=int(W), working_set_released=released,
                       cap_that_fits=max(0, min(fit, E)))
         if cache_cap is None:
             if fit < 1:
-                need = (used_bytes + kv_bytes + share * (buffers + pin_bytes + rec_sum)) / 1e9
+                # the working set beyond the fetched layer's one cached expert
+                rel = released
+                beyond = buffers - (max_rec if rel else 0)
+                need = (used_bytes + kv_bytes + share * (beyond + pin_bytes + rec_sum)) / 1e9
                 src.close()
                 rlabel = (labels.get("ram_gb") or "--ram_gb") if ram_gb else why
                 raise RamBudgetError(
                     f"RAM budget {budget / 1e9:.2f} GB ({rlabel}) too small: the process (runtime, dense weights, "
                     f"compile reserve) {used_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + I/O buffers and one layer's "
-                    f"working set {buffers / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
-                    f"{max(avail, 0) / 1e9:.2f} GB, but one expert per layer needs {rec_sum / 1e9:.2f} GB; "
+                    f"working set{' beyond its cached expert' if rel else ''} {beyond / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
+                    f"{max(avail - beyond + staging, 0) / 1e9:.2f} GB, but one expert per layer needs "
+                    f"{rec_sum / 1e9:.2f} GB; "
                     f"--ram_gb >= {round_up_gb(need):.2f} would fit"
                     + (f" (or a smaller --pin_gb than {pin_gb:g})" if pin_bytes else "")
                     + "; smaller dense weights: --dense_format=int8_row (or a container converted with "
