@@ -230,7 +230,9 @@ class Engine(Runner):
                                                      if fitted is None else fitted.kv_bytes),
                                            # slots for one decode / verify's union; a larger one (a prefill) is
                                            # fetched and computed in chunks of this many experts (streaming.py)
-                                           max_working_set=working_set(cfg, opts), source=src,
+                                           max_working_set=(fitted.working_set if fitted is not None
+                                                            and fitted.working_set else working_set(cfg, opts)),
+                                           source=src,
                                            state_dir=opts["state_dir"],
                                            labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel,
                                            **({} if fitted is None or cap else    # an explicit --cache_cap stays
@@ -444,7 +446,7 @@ class Engine(Runner):
         # the compile's transient part of the workspace the plan kept (the rest: programs and activations)
         # the working set's cached part is in the private memory already (memory.cache_slots)
         inp = f.inputs
-        buffers = inp.buffers - min(self.store.cache_cap, inp.working_set) * inp.max_rec
+        buffers = inp.buffers - (min(self.store.cache_cap, inp.working_set) * inp.max_rec if inp.released else 0)
         free = (inp.budget - MEM.private_bytes() - max(0, f.kv_bytes - kv_now) - buffers - F.LATER_COMPILE)
         self.store.grow_cap(free)
 
@@ -705,7 +707,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
         act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
         resident_code=F.resident_code_bytes(cfg), layers=cfg.num_hidden_layers, fetch=opts["fetch"],
-        top_k=cfg.num_experts_per_tok, working_set=W_ if S.working_set_released(src, layers) else 0, max_rec=max_rec,
+        top_k=cfg.num_experts_per_tok, working_set=W_, max_rec=max_rec, released=S.working_set_released(src, layers),
         rec_sum=sum(rec.values()), buffers=src.read_buffer_bytes(opts["io_threads"]) + W_ * max_rec,
         pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
         num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,
@@ -715,6 +717,8 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     except F.FitError as e:
         src.close()
         raise RamBudgetError(f"{path}: {e}") from None
+    if p.working_set:
+        inp = F.with_working_set(inp, p.working_set)
     if fixed_dense:
         p = dataclasses.replace(p, dense_format=opts["dense_format"])
     if p.direct_io and inp.direct_io is None:
@@ -722,7 +726,8 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         first = getattr(src, "entry", None)
         fd = C._open_direct(first(layers[0]).path) if first is not None and layers else None
         if fd is None:
-            p = dataclasses.replace(p, direct_io=False, notes=p.notes[:-1] + ("O_DIRECT unsupported here",))
+            p = dataclasses.replace(p, direct_io=False, notes=tuple(
+                "O_DIRECT unsupported here" if n == F.DIRECT_NOTE else n for n in p.notes))
         else:
             os.close(fd)
     return _Fitted(p, inp)

@@ -17,7 +17,10 @@ process's resident set before the weights, so a run that cannot fit is refused *
    float dense weights leave the experts no room -- or when quantizing lets every expert stay resident;
 4. direct I/O: on when the experts do not all fit (the page cache would hold a second copy of what the expert cache
    streams, inside the same limit);
-5. the expert cache: whatever is left, at least one expert per layer (else ``RamBudgetError`` naming what would fit).
+5. the expert cache: whatever is left, at least one expert per layer;
+6. the working set (the store's slots for one fetch, top-k for a decode): halved, down to one expert, when nothing
+   else fits -- a decode's experts are then fetched and computed in rounds (else ``RamBudgetError`` naming what
+   would fit).
 
 An explicit flag (``--dense_format``, ``--max_seq_len``, ``--direct_io``) is never overridden.
 """
@@ -33,6 +36,7 @@ from .experts.container import DENSE_SCALE_SUFFIX, SafeTensorsDir, is_routed_exp
 from .kernels.formats import head_format, quantized_nbytes
 from .memory import cache_slots, round_up_gb
 
+DIRECT_NOTE = "the experts do not fit: read past the page cache"
 QUANT_STEPS = ("int8_row", "int4_g64")        # what the dense weights are quantized to at load, in this order
 KV_DEFAULT_TOKENS = 4096                      # reserved when the run's length is unknown (the Python API, a server)
 KV_FLOOR_TOKENS = 256                         # the reservation is never lowered below this (nor below the run's)
@@ -81,7 +85,9 @@ class FitInputs:
     top_k: int = 0               # experts one position routes to per layer: a streamed run's prefill chunk is halved
                                  # (down to CACHE_CHUNK_FLOOR) while the cache holds fewer
     working_set: int = 0         # experts one fetch holds at once (engine.working_set), and the largest record:
-    max_rec: int = 0             # the fetched layer's cached experts count among its working set (memory.cache_slots)
+    max_rec: int = 0             # halved last before a refusal (FitPlan.working_set)
+    released: bool = False       # transient slots go back to the OS (store.working_set_released): the fetched
+                                 # layer's cached experts count among its working set (memory.cache_slots)
     fetch: str = "auto"          # --fetch: "loop" never reserves the unrolled programs' code; "fused" / "callback"
                                  # always do (a whole-model program each); "auto" where it costs <= FUSED_CODE_SHARE
 
@@ -99,6 +105,8 @@ class FitPlan:
     prefill_chunk: int = 0       # the prefill chunk the workspace holds (lowered with the KV reservation)
     workspace: int = 0
     fused: bool = False          # streamed: room for fetch=fused's whole-model decode programs (FUSED_CODE_SHARE)
+    working_set: int = 0         # lowered from FitInputs.working_set (0: as given): a decode's union is fetched and
+                                 # computed in rounds of this many experts (runtime/streaming._chunked_moe)
 
     def line(self, inp: FitInputs, cache_cap: Optional[int] = None, resident: Optional[bool] = None) -> str:
         """What was chosen, in one line (``cache_cap`` / ``resident``: what the store made of it, when known)."""
@@ -147,7 +155,7 @@ def _cap(inp: FitInputs, dense: int, step: tuple, code: int = 0) -> int:
              - inp.pin_bytes - code)
     if not inp.rec_sum:
         return inp.num_experts
-    if inp.working_set and inp.max_rec:          # buffers count the whole working set: its cached part is the cache's
+    if inp.released and inp.working_set and inp.max_rec:   # buffers count the whole working set: its cached part
         return cache_slots(avail + inp.working_set * inp.max_rec, inp.rec_sum, inp.max_rec, inp.working_set)
     return int(avail // inp.rec_sum)
 
@@ -157,8 +165,34 @@ def _loads(inp: FitInputs, fmt: str) -> bool:
     return inp.runtime + inp.dense[fmt] + inp.load_extra.get(fmt, 0) <= inp.budget
 
 
+def with_working_set(inp: FitInputs, w: int) -> FitInputs:
+    """``inp`` with a working set of ``w`` experts (its buffers follow)."""
+    return dataclasses.replace(inp, working_set=w, buffers=inp.buffers - (inp.working_set - w) * inp.max_rec)
+
+
 def plan(inp: FitInputs) -> FitPlan:
     """See the module docstring.  Raises FitError when not even one expert per layer fits."""
+    try:
+        return _plan(inp)
+    except FitError:
+        if inp.working_set <= 1 or not inp.max_rec:
+            raise
+        # last, before refusing: a smaller working set (the store's slots for one fetch), halved down to one
+        # expert; a decode's union is then fetched and computed in rounds (slower, the same output)
+        w = inp.working_set
+        while w > 1:
+            w = max(1, w // 2)
+            try:
+                p = _plan(with_working_set(inp, w))
+            except FitError:
+                continue
+            return dataclasses.replace(p, working_set=w, fused=False, notes=p.notes + (
+                f"working set lowered from {inp.working_set} to {w} experts: a decode's experts are fetched in "
+                f"rounds of {w}",))
+        raise
+
+
+def _plan(inp: FitInputs) -> FitPlan:
     E = inp.num_experts
     native = inp.dense["native"]
     cands = ["native"] if inp.dense_fixed else (
@@ -192,7 +226,8 @@ def plan(inp: FitInputs) -> FitPlan:
         f = cands[-1]
         kv, chunk = steps[-1]
         ws = _workspace(inp, chunk)
-        beyond = inp.buffers - (inp.max_rec if inp.working_set and inp.max_rec else 0)   # its cached expert apart
+        rel = inp.released and inp.working_set and inp.max_rec
+        beyond = inp.buffers - (inp.max_rec if rel else 0)     # its cached expert apart
         need = (inp.runtime + ws + inp.dense[f] + inp.kv_per_token * kv + beyond + inp.pin_bytes + inp.rec_sum)
         need = max(need, inp.runtime + inp.dense[f] + inp.load_extra.get(f, 0))
         raise FitError(
@@ -200,7 +235,7 @@ def plan(inp: FitInputs) -> FitPlan:
             f"{inp.runtime / 1e9:.2f} + dense weights {inp.dense[f] / 1e9:.2f} ({f}) + KV "
             f"{inp.kv_per_token * kv / 1e9:.2f} "
             f"({kv} positions) + workspace {ws / 1e9:.2f} (prefill chunk {chunk}) + I/O buffers and one layer's "
-            f"working set{' beyond its cached expert' if inp.working_set and inp.max_rec else ''} "
+            f"working set{' beyond its cached expert' if rel else ''} "
             f"{beyond / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {round_up_gb(need / 1e9):.2f} would fit (decided before loading anything)")
     f, (kv, chunk) = choice
@@ -241,7 +276,7 @@ def plan(inp: FitInputs) -> FitPlan:
     if inp.direct_io is None:
         direct = cap < E and (not inp.cache_cap or inp.cache_cap >= cap)
         if direct:
-            notes.append("the experts do not fit: read past the page cache")
+            notes.append(DIRECT_NOTE)
     else:
         direct = bool(inp.direct_io)
     return FitPlan(dense_format=f, kv_tokens=kv, kv_bytes=inp.kv_per_token * kv, direct_io=direct, cap_fits=cap,

@@ -399,7 +399,30 @@ def test_cache_slots_counts_the_fetched_layers_cached_experts_once():
     kw = dict(budget=555 * MB, rec_sum=30 * MB, buffers=80 * MB, kv_fixed=True, kv_tokens=256, dense_fixed=True)
     with pytest.raises(F.FitError, match="--ram_gb >= 0.57"):
         F.plan(inputs(**kw))
-    p = F.plan(inputs(working_set=8, max_rec=10 * MB, **kw))
+    p = F.plan(inputs(working_set=8, max_rec=10 * MB, released=True, **kw))
     assert p.cap_fits == 1
+    p = F.plan(inputs(working_set=8, max_rec=10 * MB, released=True, **dict(kw, budget=552 * MB)))   # 2.56 MB short: 4 slots
+    assert (p.working_set, p.cap_fits) == (4, 2)                   # 2 x 30 + (4 - 2) x 10 = 80 <= 99.44
+
+
+def test_the_working_set_is_halved_before_a_refusal():
+    """The GLM-4.5-Air slice at 0.3x of its size (836 MB): runtime, dense weights and the compile reserve left no
+    room for top-8's working set and one expert per layer (refused by 10 MB).  Last, the plan halves the working
+    set: a decode's experts are fetched and computed in rounds."""
+    # 555 - 452.56 (see above) = 102.44 MB: a working set of 8 x 10 MB and 2 more layers' experts (100) fits
+    kw = dict(rec_sum=30 * MB, buffers=80 * MB, kv_fixed=True, kv_tokens=256, dense_fixed=True, working_set=8,
+              max_rec=10 * MB, released=True)
+    assert F.plan(inputs(budget=555 * MB, **kw)).working_set == 0          # fits as asked: kept
+    p = F.plan(inputs(budget=530 * MB, **kw))                              # 77.44 MB: 4 slots (40) + cap 1 (30)
+    assert (p.working_set, p.cap_fits, p.fused) == (4, 1, False)
+    assert "working set lowered from 8 to 4 experts" in p.line(inputs(budget=530 * MB, **kw))
+    p = F.plan(inputs(budget=500 * MB, **kw))                              # 47.44 MB: 2 slots, cap 1 (30 + 10)
+    assert (p.working_set, p.cap_fits) == (2, 1)
+    p = F.plan(inputs(budget=485 * MB, **kw))                              # 32.44 MB: 1 slot, cap 1 (30)
+    assert (p.working_set, p.cap_fits) == (1, 1)
     with pytest.raises(F.FitError, match=r"working set beyond its cached expert 0\.07 .*--ram_gb >= 0\.56"):
-        F.plan(inputs(working_set=8, max_rec=10 * MB, **dict(kw, budget=552 * MB)))
+        F.plan(inputs(budget=480 * MB, **kw))                              # the message names the working set asked
+    p = F.plan(inputs(budget=530 * MB, **dict(kw, released=False)))        # slots kept: 4 x 10 beside 1 x 30
+    assert (p.working_set, p.cap_fits) == (4, 1)
+    with pytest.raises(F.FitError):                                        # without the records' sizes: as before
+        F.plan(inputs(budget=530 * MB, **dict(kw, max_rec=0)))

@@ -310,3 +310,19 @@ def test_dsa_layers_share_compiled_programs(tmp_path):
     assert f["attn_route"]._cache_size() <= len(kinds)                       # was one per MoE layer: 8
     assert f["dense"]._cache_size() == 1
     eng.close()
+
+
+def test_a_working_set_below_top_k_decodes_in_rounds_with_oracle_parity(exp, monkeypatch):
+    """Where memory leaves no room for top-k slots, the plan lowers the working set (fit.plan, last before a
+    refusal): a decode's experts are then fetched and computed in rounds of that many.  One slot (top-4 in four
+    rounds) still gives transformers' logits and greedy tokens."""
+    monkeypatch.setattr(glm_jax.engine, "working_set", lambda cfg, opts=None: 1)
+    eng = glm_jax.Engine.load(SRC, fetch="loop", cache_cap=1)
+    assert eng.store.max_working_set == 1 and eng.cfg.num_experts_per_tok > 1
+    sizes, fetch = [], eng.store.fetch
+    monkeypatch.setattr(eng.store, "fetch", lambda L, ids, *a, **k: sizes.append(len(ids)) or fetch(L, ids, *a, **k))
+    lg = eng.logits(exp["input_ids"][0].tolist())
+    assert np.abs(lg - exp["logits"][0]).max() < 1e-4
+    res = _gen(eng, exp, 32)
+    assert res.tokens == exp["greedy_tokens"].tolist()
+    assert sizes and max(sizes) == 1                 # one expert a fetch: the rounds ran
