@@ -441,6 +441,7 @@ class Engine(Runner):
         if f is None or self.store is None or self.opts["cache_cap"]:
             return
         self._fitted = None
+        self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
         kv_now = _tree_bytes(self._cache) if self._cache is not None else 0
         # the compile's transient part of the workspace the plan kept (the rest: programs and activations)

@@ -474,6 +474,9 @@ def test_a_cache_below_the_working_set_holds_one_layers_transient_slots_at_a_tim
                 held = {L2: len(st.layers[L2].touched) for L2 in layers}
                 # every other layer is back to its one kept slot; the fetched one holds its working set
                 assert held[L] <= W and all(held[L2] <= 1 for L2 in layers if L2 != L), (step, L, held)
+        assert len(st.layers[layers[-1]].touched) > 1
+        st.release_transient()                        # between forwards (the engine's refit measures after it)
+        assert all(len(st.layers[L].touched) == 1 for L in layers)
     finally:
         st.close(save_usage=False)
     with pytest.raises(RamBudgetError, match="working set beyond its cached expert"):

@@ -618,9 +618,7 @@ class ExpertStore:
         with self._lock:
             self._usage[layer] += np.bincount(ids.astype(np.int64), minlength=lc.E)[:lc.E]
             # earlier computations are finished (module docstring): return transient pages to the OS
-            for L2, lc2 in self.layers.items():     # only layers with slots to return (75 layers: 75 x 75 sums/token)
-                if lc2.release:
-                    lc2.release_pages(int(self.index[L2].pinned.sum()) + self.index[L2].cap)
+            self._release_transient()
             idx = self.index[layer]
             hp, hc, miss, ev_now, ev_after = idx.access(union)
             hpf = [e for e in hc if e in lc.prefetched]
@@ -656,6 +654,18 @@ class ExpertStore:
             st["io_wait_s"] += t2 - t1
             st["fetch_s"] += time.perf_counter() - t0 - wait_pf
             return lc.bank, out_slot_of
+
+    def _release_transient(self):
+        for L2, lc2 in self.layers.items():     # only layers with slots to return (75 layers: 75 x 75 sums/token)
+            if lc2.release:
+                lc2.release_pages(int(self.index[L2].pinned.sum()) + self.index[L2].cap)
+
+    def release_transient(self):
+        """Return the last fetch's transient slots (a working set beyond the cap) to the OS now, as the next fetch
+        would: for a measurement of what the process holds between forwards (the caller has no computation in
+        flight that reads a bank)."""
+        with self._lock:
+            self._release_transient()
 
     def grow_cap(self, free_bytes: int) -> int:
         """Give ``free_bytes`` (measured free inside the budget) to the cache: each layer's cap grows by
