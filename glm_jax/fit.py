@@ -186,7 +186,9 @@ def plan(inp: FitInputs) -> FitPlan:
                 p = _plan(with_working_set(inp, w))
             except FitError:
                 continue
-            return dataclasses.replace(p, working_set=w, fused=False, notes=p.notes + (
+            # a union beyond one fetch runs the loop's way: no fetch=fused programs to reserve
+            ws = p.workspace - (inp.resident_code if p.fused and not p.all_fit else 0)
+            return dataclasses.replace(p, working_set=w, fused=False, workspace=ws, notes=p.notes + (
                 f"working set lowered from {inp.working_set} to {w} experts: a decode's experts are fetched in "
                 f"rounds of {w}",))
         raise
