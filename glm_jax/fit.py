@@ -12,7 +12,7 @@ process's resident set before the weights, so a run that cannot fit is refused *
 2. the step's workspace: estimated from the model (``workspace_bytes``: one prefill chunk's activations, the
    logits row, the compiler's working memory), not a fixed reserve; at the KV floor the prefill chunk is halved
    (down to 32 tokens) before anything is refused, and a streamed run's chunk is halved (down to 64) while the
-   expert cache would hold fewer experts a layer than one token routes to;
+   expert cache would hold fewer experts a layer than two tokens route to;
 3. the dense weights' storage: quantized at load (int8_row, then int4_g64) when the container's (or checkpoint's)
    float dense weights leave the experts no room -- or when quantizing lets every expert stay resident;
 4. direct I/O: on when the experts do not all fit (the page cache would hold a second copy of what the expert cache
@@ -41,7 +41,8 @@ QUANT_STEPS = ("int8_row", "int4_g64")        # what the dense weights are quant
 KV_DEFAULT_TOKENS = 4096                      # reserved when the run's length is unknown (the Python API, a server)
 KV_FLOOR_TOKENS = 256                         # the reservation is never lowered below this (nor below the run's)
 CHUNK_FLOOR = 32                              # nor the prefill chunk below this (where only that lets it start)
-CACHE_CHUNK_FLOOR = 64                        # nor below this to give a streamed run's cache one token's experts
+CACHE_CHUNK_FLOOR = 64                        # nor below this to give a streamed run's cache two tokens' experts
+CACHE_CHUNK_TOKENS = 2                        # ... (CACHE_CHUNK_TOKENS x top-k a layer)
 COMPILE_BYTES = 100 << 20                     # compiled programs, kept (see workspace_bytes)
 COMPILE_TRANSIENT = 100 << 20                 # XLA's working memory while compiling, given back (measured, ibid.)
 LATER_COMPILE = 64 << 20                      # kept free after the first run: later programs (other buckets)
@@ -83,7 +84,8 @@ class FitInputs:
                                  # only when every expert is to stay resident
     layers: int = 0              # decoder layers (for the message about resident_code)
     top_k: int = 0               # experts one position routes to per layer: a streamed run's prefill chunk is halved
-                                 # (down to CACHE_CHUNK_FLOOR) while the cache holds fewer
+                                 # (down to CACHE_CHUNK_FLOOR) while the cache holds fewer than
+                                 # CACHE_CHUNK_TOKENS x top_k
     working_set: int = 0         # experts one fetch holds at once (engine.working_set), and the largest record:
     max_rec: int = 0             # halved last before a refusal (FitPlan.working_set)
     released: bool = False       # transient slots go back to the OS (store.working_set_released): the fetched
@@ -241,13 +243,15 @@ def _plan(inp: FitInputs) -> FitPlan:
             f"{beyond / 1e9:.2f} + pinned {inp.pin_bytes / 1e9:.2f} GB + one expert per layer "
             f"{inp.rec_sum / 1e9:.2f} GB; --ram_gb >= {round_up_gb(need / 1e9):.2f} would fit (decided before loading anything)")
     f, (kv, chunk) = choice
-    # streamed with fewer cached experts per layer than one token routes to, every token re-reads most of its
-    # experts; a smaller prefill chunk (llama.cpp's -ub) only re-reads a long prompt's experts once per chunk.  So
-    # the chunk's activations go to the cache first, halved down to CACHE_CHUNK_FLOOR (the GLM-4.5-Air slice at
-    # 0.45x of its size: 256 -> 64 tokens took the cache from 8 to 12 experts a layer, hits 0.60 -> 0.85, decode
-    # 9.4 -> 15.3 tok/s, docs/real-scale.md)
+    # streamed with a cache of fewer than two tokens' experts per layer, every token re-reads most of its experts; a
+    # smaller prefill chunk (llama.cpp's -ub) only re-reads a long prompt's experts once more per chunk.  So the
+    # chunk's activations go to the cache first, halved down to CACHE_CHUNK_FLOOR.  Measured (docs/real-scale.md):
+    # the 3-layer GLM-4.5-Air slice at 0.45x, 256 -> 64 tokens took the cache from 8 to 12 experts a layer and
+    # decode 9.4 -> 15.3 tok/s (stop 34); the 6-layer slice at 0.3x (cache 8 = top-8 at 256) gave decode 8.5-11.1
+    # -> 15.9 tok/s with a 64-token prompt, 8.6 -> 11.1 with a 512-token one, whose prefill went 55.8 -> 46.6
+    want_cached = CACHE_CHUNK_TOKENS * inp.top_k
     while (not inp.chunk_fixed and inp.act_per_position and inp.top_k and chunk > CACHE_CHUNK_FLOOR
-           and _cap(inp, inp.dense[f], (kv, chunk)) < min(E, inp.top_k, inp.cache_cap or E)):
+           and _cap(inp, inp.dense[f], (kv, chunk)) < min(E, want_cached, inp.cache_cap or E)):
         chunk = max(CACHE_CHUNK_FLOOR, chunk // 2)
     cap = max(0, min(E, _cap(inp, inp.dense[f], (kv, chunk))))
     all_fit = cap >= E and _cap(inp, inp.dense[f], (kv, chunk), rcode) >= E

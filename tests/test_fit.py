@@ -98,21 +98,27 @@ def test_prefill_chunk_halved_at_the_kv_floor_before_refusing():
         F.plan(inputs(chunk_fixed=False, **dict(kw, budget=290 * MB)))   # 32 (102): 294.6 > 290
 
 
-def test_a_streamed_runs_prefill_chunk_gives_its_activations_to_a_cache_below_one_tokens_experts():
+def test_a_streamed_runs_prefill_chunk_gives_its_activations_to_a_cache_below_two_tokens_experts():
     """The GLM-4.5-Air slice at 0.45x of its size: the plan kept a 256-token prefill chunk (0.36 GB of activations)
     and left the cache 2 experts a layer (8 after the first run) against top-8 routing: hits 0.60, 54 MB read a
-    token.  The chunk now halves (to 64 at least) while the cache holds fewer experts than one token routes to."""
+    token.  The 6-layer slice at 0.3x: 8 a layer, hits 0.75.  The chunk now halves (to 64 at least) while the cache
+    holds fewer experts than two tokens route to."""
     # 600 - runtime 100 - int8 dense 100 - KV 10.24 (1024 positions) - buffers 20 - workspace 150 + (512 - chunk) x 0.4 MB
+    # -> chunk 512: 21 experts of 10 MB, 256: 32, 128: 37, 64: 39
     kw = dict(budget=600 * MB, prefill_chunk=512, act_per_position=400_000, chunk_fixed=False, kv_tokens=1024,
               kv_fixed=True, num_experts=128)
     old = F.plan(inputs(**kw))                           # without a top_k: the chunk as asked, 21 experts
     assert (old.prefill_chunk, old.cap_fits) == (512, 21)
-    p = F.plan(inputs(top_k=30, **kw))                   # 512 (21) -> 256 (32 >= 30): stops there
+    p = F.plan(inputs(top_k=15, **kw))                   # 512 (21 < 30) -> 256 (32 >= 30): stops there
     assert (p.prefill_chunk, p.cap_fits, p.direct_io) == (256, 32, True)
     assert p.workspace == 150 * MB - 256 * 400_000 and "prefill chunk 256 tokens" in p.notes
-    p = F.plan(inputs(top_k=128 - 1, **kw))              # never below CACHE_CHUNK_FLOOR: 64 (39 experts)
+    p = F.plan(inputs(top_k=8, **dict(kw, budget=590 * MB)))   # top-8, 20 at 512 (> 16): kept
+    assert (p.prefill_chunk, p.cap_fits) == (512, 20)
+    p = F.plan(inputs(top_k=18, **kw))                   # 36: 256 (32) -> 128 (37): stops there
+    assert (p.prefill_chunk, p.cap_fits) == (128, 37)
+    p = F.plan(inputs(top_k=30, **kw))                   # never below CACHE_CHUNK_FLOOR: 64 (39 experts)
     assert (p.prefill_chunk, p.cap_fits) == (F.CACHE_CHUNK_FLOOR, 39)
-    assert F.plan(inputs(top_k=20, **kw)).prefill_chunk == 512          # the cache holds a token's experts: kept
+    assert F.plan(inputs(top_k=10, **kw)).prefill_chunk == 512          # the cache holds two tokens' experts: kept
     assert F.plan(inputs(top_k=30, **dict(kw, chunk_fixed=True))).prefill_chunk == 512   # --prefill_chunk: kept
     assert F.plan(inputs(top_k=30, cache_cap=20, **kw)).prefill_chunk == 512   # a --cache_cap it already holds
 
