@@ -444,12 +444,7 @@ class Engine(Runner):
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
         kv_now = _tree_bytes(self._cache) if self._cache is not None else 0
-        # the compile's transient part of the workspace the plan kept (the rest: programs and activations)
-        # the working set's cached part is in the private memory already (memory.cache_slots)
-        inp = f.inputs
-        buffers = inp.buffers - (min(self.store.cache_cap, inp.working_set) * inp.max_rec if inp.released else 0)
-        free = (inp.budget - MEM.private_bytes() - max(0, f.kv_bytes - kv_now) - buffers - F.LATER_COMPILE)
-        self.store.grow_cap(free)
+        self.store.grow_cap(F.refit_free(f.inputs, f.plan, MEM.private_bytes(), kv_now, self.store.cache_cap))
 
     @property
     def compile_s(self) -> float:

@@ -167,6 +167,17 @@ def _loads(inp: FitInputs, fmt: str) -> bool:
     return inp.runtime + inp.dense[fmt] + inp.load_extra.get(fmt, 0) <= inp.budget
 
 
+def refit_free(inp: FitInputs, plan: "FitPlan", private: int, kv_now: int, cache_cap: int) -> int:
+    """What the refit after the first generation may hand the expert cache (``ExpertStore.grow_cap``): the budget
+    less what is measured now (``private``: the weights, the cache's slots, the compiled programs), the KV still
+    to grow into its reservation, the working set beyond the cache (memory.cache_slots), one prefill chunk's
+    activations -- freed between forwards, so not in the measurement, but the next prefill allocates them again --
+    and LATER_COMPILE for programs not compiled yet."""
+    buffers = inp.buffers - (min(cache_cap, inp.working_set) * inp.max_rec if inp.released else 0)
+    acts = max(0, _workspace(inp, plan.prefill_chunk or inp.prefill_chunk) - COMPILE_BYTES - COMPILE_TRANSIENT)
+    return int(inp.budget - private - max(0, plan.kv_bytes - kv_now) - buffers - acts - LATER_COMPILE)
+
+
 def with_working_set(inp: FitInputs, w: int) -> FitInputs:
     """``inp`` with a working set of ``w`` experts (its buffers follow)."""
     return dataclasses.replace(inp, working_set=w, buffers=inp.buffers - (inp.working_set - w) * inp.max_rec)

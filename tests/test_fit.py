@@ -432,3 +432,20 @@ def test_the_working_set_is_halved_before_a_refusal():
     assert (p.working_set, p.cap_fits) == (4, 1)
     with pytest.raises(F.FitError):                                        # without the records' sizes: as before
         F.plan(inputs(budget=530 * MB, **dict(kw, max_rec=0)))
+
+
+def test_the_refit_keeps_a_prefill_chunks_activations_out_of_the_cache():
+    """After the first generation the refit measures private memory and hands what is free to the cache.  A
+    prefill's activations are freed between forwards, so the measurement does not see them; handing their reserve
+    to the cache let the next longer prompts take the GLM-4.5-Air slice at 0.3x to 825 MB private on a 752 MB
+    budget.  The refit keeps them (and LATER_COMPILE) out."""
+    kw = dict(budget=600 * MB, prefill_chunk=256, act_per_position=400_000, chunk_fixed=True, kv_tokens=1024,
+              kv_fixed=True, num_experts=128, workspace=F.COMPILE_BYTES + F.COMPILE_TRANSIENT + 256 * 400_000)
+    inp = inputs(**kw)
+    p = F.plan(inp)
+    private = 400 * MB
+    free = F.refit_free(inp, p, private, kv_now=p.kv_bytes, cache_cap=p.cap_fits)
+    # 600 - 400 - buffers 20 - activations 256 x 0.4 MB - LATER_COMPILE
+    assert free == 600 * MB - private - 20 * MB - 256 * 400_000 - F.LATER_COMPILE
+    # the KV not grown into yet is kept too
+    assert F.refit_free(inp, p, private, kv_now=0, cache_cap=p.cap_fits) == free - p.kv_bytes
