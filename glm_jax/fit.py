@@ -157,8 +157,9 @@ def _cap(inp: FitInputs, dense: int, step: tuple, code: int = 0) -> int:
              - inp.pin_bytes - code)
     if not inp.rec_sum:
         return inp.num_experts
-    if inp.released and inp.working_set and inp.max_rec:   # buffers count the whole working set: its cached part
-        return cache_slots(avail + inp.working_set * inp.max_rec, inp.rec_sum, inp.max_rec, inp.working_set)
+    if inp.working_set and inp.max_rec:          # buffers count the whole working set: cache_slots places it
+        return cache_slots(avail + inp.working_set * inp.max_rec, inp.rec_sum, inp.max_rec, inp.working_set,
+                           inp.released)
     return int(avail // inp.rec_sum)
 
 

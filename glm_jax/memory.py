@@ -156,12 +156,17 @@ def default_budget() -> tuple[int, str]:
     return b, why
 
 
-def cache_slots(avail: int, rec_sum: int, max_rec: int, working_set: int) -> int:
-    """Experts per layer an expert cache can keep in ``avail`` bytes (< 1: not even one).  Each layer keeps ``cap``
-    records; the layer being fetched holds up to ``working_set`` at once -- its kept slots plus working_set - cap
-    transient ones, returned to the OS at the next fetch of any layer (experts/store.py) -- so a cap below the
-    working set costs cap x rec_sum + (working_set - cap) x max_rec, and one at or above it cap x rec_sum.
-    ``rec_sum``: one record of every layer; ``max_rec``: the largest record."""
+def cache_slots(avail: int, rec_sum: int, max_rec: int, working_set: int, released: bool = True) -> int:
+    """Experts per layer an expert cache can keep in ``avail`` bytes, the cache and one fetch's working set
+    together (< 1: not even one).  Each layer keeps ``cap`` records; the layer being fetched holds up to
+    ``working_set`` at once -- its kept slots plus working_set - cap transient ones, returned to the OS at the next
+    fetch of any layer (``released``: experts/store.working_set_released) -- so a cap below the working set costs
+    cap x rec_sum + (working_set - cap) x max_rec, and one at or above it cap x rec_sum.  Where the transient slots
+    are not released, the working set stays resident beside the cap.  ``rec_sum``: one record of every layer;
+    ``max_rec``: the largest record."""
+    if not released:
+        return int((avail - working_set * max_rec) // rec_sum)
+    working_set = max(1, working_set)
     c = int(avail // rec_sum)
     if c >= working_set:
         return c

@@ -400,6 +400,7 @@ def test_cache_slots_counts_the_fetched_layers_cached_experts_once():
     assert cache_slots(99 * MB, 30 * MB, 10 * MB, 8) < 1            # the old sizing needed 80 + 30 = 110 for cap 1
     assert cache_slots(79 * MB, 10 * MB, 10 * MB, 8) < 1            # one layer: its whole working set
     assert cache_slots(80 * MB, 10 * MB, 10 * MB, 8) == 8
+    assert cache_slots(110 * MB, 30 * MB, 10 * MB, 8, released=False) == 1   # slots kept: 80 beside the cap's 30
     # the plan, the same rule: runtime 100 + workspace 150 + dense 200 (as given) + KV 2.56 = 452.56 MB, then the
     # working set 80 with its one cached expert + the other two layers' 20: 552.56 (the old sizing: 562.56)
     kw = dict(budget=555 * MB, rec_sum=30 * MB, buffers=80 * MB, kv_fixed=True, kv_tokens=256, dense_fixed=True)

@@ -473,12 +473,7 @@ class ExpertStore:
         if share > 1:       # this shard's part of what the process has left (the shards' buffers and pins too)
             avail = (budget - used_bytes - kv_bytes) / share - staging - pin_bytes
         released = working_set_released(src, layers)
-        if not rec_sum:
-            fit = E
-        elif released:
-            fit = cache_slots(avail, rec_sum, max_rec, max(1, W))
-        else:               # the working set stays resident beside the cap
-            fit = int((avail - W * max_rec) // rec_sum)
+        fit = cache_slots(avail, rec_sum, max_rec, W, released) if rec_sum else E
         sizing = dict(budget_bytes=int(budget), budget_from=why, used_bytes=int(used_bytes), kv_bytes=int(kv_bytes),
                       buffer_bytes=int(buffers), pin_bytes=int(pin_bytes), per_cap_bytes=int(rec_sum),
                       max_record_bytes=int(max_rec), working_set=int(W), working_set_released=released,
@@ -486,15 +481,14 @@ class ExpertStore:
         if cache_cap is None:
             if fit < 1:
                 # the working set beyond the fetched layer's one cached expert
-                rel = released
-                beyond = buffers - (max_rec if rel else 0)
+                beyond = buffers - (max_rec if released else 0)
                 need = (used_bytes + kv_bytes + share * (beyond + pin_bytes + rec_sum)) / 1e9
                 src.close()
                 rlabel = (labels.get("ram_gb") or "--ram_gb") if ram_gb else why
                 raise RamBudgetError(
                     f"RAM budget {budget / 1e9:.2f} GB ({rlabel}) too small: the process (runtime, dense weights, "
                     f"compile reserve) {used_bytes / 1e9:.2f} + KV {kv_bytes / 1e9:.2f} + I/O buffers and one layer's "
-                    f"working set{' beyond its cached expert' if rel else ''} {beyond / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
+                    f"working set{' beyond its cached expert' if released else ''} {beyond / 1e9:.2f} + pinned {pin_bytes / 1e9:.2f} GB leave "
                     f"{max(avail - beyond + staging, 0) / 1e9:.2f} GB, but one expert per layer needs "
                     f"{rec_sum / 1e9:.2f} GB; "
                     f"--ram_gb >= {round_up_gb(need):.2f} would fit"
