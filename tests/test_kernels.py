@@ -355,3 +355,43 @@ def test_to_tiles_converts_a_block_of_rows_at_a_time(fmt):
         tracemalloc.stop()
     result = qt.nbytes + st.nbytes
     assert peak < result + 5 * (16 << 20), (peak / 1e6, result / 1e6)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int8_row", "int4_g64"])
+def test_threaded_calls_give_every_row_its_result_alone(fmt):
+    """Calls big enough to run on several threads (the seam's one-call decode path and its three-phase path, qlinear,
+    attention), with the helpers that wait for the next call and with helpers scheduled per call: every row is
+    bitwise its result computed alone, on one thread, whichever thread ran its tasks."""
+    E, H, I, K, T = 8, 512, 256, 4, 64                   # T x K x I = 65536: the three-phase path; one token: one call
+    bank, _ = _bank(fmt, E, H, I, seed=31)
+    rng = np.random.default_rng(32)
+    slots = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    qw = quant.to_qweight(rng.normal(size=(384, H)).astype(np.float32), fmt, "native", jnp.float32)
+    lin = jax.jit(lambda x, w: quant.qdot(x, w, None))
+    nkv, hd, S = 2, 64, 300
+    kc = rng.normal(size=(1, S, nkv, hd)).astype(np.float32)
+    vc = rng.normal(size=(1, S, nkv, hd)).astype(np.float32)
+    qa = rng.normal(size=(1, 1, 8, hd)).astype(np.float32)
+    attn = jax.jit(lambda q, k, v, p: kernels.attention(q, k, v, p, jnp.ones((1, 1), bool), hd ** -0.5))
+    prev = kernels.set_helper_spin_ns(100_000)
+    try:
+        runs = []
+        for spin in (100_000, 0, 100_000):
+            kernels.set_helper_spin_ns(spin)
+            full = np.asarray(_moe(jnp.asarray(x), jnp.asarray(slots), jnp.asarray(w), bank, False))
+            ones = [np.asarray(_moe(jnp.asarray(x[t:t + 1]), jnp.asarray(slots[t:t + 1]), jnp.asarray(w[t:t + 1]),
+                                    bank, False))[0] for t in (0, 17, 63)]
+            att = np.asarray(attn(jnp.asarray(qa), jnp.asarray(kc), jnp.asarray(vc), jnp.full((1, 1), S - 1, jnp.int32)))
+            y = np.asarray(lin(jnp.asarray(x[:3]), qw))
+            y1 = np.asarray(lin(jnp.asarray(x[1:2]), qw))
+            runs.append((full, ones, att, y))
+            for j, t in enumerate((0, 17, 63)):
+                assert np.array_equal(ones[j], full[t]), (fmt, spin, t)
+            assert np.array_equal(y1[0], y[1]), (fmt, spin)
+        for full, ones, att, y in runs[1:]:
+            assert np.array_equal(full, runs[0][0]) and np.array_equal(att, runs[0][2]) and np.array_equal(y, runs[0][3])
+            assert all(np.array_equal(a, b) for a, b in zip(ones, runs[0][1]))
+    finally:
+        kernels.set_helper_spin_ns(prev)

@@ -260,7 +260,7 @@ def _load():
     for name, res, args in (("glmjax_sink_open", i32, ()), ("glmjax_sink_close", None, (i32,)),
                             ("glmjax_sink_reset", ctypes.c_int, (i32, i64)),
                             ("glmjax_sink_wait", i64, (i32, i64, i64, p, i64, p, i64, p)),
-                            ("glmjax_sink_set", None, (i32, p, i64, i32))):
+                            ("glmjax_sink_set", None, (i32, p, i64, i32)), ("glmjax_set_spin_ns", i64, (i64,))):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, list(args)
     return lib
@@ -294,6 +294,14 @@ def last_error() -> str | None:
 
 def has_vnni() -> bool:
     return bool(load() and _state["lib"].glmjax_has_vnni())
+
+
+def set_helper_spin_ns(ns: int) -> int:
+    """How long a kernel call's helper thread waits on XLA's pool for the next call (qkernels.cc "Sticky helpers");
+    0: each call schedules its own helpers.  Returns the previous value.  Results never depend on it (the kernel
+    tests check both); the engine keeps the default."""
+    load(required=True)
+    return int(_state["lib"].glmjax_set_spin_ns(int(ns)))
 
 
 def fmt_code(fmt: str) -> int:

@@ -704,21 +704,108 @@ void run_tasks(ParState* st) {
   }
 }
 
-// Run fn(0..n) on the calling thread plus up to threads-1 helpers from XLA's pool.  Helpers that start late find no
-// task left and return; the caller waits only for tasks that were taken (never for a helper to start).
+// The pool path: fn(0..n) on the calling thread plus up to threads-1 helpers scheduled on XLA's pool for this call.
+// Helpers that start late find no task left and return; the caller waits only for tasks that were taken (never for a
+// helper to start).
+void parallel_for_pool(ffi::ThreadPool* pool, int helpers, int64_t n, std::function<void(int64_t)>& fn) {
+  auto st = std::make_shared<ParState>();
+  st->n = n;
+  st->fn = std::move(fn);
+  for (int h = 0; h < helpers; ++h) pool->Schedule([st]() { run_tasks(st.get()); });
+  run_tasks(st.get());
+  while (st->done.load(std::memory_order_acquire) < n) _mm_pause();
+}
+
+// Sticky helpers.  A decode step makes ~25 native calls of 20-600 us with a few us of XLA ops between them; a helper
+// scheduled per call costs a pool hand-off each time, and one that went to sleep between calls ~40 us to wake (seen in
+// a jax.profiler trace of b's decode: the MoE seam's third phase started 40 us after its second).  So a helper, once
+// its call is done, keeps spinning on XLA's pool thread for the next call for up to g_spin_ns, and the next call
+// schedules only the helpers that are not already waiting.  One call at a time goes through them (a try-lock; a
+// concurrent call takes the pool path).  Who runs a task never changes what it computes, so results are bitwise those
+// of the pool path (tests/test_kernels.py runs both).
+struct Sticky {
+  std::mutex m;                         // held by the call whose tasks the helpers run
+  std::atomic<uint64_t> state{0};       // (call number << 1) | open
+  std::atomic<int> active{0};           // helpers inside the open call
+  std::atomic<int> waiting{0};          // helpers spinning for the next call
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t n = 0;
+  const std::function<void(int64_t)>* fn = nullptr;
+};
+Sticky g_sticky;
+std::atomic<int64_t> g_spin_ns{100000};
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void sticky_run(Sticky* S) {
+  for (;;) {
+    int64_t i = S->next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= S->n) return;
+    (*S->fn)(i);
+    S->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Join call `s` if it is still open: registered in `active` first, so the caller (which closes, then waits for
+// active == 0) cannot return while this helper reads its fn.
+void sticky_join(Sticky* S, uint64_t s) {
+  S->active.fetch_add(1, std::memory_order_seq_cst);
+  if (S->state.load(std::memory_order_seq_cst) == s) sticky_run(S);
+  S->active.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void sticky_helper(Sticky* S, uint64_t s) {
+  sticky_join(S, s);
+  uint64_t last = s;
+  S->waiting.fetch_add(1, std::memory_order_seq_cst);
+  int64_t deadline = now_ns() + g_spin_ns.load(std::memory_order_relaxed);
+  for (;;) {
+    uint64_t c = S->state.load(std::memory_order_acquire);
+    if ((c & 1) && c != last) {
+      S->waiting.fetch_sub(1, std::memory_order_seq_cst);
+      sticky_join(S, c);
+      last = c;
+      S->waiting.fetch_add(1, std::memory_order_seq_cst);
+      deadline = now_ns() + g_spin_ns.load(std::memory_order_relaxed);
+      continue;
+    }
+    for (int k = 0; k < 16; ++k) _mm_pause();
+    if (now_ns() > deadline) break;
+  }
+  S->waiting.fetch_sub(1, std::memory_order_seq_cst);
+  uint64_t c = S->state.load(std::memory_order_seq_cst);   // a call opened as this helper stopped waiting
+  if ((c & 1) && c != last) sticky_join(S, c);
+}
+
+// Run fn(0..n) on the calling thread plus up to threads-1 helpers from XLA's pool.
 void parallel_for(ffi::ThreadPool* pool, int threads, int64_t n, std::function<void(int64_t)> fn) {
   if (n <= 0) return;
   if (pool == nullptr || threads <= 1 || n == 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  auto st = std::make_shared<ParState>();
-  st->n = n;
-  st->fn = std::move(fn);
-  int helpers = (int)std::min<int64_t>(threads - 1, n - 1);
-  for (int h = 0; h < helpers; ++h) pool->Schedule([st]() { run_tasks(st.get()); });
-  run_tasks(st.get());
-  while (st->done.load(std::memory_order_acquire) < n) _mm_pause();
+  const int helpers = (int)std::min<int64_t>(threads - 1, n - 1);
+  Sticky* S = &g_sticky;
+  std::unique_lock<std::mutex> lk(S->m, std::try_to_lock);
+  if (!lk.owns_lock() || g_spin_ns.load(std::memory_order_relaxed) <= 0) {
+    if (lk.owns_lock()) lk.unlock();
+    return parallel_for_pool(pool, helpers, n, fn);
+  }
+  S->n = n;
+  S->fn = &fn;
+  S->next.store(0, std::memory_order_relaxed);
+  S->done.store(0, std::memory_order_relaxed);
+  const uint64_t s = (((S->state.load(std::memory_order_relaxed) >> 1) + 1) << 1) | 1;
+  S->state.store(s, std::memory_order_seq_cst);
+  for (int h = S->waiting.load(std::memory_order_seq_cst); h < helpers; ++h)
+    pool->Schedule([S, s]() { sticky_helper(S, s); });
+  sticky_run(S);
+  while (S->done.load(std::memory_order_acquire) < n) _mm_pause();
+  S->state.store(s & ~(uint64_t)1, std::memory_order_seq_cst);
+  while (S->active.load(std::memory_order_seq_cst) > 0) _mm_pause();
 }
 
 int pool_threads(ffi::ThreadPool& pool) {
@@ -790,10 +877,13 @@ ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 // ------------------------------------------------------------------------------------------------ MoE seam
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-// y += w x, one fma per element (AVX2: 8 lanes at a time, the same fma each)
+// y += w x, one fma per element (AVX-512: 16 lanes at a time, AVX2: 8, the same fma each)
 inline void axpy(float w, const float* x, float* y, int64_t n) {
   int64_t i = 0;
-#if GLMJAX_AVX2
+#if GLMJAX_VNNI
+  const __m512 wv = _mm512_set1_ps(w);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif GLMJAX_AVX2
   const __m256 wv = _mm256_set1_ps(w);
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
@@ -877,8 +967,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   make_tasks(I2, ta);
   make_tasks(H, tc);
 
-  // phase A: h = gate_up(x)
-  parallel_for(&pool, threads, (int64_t)ta.size(), [&](int64_t i) {
+  auto task_a = [&](int64_t i) {     // h = gate_up(x)
     const Grp& g = groups[ta[i][0]];
     WMat W = make_wmat(gq + g.slot * gu_slot, quant ? gs + g.slot * gs_slot : nullptr, fmt, I2, H, gng, gu_group);
     std::vector<const Prep*> pp(g.n);
@@ -889,19 +978,16 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
       ys[j] = h.data() + q * I2;
     }
     gemm(W, ta[i][1], ta[i][2], pp.data(), g.n, ys.data());
-  });
-  // phase B: act = silu(gate) * up, prepared for down
-  int64_t bchunk = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
-  parallel_for(&pool, P * I >= 65536 ? threads : 1, (P + bchunk - 1) / bchunk, [&](int64_t c) {
-    for (int64_t q = c * bchunk; q < std::min(P, (c + 1) * bchunk); ++q) {
+  };
+  auto act_rows = [&](int64_t q0, int64_t q1) {   // act = silu(gate) * up, prepared for down
+    for (int64_t q = q0; q < q1; ++q) {
       const float* hq = h.data() + q * I2;
       float* a = act.data() + q * I;
       for (int64_t i = 0; i < I; ++i) a[i] = silu(hq[i]) * hq[I + i];
       prep_row(fmt, a, I, Ld, pd + q * Ld.bytes, &aprep[q]);
     }
-  });
-  // phase C: y = down(act)   (mode 1 writes straight into the [T, K, H] terms)
-  parallel_for(&pool, threads, (int64_t)tc.size(), [&](int64_t i) {
+  };
+  auto task_c = [&](int64_t i) {     // y = down(act)   (mode 1 writes straight into the [T, K, H] terms)
     const Grp& g = groups[tc[i][0]];
     WMat W = make_wmat(dq + g.slot * dn_slot, quant ? ds + g.slot * ds_slot : nullptr, fmt, H, I, dng, dn_group);
     std::vector<const Prep*> pp(g.n);
@@ -912,7 +998,37 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
       ys[j] = mode == 1 ? op + order[q] * H : y.data() + q * H;
     }
     gemm(W, tc[i][1], tc[i][2], pp.data(), g.n, ys.data());
-  });
+  };
+  if (P * I < 65536) {
+    // few rows (decode): one parallel call.  The gate_up tasks come first; the thread that finishes a group's last
+    // one computes that group's act, and the group's down tasks (taken after every gate_up task was taken) wait for
+    // it.  No barrier between the phases, and no thread idles while another finishes its last gate_up.
+    const int64_t G = (int64_t)groups.size(), NA = (int64_t)ta.size();
+    std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[G]);
+    std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[G]);
+    for (int64_t g = 0; g < G; ++g) left[g].store(0, std::memory_order_relaxed), ready[g].store(0);
+    for (const auto& t : ta) left[t[0]].fetch_add(1, std::memory_order_relaxed);
+    parallel_for(&pool, threads, NA + (int64_t)tc.size(), [&](int64_t i) {
+      if (i < NA) {
+        task_a(i);
+        const int64_t g = ta[i][0];
+        if (left[g].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          act_rows(groups[g].p0, groups[g].p0 + groups[g].n);
+          ready[g].store(1, std::memory_order_release);
+        }
+        return;
+      }
+      const int64_t g = tc[i - NA][0];
+      while (!ready[g].load(std::memory_order_acquire)) _mm_pause();
+      task_c(i - NA);
+    });
+  } else {
+    parallel_for(&pool, threads, (int64_t)ta.size(), task_a);
+    int64_t bchunk = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
+    parallel_for(&pool, threads, (P + bchunk - 1) / bchunk,
+                 [&](int64_t c) { act_rows(c * bchunk, std::min(P, (c + 1) * bchunk)); });
+    parallel_for(&pool, threads, (int64_t)tc.size(), task_c);
+  }
   if (mode == 1) return ffi::Error::Success();
   // combine in routing order k
   for (int64_t t = 0; t < T; ++t) {
@@ -935,12 +1051,16 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 //   positions 0..pos[r]), rows [N] (0: a padding row, its output 0) -> out [N, nh x hd]
 // Per (row, head): s_j = (q . k_j) x scale (16 lanes, lane l summing elements d = l mod 16 in order, the lanes then
 // added in order), m = max s, e_j = exp(s_j - m), out = (sum_j e_j v_j, j in order) / (sum_j e_j): the same operations
-// whatever B, T, the other rows or the thread, in every build (AVX2: the 16 lanes as two halves, bitwise the
-// portable sums).
+// whatever B, T, the other rows or the thread, in every build (AVX-512: the 16 lanes as one vector, AVX2: as two
+// halves, bitwise the portable sums; the AVX-512 build had used the portable loops, 74 us a call at 50 positions on b).
 inline float dot16(const float* a, const float* b, int64_t n) {
-  alignas(32) float acc[16] = {0};
+  alignas(64) float acc[16] = {0};
   int64_t i = 0;
-#if GLMJAX_AVX2
+#if GLMJAX_VNNI
+  __m512 va = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) va = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), va);
+  _mm512_store_ps(acc, va);
+#elif GLMJAX_AVX2
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
@@ -1050,6 +1170,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoe, MoeImpl,
                                   .Attr<int64_t>("inter"));
 
 extern "C" int glmjax_has_vnni() { return GLMJAX_VNNI; }
+
+// How long (ns) a sticky helper waits for the next call; 0: every call schedules its own helpers (the pool path).
+// Returns the previous value.  For the kernel tests and the benches' A/B; the engine keeps the default.
+extern "C" int64_t glmjax_set_spin_ns(int64_t ns) { return g_spin_ns.exchange(ns < 0 ? 0 : ns); }
 
 // ---------------------------------------------------------------------------------------------- Stream sink
 // The scheduler's fused decode loop (one compiled while loop, many steps) streams its tokens through a sink: every
