@@ -354,6 +354,22 @@ template <bool BF>
 void gemm_float(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps, int64_t n, float* const* ys) {
   float tmp[16];
   int64_t r = r0;
+#if GLMJAX_VNNI
+  // 1-3 tokens (decode): a row at a time, one sequential stream of weights.  Four rows at once are four streams 4 KB
+  // apart; from DRAM a row at a time read 19-24 GB/s a core against 15-18 (tools/bench/tiles_vnni.cc, stop 36).  The
+  // same accumulator per (row, token) either way, so the same results.
+  if (n < 4) {
+    for (; r < r1; ++r) {
+      if (n == 1) {
+        dot_float<1, 1, BF>(W, r, preps, ys[0] + r);
+        continue;
+      }
+      n == 2 ? dot_float<1, 2, BF>(W, r, preps, tmp) : dot_float<1, 3, BF>(W, r, preps, tmp);
+      for (int64_t c = 0; c < n; ++c) ys[c][r] = tmp[c];
+    }
+    return;
+  }
+#endif
   for (; r + 4 <= r1; r += 4) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {

@@ -88,7 +88,7 @@ void tile_i8(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
 }
 
 
-// f32 rows (the float kernel's dot_float<4, 1>): 4 rows x 1 token, one 16-lane accumulator per row; prefetch PF rows
+// f32 rows (the float kernel's dot_float<4, 1> before stop 36): 4 rows x 1 token, one 16-lane accumulator per row; prefetch PF rows
 // ahead (PF * row bytes) at the same offset
 template <int PFR>
 void rows_f32(const float* w, int64_t in, int64_t r0, const float* x, float* out) {
@@ -102,6 +102,20 @@ void rows_f32(const float* w, int64_t in, int64_t r0, const float* x, float* out
     }
   }
   for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// f32, a row at a time (the AVX-512 build's decode since stop 36): one sequential stream, prefetch PFB bytes ahead
+template <int PFB>
+void rows_f32_seq(const float* w, int64_t in, int64_t r0, const float* x, float* out) {
+  for (int r = 0; r < 4; ++r) {
+    __m512 acc = _mm512_setzero_ps();
+    const float* wr = w + (r0 + r) * in;
+    for (int64_t i = 0; i < in; i += 16) {
+      if (PFB) _mm_prefetch((const char*)(wr + i) + PFB, _MM_HINT_T0);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(wr + i), _mm512_loadu_ps(x + i), acc);
+    }
+    out[r] = _mm512_reduce_add_ps(acc);
+  }
 }
 
 struct Variant { const char* name; int tokens; bool i8; void (*f)(const W&, int64_t, const P* const*, float (*)[16]); };
@@ -178,7 +192,7 @@ int main(int argc, char** argv) {
     return (double)calls * K * (tiles * units * 64 + tiles * ngf * 64);
   });
   // f32: 12 matrices of 2048 x 1024 f32 (8 MB each) rotating
-  const int NEF = 12;
+  const int NEF = 24;
   std::vector<float*> wf(NEF);
   for (int e = 0; e < NEF; ++e) {
     wf[e] = (float*)aligned_alloc(64, out * in * 4);
@@ -186,16 +200,16 @@ int main(int argc, char** argv) {
   }
   alignas(64) static float xf[4096];
   for (int i = 0; i < in; ++i) xf[i] = 0.5f;
-  void (*ff[])(const float*, int64_t, int64_t, const float*, float*) = {rows_f32<0>, rows_f32<4>, rows_f32<8>};
-  const char* fn[] = {"f32 4 rows x 1 tok", "f32 + prefetch 4 rows ahead", "f32 + prefetch 8 rows ahead"};
-  const auto rf = interleaved_rates(3, 9, [&](int f) {
+  void (*ff[])(const float*, int64_t, int64_t, const float*, float*) = {rows_f32<0>, rows_f32<4>, rows_f32_seq<0>, rows_f32_seq<4096>, rows_f32_seq<8192>};
+  const char* fn[] = {"f32 4 rows x 1 tok", "f32 + prefetch 4 rows ahead", "f32 1 row at a time", "f32 1 row, prefetch 4K", "f32 1 row, prefetch 8K"};
+  const auto rf = interleaved_rates(5, 9, [&](int f) {
     for (int c = 0; c < 24; ++c) {
       const float* w = wf[(iter++ * 7) % NEF];
       for (int64_t r = 0; r < out; r += 4) ff[f](w, in, r, xf, y.data() + r);
     }
     return 24.0 * out * in * 4;
   });
-  for (int f = 0; f < 3; ++f) print_rate_row(fn[f], rf[f], 1);
+  for (int f = 0; f < 5; ++f) print_rate_row(fn[f], rf[f], 1);
   for (int f = 0; f < NF; ++f) print_rate_row(vs[f].name, res[f], vs[f].tokens);
   printf("(checksum %f)\n", y[3]);
   return 0;
