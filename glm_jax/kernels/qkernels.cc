@@ -359,6 +359,7 @@ void gemm_float(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps,
   // apart; from DRAM a row at a time read 19-24 GB/s a core against 15-18 (tools/bench/tiles_vnni.cc, stop 36).  The
   // same accumulator per (row, token) either way, so the same results.
   if (n < 4) {
+    if (n <= 0) return;             // every row padding
     for (; r < r1; ++r) {
       if (n == 1) {
         dot_float<1, 1, BF>(W, r, preps, ys[0] + r);
