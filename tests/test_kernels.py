@@ -395,3 +395,14 @@ def test_threaded_calls_give_every_row_its_result_alone(fmt):
             assert all(np.array_equal(a, b) for a, b in zip(ones, runs[0][1]))
     finally:
         kernels.set_helper_spin_ns(prev)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int4_g64"])
+def test_qlinear_with_every_row_padding_is_zero(fmt):
+    """Every row padding leaves the product no token (c6aa726: the AVX-512 float row path then read preps that were
+    not there and crashed the scheduler's tests); the output is zeros."""
+    rng = np.random.default_rng(41)
+    qw = quant.to_qweight(rng.normal(size=(512, 256)).astype(np.float32), fmt, "native", jnp.float32)
+    x = rng.normal(size=(3, 256)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, w, r: quant.qdot(x, w, r))(jnp.asarray(x), qw, jnp.zeros(3, bool)))
+    assert got.shape == (3, 512) and not got.any()

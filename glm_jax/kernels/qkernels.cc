@@ -712,14 +712,18 @@ struct ParState {
   std::function<void(int64_t)> fn;
 };
 
-void run_tasks(ParState* st) {
+// Take tasks of 0..n off `next` until none is left, counting each finished one in `done` (both paths below).
+void claim_tasks(std::atomic<int64_t>& next, std::atomic<int64_t>& done, int64_t n,
+                 const std::function<void(int64_t)>& fn) {
   for (;;) {
-    int64_t i = st->next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= st->n) return;
-    st->fn(i);
-    st->done.fetch_add(1, std::memory_order_release);
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n) return;
+    fn(i);
+    done.fetch_add(1, std::memory_order_release);
   }
 }
+
+void run_tasks(ParState* st) { claim_tasks(st->next, st->done, st->n, st->fn); }
 
 // The pool path: fn(0..n) on the calling thread plus up to threads-1 helpers scheduled on XLA's pool for this call.
 // Helpers that start late find no task left and return; the caller waits only for tasks that were taken (never for a
@@ -757,14 +761,7 @@ inline int64_t now_ns() {
       .count();
 }
 
-void sticky_run(Sticky* S) {
-  for (;;) {
-    int64_t i = S->next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= S->n) return;
-    (*S->fn)(i);
-    S->done.fetch_add(1, std::memory_order_release);
-  }
-}
+void sticky_run(Sticky* S) { claim_tasks(S->next, S->done, S->n, *S->fn); }
 
 // Join call `s` if it is still open: registered in `active` first, so the caller (which closes, then waits for
 // active == 0) cannot return while this helper reads its fn.
