@@ -481,3 +481,42 @@ def test_a_cache_below_the_working_set_holds_one_layers_transient_slots_at_a_tim
         st.close(save_usage=False)
     with pytest.raises(RamBudgetError, match="working set beyond its cached expert"):
         ExpertStore.open(d, cfg, ram_gb=ram - 20e-9, used_bytes=1_000_000, io_threads=2, max_working_set=W)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_replay_hits_leaves_the_store_as_one_fetch_per_call(cont, tmp_path, policy):
+    """The fused program's layers that skipped the host are replayed in one bulk call per layer (replay_hits): the
+    store's counters, usage, policy state and its later evictions must be those of one fetch per call."""
+    d, cfg = _fresh(cont, tmp_path)
+    rng = np.random.default_rng(5)
+    calls = [np.unique(rng.choice(4, rng.integers(1, 4), replace=False)) for _ in range(40)]
+    stores = [ExpertStore.open(d, cfg, cache_cap=5, policy=policy, max_working_set=4, state_dir="off")
+              for _ in range(2)]
+    for st in stores:
+        st.fetch(1, np.array([0, 1, 2, 3]))                 # every expert the calls use is resident
+        st.fetch(1, np.array([4]))
+    for u in calls:
+        stores[0].fetch(1, u)
+    assert stores[1].replay_hits(1, calls)
+    a, b = stores[0], stores[1]
+    timing = ("fetch_s", "io_wait_s", "read_s", "read_gbps", "pin_load_s")       # seconds: not bookkeeping
+    counts = [{k: v for k, v in st.stats().items() if k not in timing} for st in stores]
+    assert counts[0] == counts[1] and counts[0]["fetch_calls"] == 42 and counts[0]["hits_cache"] > 40
+    np.testing.assert_array_equal(a._usage[1], b._usage[1])
+    pa, pb = a.index[1].policy, b.index[1].policy
+    assert pa.t == pb.t and np.array_equal(pa.last, pb.last)
+    if policy == "lfu":
+        assert pa.calls == pb.calls and np.array_equal(pa.at, pb.at) and np.array_equal(pa.score, pb.score)
+    for st in stores:                                       # the next misses evict the same experts
+        st.fetch(1, np.array([5, 6]))
+        st.fetch(1, np.array([7]))
+    assert np.array_equal(a.resident_mask(1), b.resident_mask(1))
+    # a call with an expert not resident: nothing replayed, nothing changed
+    out = int(np.nonzero(~b.resident_mask(1))[0][0])
+    before = (b.stats(), b._usage[1].copy(), b.index[1].policy.last.copy())
+    assert not b.replay_hits(1, [np.array([0]), np.array([out])])
+    assert b.stats()["fetch_calls"] == before[0]["fetch_calls"] and b.stats()["requested"] == before[0]["requested"]
+    assert np.array_equal(b._usage[1], before[1])
+    assert np.array_equal(b.index[1].policy.last, before[2])
+    for st in stores:
+        st.close(save_usage=False)

@@ -98,6 +98,13 @@ class LRUPolicy:
             self.t += 1
             self.last[e] = self.t
 
+    def touch_many(self, unions: list):
+        """``touch(u)`` for each ``u`` in order, in one pass: an expert's last use is its last occurrence."""
+        cat = np.concatenate([np.asarray(u, np.int64).reshape(-1) for u in unions]) if unions else np.zeros(0, int)
+        if cat.size:
+            np.maximum.at(self.last, cat, self.t + np.arange(1, cat.size + 1, dtype=np.int64))
+            self.t += int(cat.size)
+
     def victims(self, candidates) -> list:
         """Candidates sorted eviction-first."""
         return sorted(candidates, key=lambda e: self.last[e])
@@ -116,10 +123,22 @@ class LFUDecayPolicy(LRUPolicy):
 
     def touch(self, ids):
         self.calls += 1
-        for e in ids:
-            self.score[e] = self.score[e] * self.decay ** (self.calls - self.at[e]) + 1.0
-            self.at[e] = self.calls
+        u = np.asarray(ids, np.int64).reshape(-1)
+        # one vector expression per call, also for a single id: every path computes a score the same way (bitwise)
+        for part in ([u] if np.unique(u).size == u.size else [u[i:i + 1] for i in range(u.size)]):
+            self.score[part] = self.score[part] * self.decay ** (self.calls - self.at[part]) + 1.0
+            self.at[part] = self.calls
         super().touch(ids)
+
+    def touch_many(self, unions: list):
+        """``touch(u)`` for each ``u`` (ids without repeats) in order: the decay depends on the call count, so one
+        call at a time, each the vector expression ``touch`` computes."""
+        for u in unions:
+            u = np.asarray(u, np.int64).reshape(-1)
+            self.calls += 1
+            self.score[u] = self.score[u] * self.decay ** (self.calls - self.at[u]) + 1.0
+            self.at[u] = self.calls
+        super().touch_many(unions)
 
     def victims(self, candidates) -> list:
         now = self.calls
@@ -648,6 +667,41 @@ class ExpertStore:
             st["io_wait_s"] += t2 - t1
             st["fetch_s"] += time.perf_counter() - t0 - wait_pf
             return lc.bank, out_slot_of
+
+    def replay_hits(self, layer: int, unions: list) -> bool:
+        """``fetch(layer, u)`` for each ``u`` (ids without repeats) in order, where every expert of every ``u`` is
+        already resident: the same bookkeeping (usage, the policy's order, the hit counters) in one pass instead of a
+        call each -- a fused program's layers that skipped the host, replayed between its dispatches.  Returns False,
+        having changed nothing, where that does not hold (a miss, a prefetched expert not asked for yet, a cache
+        over its cap): the caller then calls ``fetch`` for each."""
+        t0 = time.perf_counter()
+        lc = self._layer(layer)
+        if not unions:
+            return True
+        self._wait_pending(layer)
+        with self._lock:
+            idx = self.index[layer]
+            cat = np.concatenate([np.asarray(u, np.int64).reshape(-1) for u in unions])
+            if lc.prefetched or len(idx.cached) > idx.cap or max(len(u) for u in unions) > idx.room:
+                return False
+            if cat.size and (cat.min() < 0 or cat.max() >= lc.E or not self.owned[layer][cat].all()):
+                return False
+            have = idx.pinned.copy()
+            have[list(idx.cached)] = True
+            if not have[cat].all():
+                return False
+            self._usage[layer] += np.bincount(cat, minlength=lc.E)[:lc.E]
+            self._release_transient()
+            idx.policy.touch_many(unions)
+            pinned = int(idx.pinned[cat].sum())
+            st = self._stats
+            st["fetch_calls"] += len(unions)
+            st["requested"] += int(cat.size)
+            st["hits_pinned"] += pinned
+            st["hits_cache"] += int(cat.size) - pinned
+            st["loads_per_layer"][layer] = st["loads_per_layer"].get(layer, 0)
+            st["fetch_s"] += time.perf_counter() - t0
+            return True
 
     def _release_transient(self):
         for L2, lc2 in self.layers.items():     # only layers with slots to return (75 layers: 75 x 75 sums/token)

@@ -225,9 +225,13 @@ class Runner:
             return np.zeros(self.cfg.n_routed_experts, bool)
         return self.store.pinned_mask(layer) if mode == "pinned" else self.store.resident_mask(layer)
 
+    def resident_masks_np(self) -> np.ndarray:
+        """bool [n_moe, E]: ``resident_for`` of every MoE layer (a jit argument as it is)."""
+        return np.stack([self.resident_for(l) for l in self.moe_layers]).reshape(
+            len(self.moe_layers), self.cfg.n_routed_experts)
+
     def _resident_masks(self):
-        return jnp.asarray(np.stack([self.resident_for(l) for l in self.moe_layers]).reshape(
-            len(self.moe_layers), self.cfg.n_routed_experts))
+        return jnp.asarray(self.resident_masks_np())
 
     # ------------------------------------------------------------------ the forward
     def forward(self, tokens: np.ndarray, start: np.ndarray, lengths: np.ndarray, logit_rows=None,

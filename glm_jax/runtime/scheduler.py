@@ -749,16 +749,19 @@ class Scheduler:
         t0 = time.perf_counter()
         eos = sorted(rt.cfg.eos_token_ids) or [-1]
         pos = np.where(active, self.pos, BIG_POS).astype(np.int32)
-        extra = () if rmap is None else (jnp.asarray(rmap),)
+        extra = () if rmap is None else (np.asarray(rmap, np.int32),)
         params = (rt.params, fused_banks(rt)) if streamed_store else rt.step_params()
         # what changes from step to step besides the cache: the store's state (streamed) or the resident masks
-        state = fused_state(rt, FUSED_CHUNK, w, W) if streamed_store else rt._resident_masks()
-        rt._cache, out, cnt, keys, acc, state = fn(params, rt._cache, jnp.asarray(self.tok[sel], jnp.int32),
-                                            jnp.asarray(pos[sel]), jnp.asarray(self.keys[sel]),
-                                            jnp.asarray(temp[sel]), jnp.asarray(topk[sel]), jnp.asarray(topp[sel]),
-                                            jnp.asarray(eos_on[sel]), jnp.asarray(budget[sel]), jnp.int32(n),
-                                            jnp.asarray(eos, jnp.int32), state,
-                                            jnp.int32(sink.slot if sink is not None else 0), *extra)
+        state = fused_state(rt, FUSED_CHUNK, w, W) if streamed_store else rt.resident_masks_np()
+        # the per-row arguments as numpy arrays of their dtypes, handed to the program as they are: jnp.asarray of
+        # each ran a small conversion program, ~2 ms of every dispatch on b (12 of them, cProfile)
+        rt._cache, out, cnt, keys, acc, state = fn(params, rt._cache, np.asarray(self.tok[sel], np.int32),
+                                            np.asarray(pos[sel], np.int32), np.asarray(self.keys[sel], np.uint32),
+                                            np.asarray(temp[sel], np.float32), np.asarray(topk[sel], np.int32),
+                                            np.asarray(topp[sel], np.float32), np.asarray(eos_on[sel], np.bool_),
+                                            np.asarray(budget[sel], np.int32), np.int32(n),
+                                            np.asarray(eos, np.int32), state,
+                                            np.int32(sink.slot if sink is not None else 0), *extra)
         if sink is not None:                              # the loop runs on: stream what it hands over meanwhile
             self._drain_sink(sink, live, cnt)
         cnt = np.asarray(cnt)
