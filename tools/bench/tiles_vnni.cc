@@ -118,6 +118,30 @@ void rows_f32_seq(const float* w, int64_t in, int64_t r0, const float* x, float*
   }
 }
 
+// f32, C tokens (prefill, an expert's share of a batch): R rows x C tokens per pass as dot_float<4, 4> (R = 4: four
+// streams 4 KB apart, PFR rows ahead prefetched) or a row at a time (R = 1, one stream, PFB bytes ahead)
+template <int R, int C, int PFR, int PFB>
+void rows_f32_tok(const float* w, int64_t in, int64_t r0, const float* const* x, float* out) {
+  for (int rr = 0; rr < 4; rr += R) {
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 16) {
+      __m512 xv[C];
+      for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(x[c] + i);
+      for (int r = 0; r < R; ++r) {
+        const float* wr = w + (r0 + rr + r) * in + i;
+        if (PFR) _mm_prefetch((const char*)(wr + PFR * in), _MM_HINT_T0);
+        if (PFB) _mm_prefetch((const char*)wr + PFB, _MM_HINT_T0);
+        const __m512 wv = _mm512_loadu_ps(wr);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv, xv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[c * 4 + rr + r] = _mm512_reduce_add_ps(acc[r][c]);
+  }
+}
+
 struct Variant { const char* name; int tokens; bool i8; void (*f)(const W&, int64_t, const P* const*, float (*)[16]); };
 
 int main(int argc, char** argv) {
@@ -210,6 +234,27 @@ int main(int argc, char** argv) {
     return 24.0 * out * in * 4;
   });
   for (int f = 0; f < 5; ++f) print_rate_row(fn[f], rf[f], 1);
+  static float xs[8][4096];
+  const float* xp[8];
+  for (int c = 0; c < 8; ++c) {
+    for (int i = 0; i < in; ++i) xs[c][i] = 0.5f + c;
+    xp[c] = xs[c] + (argc > 2 ? atoi(argv[2]) * c : 0);
+  }
+  alignas(64) static float o4[64];
+  void (*gtf[])(const float*, int64_t, int64_t, const float* const*, float*) = {
+      rows_f32_tok<4, 4, 0, 0>, rows_f32_tok<4, 4, 4, 0>, rows_f32_tok<1, 4, 0, 0>, rows_f32_tok<1, 4, 0, 8192>,
+      rows_f32_tok<1, 8, 0, 8192>, rows_f32_tok<2, 4, 0, 8192>};
+  const char* gn[] = {"f32 4 rows x 4 tok (dot_float<4,4>)", "f32 4x4 + prefetch 4 rows ahead", "f32 1 row x 4 tok",
+                      "f32 1 row x 4 tok, prefetch 8K", "f32 1 row x 8 tok, prefetch 8K", "f32 2 rows x 4 tok, prefetch 8K"};
+  const int gtok[] = {4, 4, 4, 4, 8, 4};
+  const auto rg = interleaved_rates(6, 9, [&](int f) {
+    for (int c = 0; c < 24; ++c) {
+      const float* w = wf[(iter++ * 7) % NEF];
+      for (int64_t r = 0; r < out; r += 4) gtf[f](w, in, r, xp, o4);
+    }
+    return 24.0 * out * in * 4;
+  });
+  for (int f = 0; f < 6; ++f) print_rate_row(gn[f], rg[f], gtok[f]);
   for (int f = 0; f < NF; ++f) print_rate_row(vs[f].name, res[f], vs[f].tokens);
   printf("(checksum %f)\n", y[3]);
   return 0;
