@@ -215,8 +215,9 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
             assert sched.counters["dispatches"] - d0 < 48 / 4
             # the loop never waits for the host: a host thread slower than the steps (a loaded machine) takes
             # several steps' tokens at once, always whole intervals (but the first, from the prefill, and the last);
-            # more events than dispatches: they came from inside the running loop
-            assert sum(sizes) == 48 and size in sizes[1:], sizes
+            # more events than dispatches: they came from inside the running loop.  (Not "some event holds exactly
+            # one interval": on a loaded machine the host thread took [1, 32, 10, 5] in a CI run, 2026-12-04.)
+            assert sum(sizes) == 48, sizes
             assert all(k % size == 0 for k in sizes[1:-1]), sizes
             assert len(sizes) > sched.counters["dispatches"] - d0 + 1, sizes
         sched.stream_interval = 1
