@@ -136,3 +136,25 @@ def test_full_counts_at_tiny_widths():
     assert synth_slice.param_split(c)["total"] < 300e6
     a = synth_slice.counts_config("glm45air")
     assert synth_slice.moe_layers(a) * a["n_routed_experts"] == 45 * 128
+
+
+def test_slice_bench_widens_the_gguf_only_where_the_converter_cannot_hold_a_layer():
+    """llama.cpp's converter stacks a layer's experts in f32 (GLM-5.2: 256 x 6144 x 2048 x 4 B = 12.9 GB a
+    projection, OOM-killed at 24 GB): the slice bench writes that GGUF from a twin with fewer experts instead
+    (tools/bench/gguf_widen.py), and only there; and the FP8 source's blocks are the ones the quantizer wrote."""
+    from tools.bench import slice as bs
+    from tools.fixtures.synth_model import _fp8_quant
+    gb = 1 << 30
+    assert bs.widen_gguf(synth_slice.slice_config("glm52", 2), ram_bytes=24 * gb)
+    assert not bs.widen_gguf(synth_slice.slice_config("glm52", 2), ram_bytes=64 * gb)
+    assert not bs.widen_gguf(synth_slice.slice_config("glm52", 2, n_routed_experts=64), ram_bytes=24 * gb)
+    assert not bs.widen_gguf(synth_slice.slice_config("glm45air", 3), ram_bytes=24 * gb)
+    assert not bs.widen_gguf(synth_slice.slice_config("glm52", 2, n_routed_experts=bs.TWIN_EXPERTS), ram_bytes=gb)
+    w = np.random.default_rng(0).standard_normal((200, 300)).astype(np.float32) * 3
+    q, s, ref = _fp8_quant(w)
+    assert q.shape == w.shape and s.shape == (2, 3)
+    blocks = np.zeros((256, 384), np.float32)
+    blocks[:200, :300] = np.abs(w)
+    np.testing.assert_allclose(s, blocks.reshape(2, 128, 3, 128).max(axis=(1, 3)) / 448.0, rtol=1e-6)
+    np.testing.assert_allclose(ref, w, rtol=0.07, atol=1e-6)     # e4m3: 3 mantissa bits
+    assert _fp8_quant(w, want_ref=False)[2] is None

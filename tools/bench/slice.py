@@ -95,6 +95,46 @@ def _dense_params(c: dict) -> tuple:
     return ps["dense"], ps["dense"] - emb
 
 
+TWIN_EXPERTS = 8
+
+
+def widen_gguf(c: dict, ram_bytes: Optional[int] = None) -> bool:
+    """Whether llama.cpp's converter would stack one expert projection of a layer in f32 past 40% of this machine's
+    RAM (it does, with copies, and was OOM-killed at 24 GB on GLM-5.2's 256 experts): then the GGUF is written by
+    tools/bench/gguf_widen.py from a twin with TWIN_EXPERTS experts instead."""
+    if ram_bytes is None:
+        ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    stack = c["n_routed_experts"] * c["hidden_size"] * c["moe_intermediate_size"] * 4
+    return c["n_routed_experts"] > TWIN_EXPERTS and stack > 0.4 * ram_bytes
+
+
+def widen_note(c: dict) -> str:
+    return (f"llama.cpp's GGUF: llama.cpp's converter + llama-quantize on a twin of this slice with {TWIN_EXPERTS} "
+            f"routed experts (the same seeded tensors), its expert tensors then widened to all "
+            f"{c['n_routed_experts']} by tools/bench/gguf_widen.py (gguf-py's reference quantizer, one expert at a "
+            f"time; its experts 0-{TWIN_EXPERTS - 1} checked byte for byte against llama-quantize's): the converter "
+            f"itself stacks a layer's experts in f32 ({c['n_routed_experts'] * c['hidden_size'] * c['moe_intermediate_size'] * 4 / 1e9:.1f} "
+            "GB a projection) and does not fit this machine")
+
+
+def ensure_wide_gguf(hf: str, mdir: str, arch: str, layers: int, dtype: str, llamacpp: str, workdir: str,
+                     gguf_base: str, log=print) -> str:
+    out = os.path.join(mdir, "gguf", "model-Q4_0.gguf")
+    if os.path.exists(out):
+        return out
+    name = f"{arch}-L{layers}-E{TWIN_EXPERTS}" + ("" if dtype == "bfloat16" else f"-{dtype}")
+    twin = os.path.join(workdir, "slices", name, "hf")
+    synth_slice.write_slice(twin, arch, layers, dtype=dtype, log=log, n_routed_experts=TWIN_EXPERTS)
+    twin_gguf = bp.ensure_gguf(twin, bp.model_workdir(workdir, twin), "Q4_0", llamacpp, log, keep_f32=False,
+                               base_type=gguf_base)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    log(f"widening {twin_gguf} to {hf}'s experts -> {out} (tools/bench/gguf_widen.py)")
+    bp.run_logged([bp.llamacpp_paths(llamacpp)["python"], os.path.join(os.path.dirname(__file__), "gguf_widen.py"),
+                   "--twin", twin_gguf, "--src", hf, "--out", out, "--base", gguf_base.lower()],
+                  os.path.join(mdir, "gguf.log"), "gguf_widen.py")
+    return out
+
+
 def _container_facts(container: str) -> dict:
     with open(os.path.join(container, "manifest.json")) as f:
         man = json.load(f)
@@ -176,7 +216,11 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     notes = []
     if have_llama and "llama" in engines_wanted:
         t0 = time.time()
-        gguf = bp.ensure_gguf(hf, mdir, "Q4_0", llamacpp, log, keep_f32=False, base_type=gguf_base)
+        if widen_gguf(c_slice):
+            gguf = ensure_wide_gguf(hf, mdir, arch, layers, dtype, llamacpp, workdir, gguf_base, log)
+            notes.append(widen_note(c_slice))
+        else:
+            gguf = bp.ensure_gguf(hf, mdir, "Q4_0", llamacpp, log, keep_f32=False, base_type=gguf_base)
         g_size = os.path.getsize(gguf)
         dense = g_size - n_moe_s * c_slice["n_routed_experts"] * e_params * Q4_0_BYTES_PER_PARAM
         engines.insert(0, ("llama", "llama.cpp Q4_0 (mmap, --repack 0)", "llama", gguf,
