@@ -191,6 +191,29 @@ def test_qlinear_matches_the_emulation_and_skips_padding_rows(fmt):
     assert np.array_equal(part[rows], got[rows]) and not part[~rows].any()
 
 
+@pytest.mark.parametrize("fmt", ["int8_row", "int4_g64"])
+def test_grouped_qlinear_is_one_qlinear_per_group_bitwise(fmt):
+    """MLA's absorbed per-head products (W_UK^T, W_UV: 64 heads of [512, 192] / [256, 512] in GLM-5.2) as one
+    grouped call: group g's rows are bitwise qlinear on matrix g (and near the emulated product), whatever the
+    number of groups and rows; both of GLM-5.2's shapes, and a 70-row matrix (a tile's tail)."""
+    rng = np.random.default_rng(11)
+    for G, out_dim, in_dim, T in ((64, 512, 192, 1), (64, 256, 512, 3), (3, 70, 128, 2)):
+        wf = rng.normal(size=(G, out_dim, in_dim)).astype(np.float32)
+        w = quant.to_qweight_grouped(wf, fmt)
+        assert w.shape == (out_dim, in_dim) and w.q.shape[0] == G
+        x = rng.normal(size=(T, G, in_dim)).astype(np.float32)
+        got = np.asarray(jax.jit(quant.qdot_grouped)(jnp.asarray(x), w))
+        assert got.shape == (T, G, out_dim)
+        for g in (0, G // 2, G - 1):
+            one = quant.to_qweight(wf[g], fmt, "native", jnp.float32)
+            assert np.array_equal(got[:, g], np.asarray(quant.qdot(jnp.asarray(x[:, g]), one))), (G, g)
+            q, scale = quant.quantize(wf[g], fmt)
+            ref = np.stack([_matvec(q, scale, fmt, x[t, g]) for t in range(T)])
+            assert np.abs(got[:, g] - ref).max() <= 2e-5 * np.abs(ref).max()
+        # a row's result does not depend on the rows beside it
+        assert np.array_equal(np.asarray(jax.jit(quant.qdot_grouped)(jnp.asarray(x[:1]), w)), got[:1])
+
+
 def test_portable_build_computes_the_quantized_formats_bitwise_like_the_native_one():
     """A CPU without AVX-512 VNNI runs the portable build (the same source, -DGLMJAX_PORTABLE): the same integer sums
     and the same per-lane float operations, so every quantized result is bitwise the VNNI one; float formats agree

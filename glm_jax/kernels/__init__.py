@@ -253,6 +253,7 @@ def _load():
         raise KernelError("no C++ compiler found ($CXX, g++, c++, clang++)")
     lib = _checked_library(cxx)
     jax.ffi.register_ffi_target("glmjax_qlinear", jax.ffi.pycapsule(lib.GlmJaxQLinear), platform="cpu")
+    jax.ffi.register_ffi_target("glmjax_qlinear_grouped", jax.ffi.pycapsule(lib.GlmJaxQLinearGrouped), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_moe", jax.ffi.pycapsule(lib.GlmJaxMoe), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_sink", jax.ffi.pycapsule(lib.GlmJaxSink), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_attn", jax.ffi.pycapsule(lib.GlmJaxAttn), platform="cpu")
@@ -277,7 +278,8 @@ def load_portable() -> str:
             if cxx is None:
                 raise KernelError("no C++ compiler found ($CXX, g++, c++, clang++)")
             lib = _checked_library(cxx, ("-DGLMJAX_PORTABLE",))
-            for name, sym in (("glmjax_qlinear", lib.GlmJaxQLinear), ("glmjax_moe", lib.GlmJaxMoe),
+            for name, sym in (("glmjax_qlinear", lib.GlmJaxQLinear), ("glmjax_qlinear_grouped", lib.GlmJaxQLinearGrouped),
+                              ("glmjax_moe", lib.GlmJaxMoe),
                               ("glmjax_attn", lib.GlmJaxAttn)):
                 jax.ffi.register_ffi_target(name + "_portable", jax.ffi.pycapsule(sym), platform="cpu")
             _state["portable"] = lib
@@ -334,6 +336,19 @@ def qlinear(x, q, scale, fmt: str, group: int, out: int, rows=None, variant: str
     r = jnp.zeros((0,), jnp.int32) if rows is None else rows.reshape(T).astype(jnp.int32)
     return jax.ffi.ffi_call("glmjax_qlinear" + variant, jax.ShapeDtypeStruct((T, out), jnp.float32))(
         x.astype(jnp.float32), q, s.astype(jnp.float32), r, fmt=np.int32(fmt_code(fmt)),
+        group=np.int64(group if group else n_in), out=np.int64(out))
+
+
+def qlinear_grouped(x, q, scale, fmt: str, group: int, out: int, variant: str = ""):
+    """x [G, T, in] f32, W G matrices [out, in] (q [G, ...], scale [G, ...]: ``qlinear``'s layout per group) ->
+    y [G, T, out] f32, y[g] = x[g] @ W[g]^T; each group's rows bitwise ``qlinear`` of that group."""
+    import jax
+    import jax.numpy as jnp
+
+    G, T, n_in = x.shape
+    s = scale if scale is not None else jnp.zeros((1, 1, 1), jnp.float32)
+    return jax.ffi.ffi_call("glmjax_qlinear_grouped" + variant, jax.ShapeDtypeStruct((G, T, out), jnp.float32))(
+        x.astype(jnp.float32), q, s.astype(jnp.float32), fmt=np.int32(fmt_code(fmt)),
         group=np.int64(group if group else n_in), out=np.int64(out))
 
 

@@ -465,6 +465,36 @@ def to_qweight(a, fmt: str, kernel: str, dtype, tiles: bool = True) -> "QWeight"
     return _quant_qweight(q, s, fmt, np.shape(a), kernel, tiles)
 
 
+def to_qweight_grouped(a, fmt: str, kernel: str = "native") -> "QWeight":
+    """G float matrices ``a`` [G, out, in] (MLA's per-head W_UK^T / W_UV) quantized to ``fmt`` (each row on its own,
+    as ``to_qweight``) in the tiles layout with a leading group axis: ``qdot_grouped``'s weight (``dims`` = one
+    group's [out, in])."""
+    a = np.asarray(a, np.float32)
+    G, out, n_in = a.shape
+    q, s = quantize_rows(a.reshape(G * out, n_in), fmt)
+    q = q.reshape((G, out) + q.shape[1:])
+    s = s.reshape((G, out) + s.shape[1:])
+    qt, st = to_tiles(q, s, fmt, n_in)
+    return QWeight(jnp.asarray(qt), jnp.asarray(st), fmt=fmt, kernel=kernel, layout="tiles",
+                   dims=(int(out), int(n_in)))
+
+
+def grouped_ok(fmt: str, n_in: int) -> bool:
+    """Whether ``to_qweight_grouped`` / the grouped kernel takes ``fmt`` for inputs of ``n_in`` (quantized formats
+    the native kernels run)."""
+    return fmt not in FLOAT_FORMATS and parse_format(fmt)[0] in ("int8_row", "int4_g") and native_ok(fmt, n_in, n_in)
+
+
+def qdot_grouped(x, w: "QWeight"):
+    """x [..., G, in] -> [..., G, out] f32, group g through w's matrix g (``kernels.qlinear_grouped``)."""
+    out_dim, in_dim = w.shape
+    lead, G = x.shape[:-2], x.shape[-2]
+    n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    xg = jnp.swapaxes(x.reshape(n, G, in_dim), 0, 1).astype(jnp.float32)          # [G, n, in]
+    y = kernels.qlinear_grouped(xg, w.q, w.scale, w.fmt, w.group(), out_dim)       # [G, n, out]
+    return jnp.swapaxes(y, 0, 1).reshape(*lead, G, out_dim)
+
+
 def quantize_rows(a, fmt: str, chunk_bytes: int = 16 << 20):
     """``quantize`` of a 2-D weight, a block of rows at a time (every format here quantizes each row on its own):
     the float32 temporaries stay at ``chunk_bytes`` whatever the matrix (a [151552, 4096] bf16 embedding would
@@ -511,7 +541,8 @@ def head_format(fmt: str) -> str:
 
 
 MLA_LINEARS = ("q_a_w", "q_b_w", "kv_a_w", "o_w")   # MLA matrices used only as linears: packed (weights.load_layer
-                                                    # keeps kv_b and the indexer float)
+                                                    # keeps the indexer float; kv_b, split per head, is packed
+                                                    # grouped in q_b's format: pack_layer)
 
 
 def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: bool = True) -> dict:
@@ -539,6 +570,13 @@ def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: boo
         a = dict(a)
         for k in MLA_LINEARS:                      # a mesh (fuse=False) splits them by heads: float there
             a[k] = qw(a[k]) if fuse else a[k].dequant() if isinstance(a[k], QTensor) else a[k]
+        # the absorbed per-head products (W_UK^T, W_UV) in q_b's quantized format, on the grouped native kernel (as
+        # llama.cpp keeps attn_k_b / attn_v_b in its file's bits); float where q_b is float (an f32 / bf16 model)
+        qb = a.get("q_b_w")
+        if fuse and kernel == "native" and "w_uk_t" in a and isinstance(qb, QWeight) and all(
+                grouped_ok(qb.fmt, np.shape(a[k])[-1]) for k in ("w_uk_t", "w_uv")):
+            for k in ("w_uk_t", "w_uv"):
+                a[k] = to_qweight_grouped(a[k], qb.fmt, kernel)
         lp["attn"] = a
     elif a is not None and "q_w" in a and not fuse:
         a = dict(a)

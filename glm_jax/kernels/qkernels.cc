@@ -888,6 +888,53 @@ ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// G independent products y[g] = x[g] @ W[g]^T (x [G, T, in], W G matrices [out, in] one after another in their
+// layout, scales likewise; y [G, T, out]): MLA's absorbed per-head products (W_UK^T, W_UV).  Each row is computed
+// exactly as glmjax_qlinear computes it (the same prep, the same gemm), so a group's rows are bitwise one qlinear
+// call on that group.
+ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
+                              ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group, int64_t out) {
+  auto xd = x.dimensions();
+  if (xd.size() != 3) return ffi::Error::InvalidArgument("glmjax_qlinear_grouped: rank");
+  const int64_t Gn = xd[0], T = xd[1], in = xd[2];
+  if (auto e = check_fmt(fmt, in, group > 0 ? group : in); !e.success()) return e;
+  const int64_t mb = matrix_bytes(fmt, out, in);
+  if ((int64_t)w.size_bytes() != Gn * mb)
+    return ffi::Error::InvalidArgument("glmjax_qlinear_grouped: weight size does not match the format and shape");
+  auto sd = s.dimensions();
+  const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
+  const int64_t sstride = is_float(fmt) ? 0 : (int64_t)s.element_count() / std::max<int64_t>(1, Gn);
+  std::vector<WMat> Ws;
+  Ws.reserve(Gn);
+  for (int64_t g = 0; g < Gn; ++g)
+    Ws.push_back(make_wmat((const uint8_t*)w.untyped_data() + g * mb, s.typed_data() + g * sstride, fmt, out, in,
+                           ng, group));
+  PrepLayout L = prep_layout(fmt, in);
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const int64_t n = Gn * T;
+  std::vector<uint8_t> pbuf(std::max<int64_t>(1, L.bytes * n) + 64);
+  uint8_t* pb = (uint8_t*)(((uintptr_t)pbuf.data() + 63) & ~(uintptr_t)63);
+  std::vector<Prep> preps(n);
+  std::vector<const Prep*> pp(n);
+  std::vector<float*> ys(n);
+  for (int64_t i = 0; i < n; ++i) {
+    prep_row(fmt, xp + i * in, in, L, pb + i * L.bytes, &preps[i]);
+    pp[i] = &preps[i];
+    ys[i] = yp + i * out;
+  }
+  double macs = (double)n * out * in;
+  int threads = macs >= kParallelMacs ? pool_threads(pool) : 1;
+  // whole groups per task where there are enough of them, else row chunks of each
+  const int64_t chunk = Gn >= 4 * threads ? ceil_to(out, 16) : row_chunk(out, threads, (4 * threads + Gn - 1) / Gn);
+  const int64_t nchunks = (out + chunk - 1) / chunk;
+  parallel_for(&pool, threads, Gn * nchunks, [&](int64_t k) {
+    const int64_t g = k / nchunks, c = k % nchunks;
+    gemm(Ws[g], c * chunk, std::min(out, (c + 1) * chunk), pp.data() + g * T, T, ys.data() + g * T);
+  });
+  return ffi::Error::Success();
+}
+
 // ------------------------------------------------------------------------------------------------ MoE seam
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
@@ -1149,6 +1196,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxQLinear, QLinearImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("out"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxQLinearGrouped, QLinearGroupedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("group")

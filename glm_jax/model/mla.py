@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..kernels.formats import QWeight, qdot_grouped
 from .layers import (
     linear,
     rms_norm,  # noqa: F401  (transformers numerics: f32 statistics, cast back before the weight)
@@ -312,6 +313,19 @@ def use_gather(cfg, T: int, k: int, S: int) -> bool:
     return k < S and T * k * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) <= GATHER_MAX_ELEMS
 
 
+def _per_head(x, w, spec: str):
+    """The absorbed per-head product ``einsum(spec, x, w)`` (x [B, T, nH, in], w [nH, out, in]): w a float array,
+    or a grouped QWeight (packed in a quantized dense format: formats.to_qweight_grouped) on the native kernel."""
+    if isinstance(w, QWeight):
+        return qdot_grouped(x, w).astype(x.dtype)
+    return jnp.einsum(spec, x, w)
+
+
+def _float(w, dtype):
+    """A per-head weight as a float array (the non-absorbed form expands the cache through it)."""
+    return w.dequant(dtype) if isinstance(w, QWeight) else w
+
+
 def _sparse_absorbed(cfg, q_nope, q_rot, ckv, kpe, sel, positions, w_uk_t, w_uv, scale, dtype):
     """Absorbed MLA over the selected keys only: gather sel's ckv / kpe rows ([B,T,k,.]), scores [B,nH,T,k],
     selected keys past the query's position masked (sel may hold invisible slots when fewer keys than k are
@@ -319,14 +333,14 @@ def _sparse_absorbed(cfg, q_nope, q_rot, ckv, kpe, sel, positions, w_uk_t, w_uv,
     f32 = jnp.float32
     ckv_g = jax.vmap(lambda c, i: c[i])(ckv, sel)                                    # [B,T,k,kl]
     kpe_g = jax.vmap(lambda c, i: c[i])(kpe, sel)                                    # [B,T,k,rope]
-    q_lat = jnp.einsum("bthd,hcd->bthc", q_nope, w_uk_t)                             # [B,T,nH,kl]
+    q_lat = _per_head(q_nope, w_uk_t, "bthd,hcd->bthc")                              # [B,T,nH,kl]
     sc = (jnp.einsum("bthc,btkc->bhtk", q_lat, ckv_g, preferred_element_type=f32)
           + jnp.einsum("bthr,btkr->bhtk", q_rot, kpe_g, preferred_element_type=f32)) * scale
     ok = sel <= positions[:, :, None]                                                # [B,T,k]
     sc = jnp.where(ok[:, None, :, :], sc, -jnp.inf)
     pr = jax.nn.softmax(sc, axis=-1).astype(dtype)
     o_lat = jnp.einsum("bhtk,btkc->bthc", pr, ckv_g)
-    return jnp.einsum("bthc,hvc->bthv", o_lat, w_uv)
+    return _per_head(o_lat, w_uv, "bthc,hvc->bthv")
 
 
 # ----------------------------------------------------------------------------- attention
@@ -384,19 +398,19 @@ def mla_attention(cfg, p: dict, x, cache: dict, start, layer: int, prev_sel=None
     mask = visible if sel is None else (visible & selection_mask(sel, S))
     f32 = jnp.float32
     if absorbed:
-        q_lat = jnp.einsum("bthd,hcd->bthc", q_nope, w_uk_t)                         # [B,T,nH,kl]
+        q_lat = _per_head(q_nope, w_uk_t, "bthd,hcd->bthc")                          # [B,T,nH,kl]
         sc = (jnp.einsum("bthc,bsc->bhts", q_lat, ckv, preferred_element_type=f32)
               + jnp.einsum("bthr,bsr->bhts", q_rot, kpe, preferred_element_type=f32)) * scale
     else:
-        k_nope = jnp.einsum("bsc,hcd->bshd", ckv, w_uk_t)
-        vals = jnp.einsum("bsc,hdc->bshd", ckv, w_uv)
+        k_nope = jnp.einsum("bsc,hcd->bshd", ckv, _float(w_uk_t, ckv.dtype))
+        vals = jnp.einsum("bsc,hdc->bshd", ckv, _float(w_uv, ckv.dtype))
         sc = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=f32)
               + jnp.einsum("bthr,bsr->bhts", q_rot, kpe, preferred_element_type=f32)) * scale
     sc = jnp.where(mask[:, None, :, :], sc, -jnp.inf)
     pr = jax.nn.softmax(sc, axis=-1).astype(x.dtype)
     if absorbed:
         o_lat = jnp.einsum("bhts,bsc->bthc", pr, ckv)                                # [B,T,nH,kl]
-        o = jnp.einsum("bthc,hvc->bthv", o_lat, w_uv)
+        o = _per_head(o_lat, w_uv, "bthc,hvc->bthv")
     else:
         o = jnp.einsum("bhts,bshv->bthv", pr, vals)
     out = _lin(o.reshape(B, T, nH * v), p["o_w"], p.get("o_b"))

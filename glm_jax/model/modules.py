@@ -49,11 +49,11 @@ class Linear(nnx.Module):
     tensor-parallel mesh loads dense weights for the XLA path in rows layout (mesh.py)."""
 
     def __init__(self, w, axes):
-        out_ax, in_ax = axes
+        out_ax, in_ax = axes[-2:]            # (MLA's per-head W_UK^T / W_UV: a leading heads axis, tiles: whole)
         if isinstance(w, QWeight):
             self.meta = (w.fmt, w.kernel, w.layout, tuple(w.dims))
             if w.layout == "tiles":
-                qa, sa = (None, None), (None,) * (0 if w.scale is None else w.scale.ndim)
+                qa, sa = (None,) * w.q.ndim, (None,) * (0 if w.scale is None else w.scale.ndim)
             elif w.scale is None:                       # float QWeight [out, in]
                 qa, sa = (out_ax, in_ax), ()
             else:                                       # quantized rows: [out, in'] + scale [out, groups]
