@@ -11,7 +11,8 @@ How a box becomes a cgroup limit (per engine, from its own files):
     per_layer  = (box - os_reserve - runtime - D_full) / MoE layers of the full model   (what each layer may hold)
     limit      = runtime + D_slice + per_layer x MoE layers of the slice
 A box whose D_full alone does not fit gets no run ("dense part does not fit").  Box 0 = no limit (a cgroup of
---slice_nolimit_mb, to read the peak).
+--slice_nolimit_mb, to read the peak); there llama.cpp also runs at its own defaults (repack), which never finish
+under a limit, beside the --repack 0 row every limit uses.
 Projection to the full model (per engine, with the same engine's no-limit row as its compute time t_c):
     t_full = t_c x active_full / active_slice + max(0, t - t_c) x MoE layers full / MoE layers slice
 where active = the weight bytes one decode token touches (all dense matrices but the embedding table, top-k routed
@@ -157,9 +158,9 @@ def _glmjax_run(cg, limit_mb, container, prompt, new_tokens, threads, opts, logp
     return verdict, out, res
 
 
-def _llama_run(cg, limit_mb, prefix, gguf, prompt_tokens, new_tokens, threads, logp, timeout, tag):
+def _llama_run(cg, limit_mb, prefix, gguf, prompt_tokens, new_tokens, threads, logp, timeout, tag, repack=False):
     cmd = [os.path.join(prefix, "bin", "llama-bench"), "-m", gguf, "-t", str(threads), "-p", str(prompt_tokens),
-           "-n", str(new_tokens), "-r", "1", "-o", "jsonl", "-lm", "mmap", "--repack", "0"]
+           "-n", str(new_tokens), "-r", "1", "-o", "jsonl", "-lm", "mmap"] + ([] if repack else ["--repack", "0"])
     res = bp.run_in_cgroup(cmd, cg, limit_mb, threads, tag, logp, timeout)
     out, err = None, ""
     if res["rc"] == 0:
@@ -249,7 +250,13 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     # glm-jax container without llama.cpp), the same limit for every engine
     model_mb = engines[0][4]["total"] / 1e6
     for box in list(boxes) + [("frac", f) for f in fracs]:
-        for key, label, kind, path, facts in engines:
+        # without a limit llama.cpp's own default (repack: its weights repacked into RAM) runs too, beside the
+        # --repack 0 row every limit uses (repack never finishes under a limit: docs/real-scale.md, stop 33)
+        todo = [e for e in engines]
+        if box == 0 and engines[0][2] == "llama":
+            k, _, kd, pth, fc = engines[0]
+            todo.insert(0, ("llama-defaults", "llama.cpp Q4_0 defaults (mmap, repack)", kd, pth, fc))
+        for key, label, kind, path, facts in todo:
             run_no += 1
             d_s = facts["dense_bytes"] / 1e6
             d_f = d_s * dp_f / dp_s
@@ -274,7 +281,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
             logp = os.path.join(logs, f"slice-{kind}.log")
             if kind == "llama":
                 verdict, out, res = _llama_run(cg, limit, llamacpp, path, prompt_tokens, new_tokens, threads, logp,
-                                               timeout, str(run_no))
+                                               timeout, str(run_no), repack=key == "llama-defaults")
             else:
                 verdict, out, res = _glmjax_run(cg, limit, path, prompt, new_tokens, threads, dict(glmjax_options),
                                                 logp, timeout, str(run_no))
@@ -330,7 +337,8 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
             f"vocab {c_full['vocab_size']}, {dp_f / 1e9:.2f} B dense parameters (slice: {dp_s / 1e9:.3f} B). "
             f"Files: {sizes}. Decode: {new_tokens} tokens after a {prompt_tokens}-token prompt, {threads} threads, "
             "batch 1, greedy, each run a fresh process in a fresh memory cgroup (page cache charged), file cache "
-            "dropped before it (llama-bench -p P -n N -r 1 -lm mmap --repack 0 with its warmup; glm-jax: a 2-token "
+            "dropped before it (llama-bench -p P -n N -r 1 -lm mmap --repack 0 with its warmup, and without --repack 0 "
+            "in the no-limit row marked defaults; glm-jax: a 2-token "
             f"warm-up generation, a 2-token warm-up, then the median of 3 generations). Box -> limit: {rt_note} "
             f"and OS {os_reserve_mb:g} MB reserved of the box, then the engine's full dense part "
             "(its slice dense bytes scaled by dense parameters), the rest split over the full model's MoE layers; "
