@@ -472,17 +472,14 @@ def to_qweight_grouped(a, fmt: str, kernel: str = "native") -> "QWeight":
     a = np.asarray(a, np.float32)
     G, out, n_in = a.shape
     q, s = quantize_rows(a.reshape(G * out, n_in), fmt)
-    q = q.reshape((G, out) + q.shape[1:])
-    s = s.reshape((G, out) + s.shape[1:])
-    qt, st = to_tiles(q, s, fmt, n_in)
-    return QWeight(jnp.asarray(qt), jnp.asarray(st), fmt=fmt, kernel=kernel, layout="tiles",
-                   dims=(int(out), int(n_in)))
+    return _quant_qweight(q.reshape((G, out) + q.shape[1:]), s.reshape((G, out) + s.shape[1:]), fmt, (out, n_in),
+                          kernel, True)
 
 
 def grouped_ok(fmt: str, n_in: int) -> bool:
     """Whether ``to_qweight_grouped`` / the grouped kernel takes ``fmt`` for inputs of ``n_in`` (quantized formats
     the native kernels run)."""
-    return fmt not in FLOAT_FORMATS and parse_format(fmt)[0] in ("int8_row", "int4_g") and native_ok(fmt, n_in, n_in)
+    return parse_format(fmt)[0] in ("int8_row", "int4_g") and native_ok(fmt, n_in, n_in)
 
 
 def qdot_grouped(x, w: "QWeight"):

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -845,84 +846,37 @@ ffi::Error check_fmt(int32_t fmt, int64_t in, int64_t G) {
 }
 
 // ------------------------------------------------------------------------------------------------ qlinear
-ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
-                       ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group,
-                       int64_t out) {
-  auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("glmjax_qlinear: rank");
-  const int64_t T = xd[0], in = xd[1];
-  if (auto e = check_fmt(fmt, in, group > 0 ? group : in); !e.success()) return e;
-  if ((int64_t)w.size_bytes() != matrix_bytes(fmt, out, in))
-    return ffi::Error::InvalidArgument("glmjax_qlinear: weight size does not match the format and shape");
-  auto sd = s.dimensions();
-  const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
-  WMat W = make_wmat(w.untyped_data(), s.typed_data(), fmt, out, in, ng, group);
-  PrepLayout L = prep_layout(fmt, in);
-  const float* xp = x.typed_data();
-  float* yp = y->typed_data();
-  std::vector<uint8_t> pbuf(std::max<int64_t>(1, L.bytes * T) + 64);
-  uint8_t* pb = (uint8_t*)(((uintptr_t)pbuf.data() + 63) & ~(uintptr_t)63);
-  // rows[t] == 0: a padding row, skipped (its output is 0)
-  const int32_t* rm = rows.typed_data();
-  const bool all_rows = rows.element_count() != (size_t)T;
-  std::vector<Prep> preps(T);
-  std::vector<const Prep*> pp;
-  std::vector<float*> ys;
-  for (int64_t t = 0; t < T; ++t) {
-    if (!all_rows && rm[t] == 0) {
-      std::memset(yp + t * out, 0, sizeof(float) * out);
-      continue;
-    }
-    prep_row(fmt, xp + t * in, in, L, pb + t * L.bytes, &preps[t]);
-    pp.push_back(&preps[t]);
-    ys.push_back(yp + t * out);
-  }
-  const int64_t n = (int64_t)pp.size();
-  double macs = (double)n * out * in;
-  int threads = macs >= kParallelMacs ? pool_threads(pool) : 1;
-  const int64_t chunk = row_chunk(out, threads, 4 * threads);
-  const int64_t nchunks = (out + chunk - 1) / chunk;
-  parallel_for(&pool, threads, nchunks, [&](int64_t c) {
-    gemm(W, c * chunk, std::min(out, (c + 1) * chunk), pp.data(), n, ys.data());
-  });
-  return ffi::Error::Success();
-}
-
-// G independent products y[g] = x[g] @ W[g]^T (x [G, T, in], W G matrices [out, in] one after another in their
-// layout, scales likewise; y [G, T, out]): MLA's absorbed per-head products (W_UK^T, W_UV).  Each row is computed
-// exactly as glmjax_qlinear computes it (the same prep, the same gemm), so a group's rows are bitwise one qlinear
-// call on that group.
-ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
-                              ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group, int64_t out) {
-  auto xd = x.dimensions();
-  if (xd.size() != 3) return ffi::Error::InvalidArgument("glmjax_qlinear_grouped: rank");
-  const int64_t Gn = xd[0], T = xd[1], in = xd[2];
+// y[g] = x[g] @ W[g]^T for Gn matrices one after another in their layout (mb bytes each; scales sstride floats
+// each): x [Gn, T, in], y [Gn, T, out].  rm (optional, T entries, Gn == 1): rm[t] == 0 marks a padding row, skipped
+// (its output is 0).  Every row is prepared and multiplied the same way whatever Gn, so a group's rows are bitwise a
+// call on that group alone.
+ffi::Error qlinear_groups(ffi::ThreadPool& pool, const char* who, const float* xp, const void* wq, size_t w_bytes,
+                          const float* sp, int64_t sstride, int64_t ng, float* yp, int32_t fmt, int64_t group,
+                          int64_t Gn, int64_t T, int64_t in, int64_t out, const int32_t* rm) {
   if (auto e = check_fmt(fmt, in, group > 0 ? group : in); !e.success()) return e;
   const int64_t mb = matrix_bytes(fmt, out, in);
-  if ((int64_t)w.size_bytes() != Gn * mb)
-    return ffi::Error::InvalidArgument("glmjax_qlinear_grouped: weight size does not match the format and shape");
-  auto sd = s.dimensions();
-  const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
-  const int64_t sstride = is_float(fmt) ? 0 : (int64_t)s.element_count() / std::max<int64_t>(1, Gn);
+  if ((int64_t)w_bytes != Gn * mb)
+    return ffi::Error::InvalidArgument(std::string(who) + ": weight size does not match the format and shape");
   std::vector<WMat> Ws;
   Ws.reserve(Gn);
   for (int64_t g = 0; g < Gn; ++g)
-    Ws.push_back(make_wmat((const uint8_t*)w.untyped_data() + g * mb, s.typed_data() + g * sstride, fmt, out, in,
-                           ng, group));
+    Ws.push_back(make_wmat((const uint8_t*)wq + g * mb, sp + g * sstride, fmt, out, in, ng, group));
   PrepLayout L = prep_layout(fmt, in);
-  const float* xp = x.typed_data();
-  float* yp = y->typed_data();
-  const int64_t n = Gn * T;
-  std::vector<uint8_t> pbuf(std::max<int64_t>(1, L.bytes * n) + 64);
+  std::vector<uint8_t> pbuf(std::max<int64_t>(1, L.bytes * Gn * T) + 64);
   uint8_t* pb = (uint8_t*)(((uintptr_t)pbuf.data() + 63) & ~(uintptr_t)63);
-  std::vector<Prep> preps(n);
-  std::vector<const Prep*> pp(n);
-  std::vector<float*> ys(n);
-  for (int64_t i = 0; i < n; ++i) {
+  std::vector<Prep> preps(Gn * T);
+  std::vector<const Prep*> pp;
+  std::vector<float*> ys;
+  for (int64_t i = 0; i < Gn * T; ++i) {
+    if (rm != nullptr && rm[i] == 0) {
+      std::memset(yp + i * out, 0, sizeof(float) * out);
+      continue;
+    }
     prep_row(fmt, xp + i * in, in, L, pb + i * L.bytes, &preps[i]);
-    pp[i] = &preps[i];
-    ys[i] = yp + i * out;
+    pp.push_back(&preps[i]);
+    ys.push_back(yp + i * out);
   }
+  const int64_t n = (int64_t)pp.size(), per = n / Gn;     // rows a group (all of them where Gn > 1)
   double macs = (double)n * out * in;
   int threads = macs >= kParallelMacs ? pool_threads(pool) : 1;
   // whole groups per task where there are enough of them, else row chunks of each
@@ -930,9 +884,37 @@ ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const int64_t nchunks = (out + chunk - 1) / chunk;
   parallel_for(&pool, threads, Gn * nchunks, [&](int64_t k) {
     const int64_t g = k / nchunks, c = k % nchunks;
-    gemm(Ws[g], c * chunk, std::min(out, (c + 1) * chunk), pp.data() + g * T, T, ys.data() + g * T);
+    gemm(Ws[g], c * chunk, std::min(out, (c + 1) * chunk), pp.data() + g * per, per, ys.data() + g * per);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
+                       ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group,
+                       int64_t out) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("glmjax_qlinear: rank");
+  const int64_t T = xd[0], in = xd[1];
+  auto sd = s.dimensions();
+  const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
+  const bool all_rows = rows.element_count() != (size_t)T;
+  return qlinear_groups(pool, "glmjax_qlinear", x.typed_data(), w.untyped_data(), w.size_bytes(), s.typed_data(), 0,
+                        ng, y->typed_data(), fmt, group, 1, T, in, out, all_rows ? nullptr : rows.typed_data());
+}
+
+// G independent products y[g] = x[g] @ W[g]^T (x [G, T, in], W G matrices [out, in] one after another in their
+// layout, scales likewise; y [G, T, out]): MLA's absorbed per-head products (W_UK^T, W_UV), a group's rows bitwise
+// one glmjax_qlinear call on that group.
+ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
+                              ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group, int64_t out) {
+  auto xd = x.dimensions();
+  if (xd.size() != 3) return ffi::Error::InvalidArgument("glmjax_qlinear_grouped: rank");
+  const int64_t Gn = xd[0], T = xd[1], in = xd[2];
+  auto sd = s.dimensions();
+  const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
+  const int64_t sstride = is_float(fmt) ? 0 : (int64_t)s.element_count() / std::max<int64_t>(1, Gn);
+  return qlinear_groups(pool, "glmjax_qlinear_grouped", x.typed_data(), w.untyped_data(), w.size_bytes(),
+                        s.typed_data(), sstride, ng, y->typed_data(), fmt, group, Gn, T, in, out, nullptr);
 }
 
 // ------------------------------------------------------------------------------------------------ MoE seam

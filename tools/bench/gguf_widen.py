@@ -43,16 +43,14 @@ class Source:
 
     def __init__(self, d: str):
         idx = os.path.join(d, "model.safetensors.index.json")
+        names = ["model.safetensors"]
         if os.path.exists(idx):
             with open(idx) as f:
-                wmap = json.load(f)["weight_map"]
-        else:
-            wmap = None
-            single = os.path.join(d, "model.safetensors")
+                names = sorted(set(json.load(f)["weight_map"].values()))
         self.files = {}
         self.where = {}
-        for name in sorted(set(wmap.values())) if wmap else ["model.safetensors"]:
-            h = safe_open(os.path.join(d, name) if wmap else single, framework="pt")
+        for name in names:
+            h = safe_open(os.path.join(d, name), framework="pt")
             self.files[name] = h
             for k in h.keys():
                 self.where[k] = name
@@ -103,8 +101,7 @@ def main() -> int:
     if n_twin >= n_full:
         raise SystemExit(f"gguf_widen: --twin has {n_twin} experts, --src {n_full}: nothing to widen")
     align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
-    writer = gguf.GGUFWriter(a.out + ".tmp", arch=arch,
-                             endianess=reader.endianess)
+    writer = gguf.GGUFWriter(a.out + ".tmp", arch=arch, endianess=reader.endianess)
     if align is not None:
         writer.data_alignment = int(align.contents())
     for field in reader.fields.values():

@@ -99,14 +99,23 @@ def _dense_params(c: dict) -> tuple:
 TWIN_EXPERTS = 8
 
 
+def slice_name(arch: str, layers: int, experts: int = 0, dtype: str = "bfloat16") -> str:
+    """The directory name of a slice under workdir/slices (and of its models' workdir)."""
+    return f"{arch}-L{layers}" + (f"-E{experts}" if experts else "") + ("" if dtype == "bfloat16" else f"-{dtype}")
+
+
+def _expert_stack_bytes(c: dict) -> int:
+    """One expert projection of a layer, all its experts stacked in f32: what llama.cpp's converter holds at once."""
+    return c["n_routed_experts"] * c["hidden_size"] * c["moe_intermediate_size"] * 4
+
+
 def widen_gguf(c: dict, ram_bytes: Optional[int] = None) -> bool:
     """Whether llama.cpp's converter would stack one expert projection of a layer in f32 past 40% of this machine's
     RAM (it does, with copies, and was OOM-killed at 24 GB on GLM-5.2's 256 experts): then the GGUF is written by
     tools/bench/gguf_widen.py from a twin with TWIN_EXPERTS experts instead."""
     if ram_bytes is None:
         ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    stack = c["n_routed_experts"] * c["hidden_size"] * c["moe_intermediate_size"] * 4
-    return c["n_routed_experts"] > TWIN_EXPERTS and stack > 0.4 * ram_bytes
+    return c["n_routed_experts"] > TWIN_EXPERTS and _expert_stack_bytes(c) > 0.4 * ram_bytes
 
 
 def widen_note(c: dict) -> str:
@@ -114,8 +123,8 @@ def widen_note(c: dict) -> str:
             f"routed experts (the same seeded tensors), its expert tensors then widened to all "
             f"{c['n_routed_experts']} by tools/bench/gguf_widen.py (gguf-py's reference quantizer, one expert at a "
             f"time; its experts 0-{TWIN_EXPERTS - 1} checked byte for byte against llama-quantize's): the converter "
-            f"itself stacks a layer's experts in f32 ({c['n_routed_experts'] * c['hidden_size'] * c['moe_intermediate_size'] * 4 / 1e9:.1f} "
-            "GB a projection) and does not fit this machine")
+            f"itself stacks a layer's experts in f32 ({_expert_stack_bytes(c) / 1e9:.1f} GB a projection) and does not "
+            "fit this machine")
 
 
 def ensure_wide_gguf(hf: str, mdir: str, arch: str, layers: int, dtype: str, llamacpp: str, workdir: str,
@@ -123,8 +132,7 @@ def ensure_wide_gguf(hf: str, mdir: str, arch: str, layers: int, dtype: str, lla
     out = os.path.join(mdir, "gguf", "model-Q4_0.gguf")
     if os.path.exists(out):
         return out
-    name = f"{arch}-L{layers}-E{TWIN_EXPERTS}" + ("" if dtype == "bfloat16" else f"-{dtype}")
-    twin = os.path.join(workdir, "slices", name, "hf")
+    twin = os.path.join(workdir, "slices", slice_name(arch, layers, TWIN_EXPERTS, dtype), "hf")
     synth_slice.write_slice(twin, arch, layers, dtype=dtype, log=log, n_routed_experts=TWIN_EXPERTS)
     twin_gguf = bp.ensure_gguf(twin, bp.model_workdir(workdir, twin), "Q4_0", llamacpp, log, keep_f32=False,
                                base_type=gguf_base)
@@ -193,8 +201,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     over = dict(n_routed_experts=experts) if experts else {}
-    name = f"{arch}-L{layers}" + (f"-E{experts}" if experts else "") + ("" if dtype == "bfloat16" else f"-{dtype}")
-    hf = os.path.join(workdir, "slices", name, "hf")
+    hf = os.path.join(workdir, "slices", slice_name(arch, layers, experts, dtype), "hf")
     synth_slice.write_slice(hf, arch, layers, dtype=dtype, log=log, **over)
     mdir = bp.model_workdir(workdir, hf)
     with open(os.path.join(hf, "config.json")) as f:
@@ -252,10 +259,9 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     for box in list(boxes) + [("frac", f) for f in fracs]:
         # without a limit llama.cpp's own default (repack: its weights repacked into RAM) runs too, beside the
         # --repack 0 row every limit uses (repack never finishes under a limit: docs/real-scale.md, stop 33)
-        todo = [e for e in engines]
+        todo = list(engines)
         if box == 0 and engines[0][2] == "llama":
-            k, _, kd, pth, fc = engines[0]
-            todo.insert(0, ("llama-defaults", "llama.cpp Q4_0 defaults (mmap, repack)", kd, pth, fc))
+            todo.insert(0, ("llama-defaults", "llama.cpp Q4_0 defaults (mmap, repack)") + engines[0][2:])
         for key, label, kind, path, facts in todo:
             run_no += 1
             d_s = facts["dense_bytes"] / 1e6
