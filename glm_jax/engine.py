@@ -136,6 +136,10 @@ class Engine(Runner):
         self.model = model
         self._params = model.params()
         self._view = None
+        if self.plan is None and self.device.platform == "cpu":
+            for a in jax.tree_util.tree_leaves(self._params):     # a decode step streams these once each: 2 MB pages
+                if isinstance(a, jax.Array) and a.nbytes >= 2 * MEM.HUGE_PAGE:
+                    MEM.huge_pages(a.unsafe_buffer_pointer(), a.nbytes, collapse=True)
 
     # ------------------------------------------------------------------ loading
     @classmethod

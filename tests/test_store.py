@@ -1,6 +1,7 @@
 """ExpertStore: correctness of fetched banks, exact counters, caps 1..E, pinning, RAM sizing, aliasing."""
 
 import json
+import mmap
 import os
 
 import jax
@@ -520,3 +521,55 @@ def test_replay_hits_leaves_the_store_as_one_fetch_per_call(cont, tmp_path, poli
     assert np.array_equal(b.index[1].policy.last, before[2])
     for st in stores:
         st.close(save_usage=False)
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def _vma_of(addr: int) -> tuple:
+    """(permissions, AnonHugePages kB) of the mapping holding addr, from /proc/self/smaps."""
+    perms, huge, inside = None, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+                if inside:
+                    perms = head[1]
+            elif inside and line.startswith("AnonHugePages:"):
+                huge = int(head[1])
+    return perms, huge
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_slot_arenas_are_private_memory_on_huge_pages():
+    """An arena is private anonymous memory (mmap's default MAP_SHARED is shmem: no transparent huge pages, and
+    MADV_DONTNEED there unmaps without freeing) advised MADV_HUGEPAGE before its first page is faulted in."""
+    from glm_jax.experts.store import _mmap_array
+
+    a, mm = _mmap_array((3, 4 << 20), np.uint8)        # 12 MB: at least 4 whole 2 MB pages inside
+    a[:] = 1
+    perms, huge = _vma_of(a.ctypes.data)
+    assert perms is not None and perms.endswith("p"), perms        # private, not shared ("s")
+    if _thp_mode() in ("always", "madvise"):
+        assert huge >= 4 * 2048, huge
+    mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
+    assert not a.any()                                 # a private page released reads back as zeros
+
+
+def test_huge_pages_advises_only_the_whole_pages_inside_the_range():
+    from glm_jax import memory as MEM
+
+    M = MEM.HUGE_PAGE
+    assert MEM.huge_pages(0x1000, M - 0x2000) == 0
+    buf = mmap.mmap(-1, 8 * M, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    lo = (base + M - 1) // M * M
+    got = MEM.huge_pages(lo + M // 2, 3 * M)           # [lo + 0.5 M, lo + 3.5 M): whole pages [lo + M, lo + 3 M)
+    assert got in (0, 2 * M)                          # 0: a kernel without THP refuses

@@ -68,7 +68,7 @@ import numpy as np
 from .. import paths
 from ..errors import GlmJaxError
 from ..kernels.formats import FLOAT_FORMATS, ExpertBank, with_kernel
-from ..memory import cache_slots, default_budget, evict_page_cache, round_up_gb
+from ..memory import cache_slots, default_budget, evict_page_cache, huge_pages, round_up_gb
 from ..model.config import ModelConfig
 from .container import balanced_chunk, config_hash, open_expert_source
 
@@ -190,8 +190,12 @@ class CacheIndex:
 def _mmap_array(shape: tuple, dtype) -> tuple[np.ndarray, mmap.mmap]:
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    mm = mmap.mmap(-1, max(n, 1))
-    return np.frombuffer(mm, dtype=np.uint8, count=n).view(dtype).reshape(shape), mm
+    # private, not mmap's default MAP_SHARED: shared anonymous memory is shmem, which gets no transparent huge pages
+    # (shmem_enabled is "never" by default) and which MADV_DONTNEED only unmaps instead of freeing
+    mm = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(mm, dtype=np.uint8, count=n)
+    huge_pages(a.ctypes.data, n)           # before any page is faulted in: the populate and the reads fill 2 MB pages
+    return a.view(dtype).reshape(shape), mm
 
 
 def _parse_usage(d, cfg: Optional[ModelConfig]) -> Optional[dict]:

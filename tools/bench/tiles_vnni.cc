@@ -3,7 +3,7 @@
 // prefetch PF bytes ahead in the weight stream (the AVX2 build's kPrefetchAhead), interleaved, medians of 8 reps.
 // Not part of the build or of CI.
 //
-//   g++ -O3 -march=native -std=c++17 tools/bench/tiles_vnni.cc -o /tmp/tvnni && taskset -c 1 /tmp/tvnni [EXPERTS]
+//   g++ -O3 -march=native -std=c++17 tools/bench/tiles_vnni.cc -o /tmp/tvnni && taskset -c 1 /tmp/tvnni [EXPERTS [X_OFFSET [HUGE]]]
 //
 // EXPERTS (default 36) matrices of 2048 x 1024 (int4: 1.06 MB, int8: 2.1 MB each with scales) are cycled through, 9
 // per "call": 36 exceed L3 (the decode regime).
@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#include <sys/mman.h>
 
 #include "tiles_bench.h"
 
@@ -55,6 +56,46 @@ void tile_i4(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
     const __m512 sc = _mm512_loadu_ps(st + Wm.gt[b] * 16);
     for (int c = 0; c < C; ++c) {
       const __m512i isum = _mm512_add_epi32(lo_acc[c], _mm512_srai_epi32(hi_acc[c], 4));
+      accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(Pp[c]->sx[b])), accf[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], accf[c]);
+}
+
+// tile_i4 with two accumulator pairs per token (even / odd units), summed at the block's end: the same exact int32
+// sums, so bitwise the same output; four dependency chains of vpdpbusd instead of two
+template <int C, int PF>
+void tile_i4s(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
+  const uint8_t* wt = Wm.tile(t);
+  const float* st = Wm.tscale(t);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  __m512 accf[C];
+  for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
+  const int64_t nb = (Wm.in + BLK - 1) / BLK;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo_acc[2][C], hi_acc[2][C];
+    for (int c = 0; c < C; ++c) {
+      lo_acc[0][c] = _mm512_set1_epi32(Pp[c]->corr[b]);
+      hi_acc[0][c] = lo_acc[1][c] = hi_acc[1][c] = _mm512_setzero_si512();
+    }
+    const int64_t u0 = b * (BLK / 8), u1 = std::min<int64_t>(Wm.units, (b + 1) * (BLK / 8));
+    for (int64_t u = u0; u < u1; ++u) {
+      const int j = (u - u0) & 1;
+      if (PF) _mm_prefetch((const char*)(wt + u * 64 + PF), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512((const void*)(wt + u * 64));
+      const __m512i lo = _mm512_and_si512(v, lo4);
+      const __m512i hi = _mm512_andnot_si512(lo4, v);
+      for (int c = 0; c < C; ++c) {
+        const int8_t* xq = Pp[c]->xq + u * 8;
+        lo_acc[j][c] = _mm512_dpbusd_epi32(lo_acc[j][c], lo, _mm512_set1_epi32(*(const int32_t*)xq));
+        hi_acc[j][c] = _mm512_dpbusd_epi32(hi_acc[j][c], hi, _mm512_set1_epi32(*(const int32_t*)(xq + 4)));
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(st + Wm.gt[b] * 16);
+    for (int c = 0; c < C; ++c) {
+      const __m512i lo_s = _mm512_add_epi32(lo_acc[0][c], lo_acc[1][c]);
+      const __m512i hi_s = _mm512_add_epi32(hi_acc[0][c], hi_acc[1][c]);
+      const __m512i isum = _mm512_add_epi32(lo_s, _mm512_srai_epi32(hi_s, 4));
       accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(Pp[c]->sx[b])), accf[c]);
     }
   }
@@ -150,8 +191,14 @@ int main(int argc, char** argv) {
   const int64_t tiles = out / 16, ng = in / 64;
   std::vector<uint8_t*> q4(NE), q8(NE);
   std::vector<float*> ss(NE);
+  // HUGE (argv[3] = 1): the int4 matrices in one mapping advised MADV_HUGEPAGE (2 MB pages where THP is "madvise")
+  const bool huge = argc > 3 && atoi(argv[3]) == 1;
+  const size_t q4b = tiles * (in / 8) * 64;
+  uint8_t* slab = (uint8_t*)mmap(nullptr, q4b * NE + (2 << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  slab = (uint8_t*)(((uintptr_t)slab + (2 << 20) - 1) & ~(uintptr_t)((2 << 20) - 1));
+  if (huge) madvise(slab, q4b * NE, MADV_HUGEPAGE);
   for (int e = 0; e < NE; ++e) {
-    q4[e] = (uint8_t*)aligned_alloc(64, tiles * (in / 8) * 64);
+    q4[e] = slab + e * q4b;
     for (int64_t i = 0; i < tiles * (in / 8) * 64; ++i) q4[e][i] = rand();
     q8[e] = (uint8_t*)aligned_alloc(64, tiles * (in / 4) * 64);
     for (int64_t i = 0; i < tiles * (in / 4) * 64; ++i) q8[e][i] = rand();
@@ -177,6 +224,8 @@ int main(int argc, char** argv) {
       {"int4 1 tok + prefetch 4K", 1, false, tile_i4<1, 4096>},
       {"int4 1 tok + prefetch 8K", 1, false, tile_i4<1, 8192>},
       {"int4 1 tok + prefetch 16K", 1, false, tile_i4<1, 16384>},
+      {"int4 1 tok, split acc + prefetch 8K", 1, false, tile_i4s<1, 8192>},
+      {"int4 1 tok, split acc + prefetch 4K", 1, false, tile_i4s<1, 4096>},
       {"int4 2 tok", 2, false, tile_i4<2, 0>},
       {"int4 2 tok + prefetch 4K", 2, false, tile_i4<2, 4096>},
       {"int4 2 tok + prefetch 8K", 2, false, tile_i4<2, 8192>},
