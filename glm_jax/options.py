@@ -123,9 +123,10 @@ OPTIONS = [
     Opt("prefill_chunk", 512, "int", "Prompt tokens per prefill forward: longer prompts are prefilled in chunks, "
         "interleaved with the other rows' decode steps.", lo=16, hi=1 << 20),
     Opt("dispatch_ms", 50.0, "float", "Plain resident decode runs several steps per dispatch of one compiled loop; "
-        "without a stream reading from inside it (--stream_interval), it runs as many as fit in this many "
-        "milliseconds (from the measured step time, 1 to 32 steps): that bounds how long tokens wait to be printed "
-        "or sent and how long a cancelled request keeps its row; 0: one step per dispatch.", lo=0.0, hi=60000.0),
+        "where the host cannot read from inside it (--stream_interval=0, or no native kernels for a request "
+        "nobody streams), it runs as many as fit in this many milliseconds (from the measured step time, 1 to 32 "
+        "steps): that bounds how long tokens wait to be printed or sent and how long a cancelled request keeps its "
+        "row; 0: one step per dispatch.", lo=0.0, hi=60000.0),
     Opt("stream_interval", 1, "int", "Plain resident decode hands each streamed row's tokens to its stream "
         "(printed, or sent as one server-sent event) every this many tokens from inside the running dispatch (the "
         "compiled loop, up to 32 steps, hands them to the host without waiting for it; a host that falls behind "

@@ -724,7 +724,11 @@ class Scheduler:
         # newcomer waits, a row's budget ends) runs the same program, in the window of FUSED_CHUNK steps: before, a
         # 1-step dispatch ran the unstreamed one and its own window, programs a server's warm-up had not compiled
         # (1.9 s of compiling in the first 8-client pass on b, at 1, 2, 4 and 8 rows)
-        streamed = self.stream_interval > 0 and any(r.on_event is not None for r in rows)
+        # Rows nobody streams take that path too where the native sink runs it (no Python call inside the loop): a
+        # dispatch of one step (a 35 ms step of the GLM-4.5-Air slice against the 50 ms default) paid the KV window's
+        # copy out and back and the host's turn around every token (slice bench, docs/real-scale.md)
+        streamed = self.stream_interval > 0 and (any(r.on_event is not None for r in rows)
+                                                 or self._native_sink() is not None)
         n = int(min(n, budget.max(), FUSED_CHUNK if streamed else self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + (FUSED_CHUNK if streamed else n) + W
         # the store's path runs at max_batch over the whole cache, as fetch=loop's one step does (bitwise its output)
