@@ -193,6 +193,27 @@ def test_prefix_store_gives_back_a_taken_rows_kv_from_host_ram():
         eng.close()
 
 
+def test_a_request_nobody_streams_runs_whole_dispatches(eng, monkeypatch):
+    """With the native stream sink, a request nobody streams (Engine.generate, a non-streamed server request) runs
+    the in-loop hand-off too, so its dispatch is not cut to what fits in --dispatch_ms: the host still sees each
+    step (a cancel, a stop string, a newcomer end the loop), and the KV window's copy and the host's turn are paid
+    once a dispatch instead of once a token (the GLM-4.5-Air slice: a 35 ms step against the 50 ms default ran one
+    step a dispatch).  Same greedy tokens."""
+    ref = eng.generate(ROMEO, max_new_tokens=24, stop_on_eos=False)
+    sched = eng.scheduler
+    if sched._native_sink() is None:
+        pytest.skip("no native stream sink (kernels not built)")
+    monkeypatch.setattr(sched, "step_s", 0.02)                 # as if each decode step took 20 ms ...
+    monkeypatch.setattr(sched, "observe_step", lambda s: None)  # ... so 2 steps would fit in 50 ms
+    assert sched.dispatch_s == 0.05 and sched.steps_per_dispatch() == 2
+    d0 = sched.counters["dispatches"]
+    req = eng.request(ROMEO, max_new_tokens=24, stop_on_eos=False)
+    sched.submit(req)
+    sched.run([req])
+    assert req.out == ref.tokens
+    assert sched.counters["dispatches"] - d0 == 1
+
+
 def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
     """--stream_interval=1 (default): a streamed request gets each token as it is sampled, while the fused loop
     keeps running (fewer dispatches than tokens); --stream_interval=4: 4 at a time; same tokens as not streamed.

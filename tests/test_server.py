@@ -515,26 +515,6 @@ def test_a_dispatch_runs_what_fits_in_dispatch_ms(eng, monkeypatch):
     assert sched.steps_per_dispatch() == 1
 
 
-def test_a_request_nobody_streams_runs_whole_dispatches(eng, monkeypatch):
-    """With the native stream sink, a request nobody streams (Engine.generate, a non-streamed server request) runs
-    the in-loop hand-off too, so its dispatch is not cut to what fits in --dispatch_ms: the host still sees each
-    step (a cancel, a stop string, a newcomer end the loop), and the KV window's copy and the host's turn are paid
-    once a dispatch instead of once a token (the GLM-4.5-Air slice: a 35 ms step against the 50 ms default ran one
-    step a dispatch).  Same greedy tokens."""
-    ref = _alone(eng, ROMEO, 24)
-    sched = eng.scheduler
-    if sched._native_sink() is None:
-        pytest.skip("no native stream sink (kernels not built)")
-    monkeypatch.setattr(sched, "step_s", 0.02)                 # as if each decode step took 20 ms ...
-    monkeypatch.setattr(sched, "observe_step", lambda s: None)  # ... so 2 steps would fit in 50 ms
-    d0 = sched.counters["dispatches"]
-    req = eng.request(ROMEO, max_new_tokens=24)
-    sched.submit(req)
-    sched.run([req])
-    assert req.out == ref.tokens
-    assert sched.counters["dispatches"] - d0 == 1
-
-
 def test_context_limit(eng):
     limit = eng.context_limit
     assert limit == eng.cfg.max_position_embeddings == 256
