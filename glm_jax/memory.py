@@ -66,7 +66,9 @@ def trim():
 
 @functools.lru_cache(maxsize=1)
 def _libc():
-    return ctypes.CDLL("libc.so.6", use_errno=True)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 HUGE_PAGE = 2 << 20
@@ -88,7 +90,6 @@ def huge_pages(addr: int, nbytes: int, collapse: bool = False) -> int:
         return 0
     try:
         libc = _libc()
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         if libc.madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
             return 0
         if collapse:

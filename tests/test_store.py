@@ -532,8 +532,8 @@ def _thp_mode() -> str:
 
 
 def _vma_of(addr: int) -> tuple:
-    """(permissions, AnonHugePages kB) of the mapping holding addr, from /proc/self/smaps."""
-    perms, huge, inside = None, 0, False
+    """(permissions, AnonHugePages kB, VmFlags) of the mapping holding addr, from /proc/self/smaps."""
+    perms, huge, flags, inside = None, 0, [], False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
@@ -544,23 +544,30 @@ def _vma_of(addr: int) -> tuple:
                     perms = head[1]
             elif inside and line.startswith("AnonHugePages:"):
                 huge = int(head[1])
-    return perms, huge
+            elif inside and line.startswith("VmFlags:"):
+                flags = head[1:]
+    return perms, huge, flags
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
 def test_slot_arenas_are_private_memory_on_huge_pages():
     """An arena is private anonymous memory (mmap's default MAP_SHARED is shmem: no transparent huge pages, and
-    MADV_DONTNEED there unmaps without freeing) advised MADV_HUGEPAGE before its first page is faulted in."""
+    MADV_DONTNEED there unmaps without freeing), advised MADV_HUGEPAGE before its first page is faulted in where it
+    will be filled whole; a partly used one stays on 4 KB pages (a first touch would fault in 2 MB around it)."""
     from glm_jax.experts.store import _mmap_array
 
-    a, mm = _mmap_array((3, 4 << 20), np.uint8)        # 12 MB: at least 4 whole 2 MB pages inside
+    a, mm = _mmap_array((3, 4 << 20), np.uint8, huge=True)   # 12 MB: at least 4 whole 2 MB pages inside
     a[:] = 1
-    perms, huge = _vma_of(a.ctypes.data)
+    perms, huge, flags = _vma_of(a.ctypes.data)
     assert perms is not None and perms.endswith("p"), perms        # private, not shared ("s")
     if _thp_mode() in ("always", "madvise"):
-        assert huge >= 4 * 2048, huge
+        assert "hg" in flags and huge >= 4 * 2048, (flags, huge)
     mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
     assert not a.any()                                 # a private page released reads back as zeros
+    b, _ = _mmap_array((3, 4 << 20), np.uint8)
+    b[:] = 1
+    perms, _, flags = _vma_of(b.ctypes.data)
+    assert perms.endswith("p") and "hg" not in flags, (perms, flags)
 
 
 def test_huge_pages_advises_only_the_whole_pages_inside_the_range():

@@ -187,14 +187,18 @@ class CacheIndex:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _mmap_array(shape: tuple, dtype) -> tuple[np.ndarray, mmap.mmap]:
+def _mmap_array(shape: tuple, dtype, huge: bool = False) -> tuple[np.ndarray, mmap.mmap]:
+    """A page-aligned array in a private anonymous mapping (not mmap's default MAP_SHARED: shared anonymous memory is
+    shmem, which gets no transparent huge pages -- shmem_enabled is "never" by default -- and which MADV_DONTNEED only
+    unmaps instead of freeing).  ``huge``: advised MADV_HUGEPAGE before any page is faulted in, so the populate and
+    the reads fill 2 MB pages.  Only for an arena that will be filled whole: a first touch faults in the whole 2 MB
+    page around it, so a partly used arena could hold up to 2 MB more than its slots, which no budget counts."""
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    # private, not mmap's default MAP_SHARED: shared anonymous memory is shmem, which gets no transparent huge pages
-    # (shmem_enabled is "never" by default) and which MADV_DONTNEED only unmaps instead of freeing
     mm = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     a = np.frombuffer(mm, dtype=np.uint8, count=n)
-    huge_pages(a.ctypes.data, n)           # before any page is faulted in: the populate and the reads fill 2 MB pages
+    if huge:
+        huge_pages(a.ctypes.data, n)
     return a.view(dtype).reshape(shape), mm
 
 
@@ -279,7 +283,8 @@ class _Layer:
         self.layout = source.layout(layer)
         self.arrays, self._mms = {}, []
         for s in self.layout.sections:
-            a, mm = _mmap_array((slots,) + tuple(s.shape), s.np_dtype)
+            # 2 MB pages where the arena has a slot for every expert (no limit: preload_all fills it whole)
+            a, mm = _mmap_array((slots,) + tuple(s.shape), s.np_dtype, huge=slots >= E)
             self.arrays[s.name] = a
             self._mms.append(mm)
         self.slot_bytes = {n: a[0].nbytes if slots else 0 for n, a in self.arrays.items()}
