@@ -27,7 +27,9 @@ struct W {
 };
 struct P { const int8_t* xq; const float* sx; const int32_t* corr; const uint8_t* xa; const uint64_t* neg; };
 
-template <int C, int PF>
+// S accumulator pairs per token (S = 2: even / odd units, summed at the block's end: the same exact int32 sums, so
+// bitwise the same output, with four dependency chains of vpdpbusd instead of two; it gained nothing, stop 38)
+template <int C, int PF, int S = 1>
 void tile_i4(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
   const uint8_t* wt = Wm.tile(t);
   const float* st = Wm.tscale(t);
@@ -36,51 +38,15 @@ void tile_i4(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
   for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
   const int64_t nb = (Wm.in + BLK - 1) / BLK;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i lo_acc[C], hi_acc[C];
-    for (int c = 0; c < C; ++c) {
-      lo_acc[c] = _mm512_set1_epi32(Pp[c]->corr[b]);
-      hi_acc[c] = _mm512_setzero_si512();
-    }
-    const int64_t u1 = std::min<int64_t>(Wm.units, (b + 1) * (BLK / 8));
-    for (int64_t u = b * (BLK / 8); u < u1; ++u) {
-      if (PF) _mm_prefetch((const char*)(wt + u * 64 + PF), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512((const void*)(wt + u * 64));
-      const __m512i lo = _mm512_and_si512(v, lo4);
-      const __m512i hi = _mm512_andnot_si512(lo4, v);
-      for (int c = 0; c < C; ++c) {
-        const int8_t* xq = Pp[c]->xq + u * 8;
-        lo_acc[c] = _mm512_dpbusd_epi32(lo_acc[c], lo, _mm512_set1_epi32(*(const int32_t*)xq));
-        hi_acc[c] = _mm512_dpbusd_epi32(hi_acc[c], hi, _mm512_set1_epi32(*(const int32_t*)(xq + 4)));
+    __m512i lo_acc[S][C], hi_acc[S][C];
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < S; ++j) {
+        lo_acc[j][c] = j == 0 ? _mm512_set1_epi32(Pp[c]->corr[b]) : _mm512_setzero_si512();
+        hi_acc[j][c] = _mm512_setzero_si512();
       }
-    }
-    const __m512 sc = _mm512_loadu_ps(st + Wm.gt[b] * 16);
-    for (int c = 0; c < C; ++c) {
-      const __m512i isum = _mm512_add_epi32(lo_acc[c], _mm512_srai_epi32(hi_acc[c], 4));
-      accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(Pp[c]->sx[b])), accf[c]);
-    }
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], accf[c]);
-}
-
-// tile_i4 with two accumulator pairs per token (even / odd units), summed at the block's end: the same exact int32
-// sums, so bitwise the same output; four dependency chains of vpdpbusd instead of two
-template <int C, int PF>
-void tile_i4s(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
-  const uint8_t* wt = Wm.tile(t);
-  const float* st = Wm.tscale(t);
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  __m512 accf[C];
-  for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
-  const int64_t nb = (Wm.in + BLK - 1) / BLK;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i lo_acc[2][C], hi_acc[2][C];
-    for (int c = 0; c < C; ++c) {
-      lo_acc[0][c] = _mm512_set1_epi32(Pp[c]->corr[b]);
-      hi_acc[0][c] = lo_acc[1][c] = hi_acc[1][c] = _mm512_setzero_si512();
-    }
     const int64_t u0 = b * (BLK / 8), u1 = std::min<int64_t>(Wm.units, (b + 1) * (BLK / 8));
     for (int64_t u = u0; u < u1; ++u) {
-      const int j = (u - u0) & 1;
+      const int j = (int)((u - u0) % S);
       if (PF) _mm_prefetch((const char*)(wt + u * 64 + PF), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512((const void*)(wt + u * 64));
       const __m512i lo = _mm512_and_si512(v, lo4);
@@ -93,9 +59,11 @@ void tile_i4s(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
     }
     const __m512 sc = _mm512_loadu_ps(st + Wm.gt[b] * 16);
     for (int c = 0; c < C; ++c) {
-      const __m512i lo_s = _mm512_add_epi32(lo_acc[0][c], lo_acc[1][c]);
-      const __m512i hi_s = _mm512_add_epi32(hi_acc[0][c], hi_acc[1][c]);
-      const __m512i isum = _mm512_add_epi32(lo_s, _mm512_srai_epi32(hi_s, 4));
+      for (int j = 1; j < S; ++j) {
+        lo_acc[0][c] = _mm512_add_epi32(lo_acc[0][c], lo_acc[j][c]);
+        hi_acc[0][c] = _mm512_add_epi32(hi_acc[0][c], hi_acc[j][c]);
+      }
+      const __m512i isum = _mm512_add_epi32(lo_acc[0][c], _mm512_srai_epi32(hi_acc[0][c], 4));
       accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(Pp[c]->sx[b])), accf[c]);
     }
   }
@@ -224,8 +192,8 @@ int main(int argc, char** argv) {
       {"int4 1 tok + prefetch 4K", 1, false, tile_i4<1, 4096>},
       {"int4 1 tok + prefetch 8K", 1, false, tile_i4<1, 8192>},
       {"int4 1 tok + prefetch 16K", 1, false, tile_i4<1, 16384>},
-      {"int4 1 tok, split acc + prefetch 8K", 1, false, tile_i4s<1, 8192>},
-      {"int4 1 tok, split acc + prefetch 4K", 1, false, tile_i4s<1, 4096>},
+      {"int4 1 tok, split acc + prefetch 8K", 1, false, tile_i4<1, 8192, 2>},
+      {"int4 1 tok, split acc + prefetch 4K", 1, false, tile_i4<1, 4096, 2>},
       {"int4 2 tok", 2, false, tile_i4<2, 0>},
       {"int4 2 tok + prefetch 4K", 2, false, tile_i4<2, 4096>},
       {"int4 2 tok + prefetch 8K", 2, false, tile_i4<2, 8192>},
