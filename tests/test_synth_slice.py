@@ -158,3 +158,25 @@ def test_slice_bench_widens_the_gguf_only_where_the_converter_cannot_hold_a_laye
     np.testing.assert_allclose(s, blocks.reshape(2, 128, 3, 128).max(axis=(1, 3)) / 448.0, rtol=1e-6)
     np.testing.assert_allclose(ref, w, rtol=0.07, atol=1e-6)     # e4m3: 3 mantissa bits
     assert _fp8_quant(w, want_ref=False)[2] is None
+
+
+def test_slice_bench_rounds_are_medians_with_failures_named():
+    from tools.bench import slice as bs
+
+    def ok(dec, peak=100, pre=50.0):
+        return ("ok", {"decode_tok_s": dec, "prefill_tok_s": pre}, {"peak": peak, "read_bytes": 1})
+
+    a = bs.aggregate_runs([ok(30.0, pre=1.0), ok(20.0, peak=300, pre=2.0), ok(40.0, pre=3.0)])
+    # the median round, with its own prefill (not a median of another round's numbers), the peak over all rounds
+    assert (a["decode"], a["prefill"], a["peak"], a["runs"]) == (30.0, 1.0, 300, "30/20/40")
+    assert a["result"] == "3 of 3 ok"
+    assert bs.aggregate_runs([ok(30.0), ok(20.0)])["decode"] == 20.0          # even count: the lower middle
+    failed = ("OOM-killed (while loading)", None, {"peak": 900, "read_bytes": 5})
+    a = bs.aggregate_runs([ok(10.0), failed, ok(12.0)])
+    assert a["decode"] == 10.0 and a["runs"] == "10/-/12" and a["peak"] == 900
+    assert a["result"] == "2 of 3 ok; OOM-killed (while loading) x1"
+    a = bs.aggregate_runs([failed])
+    assert a["decode"] is None and a["result"] == "OOM-killed (while loading)"
+    # round-by-round ratios: only rounds where both ran
+    assert bs.pair_ratios([ok(30.0), ok(20.0), failed], [ok(20.0), ok(25.0), ok(10.0)]) == "0.80-1.50"
+    assert bs.pair_ratios([failed], [ok(1.0)]) == "-"

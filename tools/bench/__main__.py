@@ -30,7 +30,7 @@
     python -m tools.bench --mode=slice --arch=glm45air|glm52 --layers=N [--llamacpp=PREFIX] [--boxes=0,128,64,24]
         a slice at the architecture's real widths (tools/fixtures/synth_slice.py), both engines cold in memory cgroups of what
         a 24 / 64 / 128 GB box leaves per layer, projected to the full model beside the disk-physics bound and
-        colibri's points (tools/bench/slice.py).
+        colibri's points (tools/bench/slice.py); [--slice_reps=3] interleaved rounds per box, medians, ratios.
     python -m tools.bench --mode=dsa [--contexts=1024,2048,4096,16384,65536]
         one GLM-5 MLA + DSA attention layer at real widths, decode step time vs context: gathered top-k vs the
         dense O(S) mask (tools/bench/dsa.py).
@@ -118,6 +118,8 @@ flags.DEFINE_enum("slice_gguf_base", "bf16", ["bf16", "q8_0"], "--mode=slice: wh
                   "before llama-quantize makes the Q4_0 (q8_0: a quarter of the disk of bf16, then requantized).")
 flags.DEFINE_string("slice_engines", "llama,glm-jax", "--mode=slice: engines to run (llama: only where --llamacpp "
                     "has llama-bench).")
+flags.DEFINE_integer("slice_reps", 3, "--mode=slice: rounds per box; the engines take turns in each (the order "
+                     "reversed every other round) and every row is the median round.", lower_bound=1, upper_bound=20)
 flags.DEFINE_string("contexts", "1024,2048,4096,16384,65536", "--mode=dsa: context lengths (cache slots).")
 flags.DEFINE_string("out", "", "Also write the markdown table here.")
 flags.DEFINE_string("kernels", "native,xla", "--mode=formats: expert kernels to score (comma-separated).")
@@ -378,7 +380,7 @@ def peer_main(argv):
                                         engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")),
                                         fracs=tuple(P.parse_list(FLAGS.slice_fracs, "slice_fracs", float)),
                                         experts=FLAGS.slice_experts, dtype=FLAGS.slice_dtype,
-                                        gguf_base=FLAGS.slice_gguf_base.upper())
+                                        gguf_base=FLAGS.slice_gguf_base.upper(), reps=FLAGS.slice_reps)
         else:
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):

@@ -3,7 +3,12 @@ memory cgroups sized to what a 24 / 64 / 128 GB box leaves the full model per Mo
 row to the full model.
 
     python -m tools.bench --mode=slice --arch=glm45air|glm52 --layers=N [--llamacpp=PREFIX] [--boxes=0,128,64,24]
-                          [--new_tokens=32] [--prompt_tokens=64] [--out=docs/real-scale.md]
+                          [--new_tokens=32] [--prompt_tokens=64] [--slice_reps=3] [--out=docs/real-scale.md]
+
+Every box runs --slice_reps rounds; in a round each engine runs once, the order reversed every other round, and a row
+is the median round with every round's decode rate beside it and its ratio to llama.cpp (medians, and the range of
+the round-by-round ratios): this VM's memory bandwidth drifts +-20% between minutes, so one run of each is not a
+comparison.
 
 How a box becomes a cgroup limit (per engine, from its own files):
     D_slice    = the engine's non-expert bytes in the slice (glm-jax: dense.safetensors; llama.cpp: GGUF size minus
@@ -144,6 +149,39 @@ def ensure_wide_gguf(hf: str, mdir: str, arch: str, layers: int, dtype: str, lla
     return out
 
 
+def aggregate_runs(runs: list) -> dict:
+    """One row from an engine's rounds in a box, each ``(verdict, out, res)``: the median decode rate and the run it
+    came from (its prefill rate, store counters, read bytes: the lower middle of an even count), every round's
+    decode rate in order ("-" for a round that failed), the peak over all rounds, and a result naming failures
+    ("2 of 3 ok; OOM-killed (while loading) x1")."""
+    ok = [(i, r) for i, r in enumerate(runs) if r[0] == "ok" and r[1] and r[1].get("decode_tok_s")]
+    peak = max((r[2].get("peak") or 0 for r in runs), default=0)
+    bad = {}
+    for r in runs:
+        if not (r[0] == "ok" and r[1] and r[1].get("decode_tok_s")):
+            v = r[0] if r[0] != "ok" else "no result"
+            bad[v] = bad.get(v, 0) + 1
+    result = "; ".join(([f"{len(ok)} of {len(runs)} ok"] if ok else []) + [f"{v} x{n}" for v, n in bad.items()])
+    if len(bad) == 1 and not ok and len(runs) == 1:
+        result = next(iter(bad))
+    base = dict(peak=peak, result=result, runs="/".join(
+        f"{r[1]['decode_tok_s']:.3g}" if r[0] == "ok" and r[1] and r[1].get("decode_tok_s") else "-" for r in runs))
+    if not ok:
+        return dict(base, decode=None, prefill=None, out=None, res=runs[-1][2] if runs else {})
+    by = sorted(ok, key=lambda ir: ir[1][1]["decode_tok_s"])
+    i, (_, out, res) = by[(len(by) - 1) // 2]
+    return dict(base, decode=out["decode_tok_s"], prefill=out.get("prefill_tok_s") or 0.0, out=out, res=res)
+
+
+def pair_ratios(a: list, b: list) -> str:
+    """Round by round, engine ``a``'s decode rate over engine ``b``'s (rounds where both ran): "min-max"."""
+    rs = [x[1]["decode_tok_s"] / y[1]["decode_tok_s"] for x, y in zip(a, b)
+          if x[0] == "ok" and y[0] == "ok" and x[1] and y[1] and x[1].get("decode_tok_s") and y[1].get("decode_tok_s")]
+    if not rs:
+        return "-"
+    return f"{min(rs):.2f}" if len(rs) == 1 else f"{min(rs):.2f}-{max(rs):.2f}"
+
+
 def _container_facts(container: str) -> dict:
     with open(os.path.join(container, "manifest.json")) as f:
         man = json.load(f)
@@ -188,7 +226,8 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
               prompt_tokens: int, boxes: list, os_reserve_mb: float, runtime_mb: float, nolimit_mb: float,
               timeout: float, glmjax_options: dict, dense_formats: list, log=print,
               proc_cgroup: Optional[str] = None, engines_wanted: tuple = ("llama", "glm-jax"),
-              fracs: tuple = (), experts: int = 0, dtype: str = "bfloat16", gguf_base: str = "BF16") -> str:
+              fracs: tuple = (), experts: int = 0, dtype: str = "bfloat16", gguf_base: str = "BF16",
+              reps: int = 1) -> str:
     if proc_cgroup is None:
         with open("/proc/self/cgroup") as f:
             proc_cgroup = f.read()
@@ -262,47 +301,70 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
         todo = list(engines)
         if box == 0 and engines[0][2] == "llama":
             todo.insert(0, ("llama-defaults", "llama.cpp Q4_0 defaults (mmap, repack)") + engines[0][2:])
+        box_name = (f"{box[1]:g}x model" if isinstance(box, tuple) else f"{box:g} GB" if box else "none")
+        limits, runs = {}, {key: [] for key, *_ in todo}
         for key, label, kind, path, facts in todo:
-            run_no += 1
             d_s = facts["dense_bytes"] / 1e6
-            d_f = d_s * dp_f / dp_s
             if isinstance(box, tuple):
-                limit, per_layer = box[1] * model_mb, 0.0
+                limits[key] = (box[1] * model_mb, 0.0)
             elif box:
-                limit, per_layer = box_limit_mb(box, d_s, d_f, n_moe_s, n_moe_f, os_reserve_mb, runtime_mb)
+                limits[key] = box_limit_mb(box, d_s, d_s * dp_f / dp_s, n_moe_s, n_moe_f, os_reserve_mb, runtime_mb)
             else:
-                limit, per_layer = nolimit_mb, float("inf")
-            box_name = (f"{box[1]:g}x model" if isinstance(box, tuple) else f"{box:g} GB" if box else "none")
+                limits[key] = (nolimit_mb, float("inf"))
+        # --slice_reps: the engines take turns, the order reversed every other round (A B C, C B A, ...), so a
+        # drift of the machine's speed during the box falls on all of them alike; each row is the median
+        for rep in range(reps):
+            for key, label, kind, path, facts in (todo if rep % 2 == 0 else todo[::-1]):
+                limit = limits[key][0]
+                if limit is None:
+                    continue
+                run_no += 1
+                bp.drop_caches(bp.files_under(path))
+                logp = os.path.join(logs, f"slice-{kind}.log")
+                if kind == "llama":
+                    got = _llama_run(cg, limit, llamacpp, path, prompt_tokens, new_tokens, threads, logp, timeout,
+                                     str(run_no), repack=key == "llama-defaults")
+                else:
+                    got = _glmjax_run(cg, limit, path, prompt, new_tokens, threads, dict(glmjax_options), logp,
+                                      timeout, str(run_no))
+                runs[key].append(got)
+                dec = (got[1] or {}).get("decode_tok_s")
+                log(f"{box_name} {label}, round {rep + 1} of {reps}: {got[0]}" + (f", {dec:.3g} tok/s" if dec else ""))
+        med = {key: aggregate_runs(r)["decode"] for key, r in runs.items() if r}
+        for key, label, kind, path, facts in todo:
+            limit, per_layer = limits[key]
+            d_s = facts["dense_bytes"] / 1e6
             row = {"box": box_name, "engine": label,
                    "limit MB": f"{limit:.0f}" if limit else "-",
                    "per layer MB (experts)": ("all" if per_layer == float("inf") else
                                               "-" if isinstance(box, tuple) else
                                               f"{per_layer:.0f} ({per_layer * 1e6 / facts['record_len']:.0f})")}
             if limit is None:
-                row["result"] = f"dense part does not fit ({d_f / 1e3:.1f} GB of dense weights in a {box_name} box)"
+                row["result"] = (f"dense part does not fit ({d_s * dp_f / dp_s / 1e3:.1f} GB of dense weights in a "
+                                 f"{box_name} box)")
                 rows.append(row)
                 log(f"{row['box']} {label}: {row['result']}")
                 continue
-            bp.drop_caches(bp.files_under(path))
-            logp = os.path.join(logs, f"slice-{kind}.log")
-            if kind == "llama":
-                verdict, out, res = _llama_run(cg, limit, llamacpp, path, prompt_tokens, new_tokens, threads, logp,
-                                               timeout, str(run_no), repack=key == "llama-defaults")
-            else:
-                verdict, out, res = _glmjax_run(cg, limit, path, prompt, new_tokens, threads, dict(glmjax_options),
-                                                logp, timeout, str(run_no))
-            row["peak MB"] = f"{res['peak'] / 1e6:.0f}"
+            agg = aggregate_runs(runs[key])
+            res = agg["res"]
+            row["peak MB"] = f"{agg['peak'] / 1e6:.0f}"
             row["read GB"] = f"{res['read_bytes'] / 1e9:.2f}"
-            if verdict != "ok" or not out:
-                row["result"] = verdict
+            row["result"] = agg["result"]
+            if agg["decode"] is None:
                 rows.append(row)
-                log(f"{row['box']} {label}: {verdict}")
+                log(f"{row['box']} {label}: {agg['result']}")
                 continue
-            t = 1.0 / out["decode_tok_s"]
+            out = agg["out"]
+            t = 1.0 / agg["decode"]
             if box == 0:
                 t_c[key] = t
-            row["decode tok/s"] = f"{out['decode_tok_s']:.3g}"
-            row["prefill tok/s"] = f"{out['prefill_tok_s']:.3g}"
+            row["decode tok/s"] = f"{agg['decode']:.3g}" + (f" ({agg['runs']})" if reps > 1 else "")
+            row["prefill tok/s"] = f"{agg['prefill']:.3g}"
+            if kind == "glm-jax":
+                peers = [k for k in (("llama-defaults", "llama") if box == 0 else ("llama",)) if med.get(k)]
+                row["x llama.cpp"] = " / ".join(
+                    f"{agg['decode'] / med[k]:.2f}" + (f" ({pair_ratios(runs[key], runs[k])})" if reps > 1 else "")
+                    for k in peers)
             st = out.get("store") or {}
             misses = None
             if kind == "glm-jax":
@@ -328,7 +390,8 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
             rows.append(row)
             log(f"{row['box']} {label}: {json.dumps(row)}")
     from tools.bench.tables import markdown
-    cols = ["box", "engine", "limit MB", "per layer MB (experts)", "decode tok/s", "prefill tok/s", "hit rate",
+    cols = ["box", "engine", "limit MB", "per layer MB (experts)", "decode tok/s", "x llama.cpp", "prefill tok/s",
+            "hit rate",
             "cache/layer", "MB read / token", "peak MB", "read GB", "full model tok/s (projected)",
             "disk bound tok/s slice / full", "result"]
     for r in rows:
@@ -342,7 +405,10 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
             f"(tools/fixtures/synth_slice.py, random {'FP8 (128x128 block scales)' if dtype == 'fp8' else dtype} weights, Zipf-skewed router bias); full model: {n_moe_f} MoE layers, "
             f"vocab {c_full['vocab_size']}, {dp_f / 1e9:.2f} B dense parameters (slice: {dp_s / 1e9:.3f} B). "
             f"Files: {sizes}. Decode: {new_tokens} tokens after a {prompt_tokens}-token prompt, {threads} threads, "
-            "batch 1, greedy, each run a fresh process in a fresh memory cgroup (page cache charged), file cache "
+            f"batch 1, greedy, {reps} round(s) per box: the engines take turns, the order reversed every other round; "
+            "a row is the median round (in brackets: every round's decode tok/s in order; 'x llama.cpp': the ratio "
+            "of the medians to llama.cpp's defaults / --repack 0 rows, and the range of the round-by-round ratios). "
+            "Each run a fresh process in a fresh memory cgroup (page cache charged), file cache "
             "dropped before it (llama-bench -p P -n N -r 1 -lm mmap --repack 0 with its warmup, and without --repack 0 "
             "in the no-limit row marked defaults; glm-jax: a 2-token "
             f"warm-up generation, a 2-token warm-up, then the median of 3 generations). Box -> limit: {rt_note} "
