@@ -392,9 +392,11 @@ void gemm_float(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps,
 // acc = fma(float(isum), scale[row] * sx[block], acc) per row lane, blocks in order.
 #if GLMJAX_VNNI
 // Software prefetch 8 KiB ahead in the weight stream (one 64-byte line per unit), as the AVX2 build does at 4 KiB:
-// tools/bench/tiles_vnni.cc on one core of an AVX-512 EPYC, 36 experts of 2048 x 1024 rotating (beyond L3): int4 one
-// token 31.5 -> 47.7 GB/s, two tokens 31.4 -> 46.7, four 27.0 -> 35.8; int8 one token 32.6 -> 42.2 (4 KiB: 38.8 /
-// 38.6 / 31.3 / 36.1).  A prefetch past the end of a buffer is harmless (it never faults)
+// tools/bench/tiles_vnni.cc on one core of an AVX-512 EPYC, 36 experts of 2048 x 1024 rotating (38 MB, only just
+// beyond its 32 MB L3): int4 one token 31.5 -> 47.7 GB/s, two tokens 31.4 -> 46.7, four 27.0 -> 35.8; int8 one token
+// 32.6 -> 42.2 (4 KiB: 38.8 / 38.6 / 31.3 / 36.1).  With 192 (204 MB, stop 39) int4 one token ran 25.3-25.9 -> 27.8-28.5
+// GB/s, the weight stream's loads alone 24.3-24.8: there the loop runs at what memory streams to one core.  A prefetch
+// past the end of a buffer is harmless (it never faults)
 constexpr int64_t kPrefetchAhead = 8192;
 template <int C>
 inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
