@@ -55,7 +55,8 @@ def _check_experts(c, ref, fmt_of):
                     gg = w.shape[1] if kind == "int4_row" else g
                     amax = np.abs(w.reshape(w.shape[0], -1, gg)).max(-1, keepdims=True)
                     err = np.abs(got - w).reshape(w.shape[0], -1, gg)
-                    assert (err <= amax / 7 / 2 + 1e-6).all()
+                    # half a step: amax / 7, int4_g's rounded up to an f16 (at most 2^-10 above)
+                    assert (err <= amax / 7 * (1 + 2.0 ** -10) / 2 + 1e-6).all()
                 elif kind == "int8_row":
                     assert (np.abs(got - w) <= np.abs(w).max(1, keepdims=True) / 127 / 2 + 1e-6).all()
                 else:

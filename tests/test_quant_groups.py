@@ -26,8 +26,11 @@ def test_shorter_last_group_equals_two_row_quantizations():
     w = _w()
     q, s = quant.quantize(w, "int4_g64")
     assert q.shape == (O, N // 2) and s.shape == (O, 2)
-    ref = np.concatenate([quant.dequantize(*quant.quantize(w[:, :G], "int4_row"), "int4_row"),
-                          quant.dequantize(*quant.quantize(w[:, G:], "int4_row"), "int4_row")], axis=1)
+    # a slice no longer than G is one group (int4_g's f16 scales; int4_row keeps f32 ones)
+    ref = np.concatenate([quant.dequantize(*quant.quantize(w[:, :G], "int4_g64"), "int4_g64"),
+                          quant.dequantize(*quant.quantize(w[:, G:], "int4_g64"), "int4_g64")], axis=1)
+    r = np.concatenate([quant.quantize(w[:, :G], "int4_row")[1], quant.quantize(w[:, G:], "int4_row")[1]], axis=1)
+    np.testing.assert_array_equal(s, quant._f16_up(r, "int4_g64"))
     np.testing.assert_array_equal(quant.dequantize(q, s, "int4_g64"), ref)
     assert quant.quantized_nbytes(O, N, "int4_g64") == q.nbytes + s.nbytes
     lay = make_layout("int4_g64", N, 80)       # gate_up rows of 96 (2 groups), down rows of 80 (2 groups: 64 + 16)
@@ -35,12 +38,24 @@ def test_shorter_last_group_equals_two_row_quantizations():
     assert lay.section("gate_up_scale").shape == (10, 2, 16) and lay.section("down_scale").shape == (N // 16, 2, 16)
 
 
-def test_dividing_groups_are_unchanged():
-    """Where G divides the row the format is what it was (existing containers read the same)."""
+def test_dividing_groups_scales_are_the_f16_at_or_above_amax_over_7():
+    """Where G divides the row: s = amax / 7 rounded up to an f16 (so |w| / s <= 7: nothing clipped beyond the int4
+    rounding), the f16 below it under amax / 7; f32 scales of data written before (containers before stop 40) are
+    read as they are."""
     w = _w(1, (O, 128))
     q, s = quant.quantize(w, "int4_g64")
     a = np.abs(w.reshape(O, 2, 64)).max(-1)
-    np.testing.assert_array_equal(s, np.where(a > 0, a / 7, 1).astype(np.float32))
+    want = np.where(a > 0, a / 7, 1).astype(np.float32)
+    assert s.dtype == np.float16 and np.all(s.astype(np.float32) >= want)
+    below = np.nextafter(s, np.float16(0)).astype(np.float32)
+    assert np.all(below < want)
+    vals = quant.dequantize(q, s, "int4_g64")
+    assert np.abs(vals - w).max() <= s.astype(np.float32).max() / 2 + 1e-7
+    np.testing.assert_array_equal(quant.dequantize(q, want, "int4_g64"),
+                                  ((((q[..., None] >> np.array([0, 4])) & 15).reshape(O, 128).astype(np.float32) - 8)
+                                   .reshape(O, 2, 64) * want[..., None]).reshape(O, 128))
+    with pytest.raises(quant.FormatError, match="f16"):
+        quant.quantize(np.full((1, 64), 1e6, np.float32), "int4_g64")
 
 
 def test_in_jit_paths_agree_with_numpy():

@@ -14,7 +14,8 @@ read fetches an expert.  Inside a record the sections follow each other, each st
 (so O_DIRECT can scatter a record straight into page-aligned slot arrays)::
 
     gate_up        [2I, H] in the storage format (rows [:I] gate, [I:] up; int4: [2I, H/2] packed uint8)
-    gate_up_scale  f32 [2I, ceil(H/g)] (int4_g) | [2I, 1] (int4_row, int8_row) | absent (bf16, f32)
+    gate_up_scale  f16 [2I, ceil(H/g)] (int4_g; f32 in containers before stop 40, read as they are) |
+                   f32 [2I, 1] (int4_row, int8_row) | absent (bf16, f32)
     down           [H, I] likewise
     down_scale     likewise
 
@@ -109,7 +110,7 @@ class Section:
     name: str
     offset: int            # byte offset inside the record (multiple of ALIGN)
     nbytes: int
-    dtype: str             # numpy dtype name ("uint8", "int8", "float32", "bfloat16")
+    dtype: str             # numpy dtype name ("uint8", "int8", "float32", "float16", "bfloat16")
     shape: tuple           # per-expert shape
 
     @property
@@ -199,7 +200,10 @@ def normalize_format(fmt: str, group_size: int = 64) -> str:
     return f"int4_g{g}" if kind == "int4_g" else kind
 
 
-def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64) -> RecordLayout:
+def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64,
+                scale_dtype: Optional[str] = None) -> RecordLayout:
+    """The record layout glm-jax-convert writes for ``fmt``; ``scale_dtype`` "float32" for int4_g: the layout of a
+    container written before stop 40 (f32 scales), still read."""
     fmt = normalize_format(fmt, group_size)
     kind, g = quant.parse_format(fmt)
     H, I = hidden, inter
@@ -226,9 +230,10 @@ def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64) -> Reco
         nb = int(np.prod(shape)) * (4 if dt == "float32" else 2 if dt == "bfloat16" else 1)
         secs.append(Section(name, off, nb, dt, shape))
         off = _round_up(off + nb)
-        if sshape is not None:
-            nb = int(np.prod(sshape)) * 4
-            secs.append(Section(name + "_scale", off, nb, "float32", sshape))
+        if sshape is not None:          # int4_g: f16 scales (quant.quantize); one a row: f32
+            sdt = (scale_dtype or "float16") if kind == "int4_g" else "float32"
+            nb = int(np.prod(sshape)) * np.dtype(sdt).itemsize
+            secs.append(Section(name + "_scale", off, nb, sdt, sshape))
             off = _round_up(off + nb)
     return RecordLayout(fmt, H, I, tuple(secs), off)
 
@@ -650,7 +655,10 @@ def _check_manifest(path: str, man: dict, mpath: str, cfg: Optional[ModelConfig]
         lay = RecordLayout.from_json(info["layout"])
         E = _int(info.get("num_experts"), f"layers[{key}].num_experts", mpath, 1)
         if cfg is not None:
-            ref = make_layout(lay.fmt, cfg.hidden_size, cfg.moe_intermediate_size)
+            sec = lay.section("gate_up_scale")
+            old = sec is not None and sec.dtype == "float32"         # int4_g written before stop 40: f32 scales
+            ref = make_layout(lay.fmt, cfg.hidden_size, cfg.moe_intermediate_size,
+                              scale_dtype="float32" if old else None)
             if lay != ref:
                 raise ContainerError(f"{mpath}: layer {L}: record layout does not match format {lay.fmt!r} for "
                                      f"hidden_size={cfg.hidden_size}, moe_intermediate_size="

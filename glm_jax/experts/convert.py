@@ -265,7 +265,7 @@ def _dense_plan(st: SafeTensorsDir, dense_format: str, tied: bool = False) -> li
             def s4(cache=cache):
                 return cache.pop("qs")[1]
             plan.append((k, "U8", (out, n_in // 2), q4))
-            plan.append((k + DENSE_SCALE_SUFFIX, "F32", (out, -(-n_in // 64) if n_in > 64 else 1), s4))
+            plan.append((k + DENSE_SCALE_SUFFIX, "F16", (out, -(-n_in // 64) if n_in > 64 else 1), s4))
         elif kind == "bf16":
             plan.append((k, "BF16", ti.shape, lambda k=k: st.read_float(k).astype(quant._bf16())))
         else:

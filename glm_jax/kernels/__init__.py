@@ -324,6 +324,16 @@ def supported(fmt: str, in_dim: int, group: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- jax-facing calls
+def _scales(scale, rank: int):
+    """A weight's scales as the kernels take them: f16 or f32 as stored (f16: the int4_g formats' since stop 40; an
+    astype here would add an f32 copy of every scale to each step), anything else as f32; none: an f32 placeholder."""
+    import jax.numpy as jnp
+
+    if scale is None:
+        return jnp.zeros((1,) * rank, jnp.float32)
+    return scale if scale.dtype in (jnp.float16, jnp.float32) else scale.astype(jnp.float32)
+
+
 def qlinear(x, q, scale, fmt: str, group: int, out: int, rows=None, variant: str = ""):
     """x [T, in] f32 @ W[out, in]^T -> [T, out] f32; W = (q, scale) in ``fmt``: float row-major, quantized in the
     tiles layout (quant.to_tiles).  ``rows`` (bool [T], optional): only those rows are computed, the others are 0
@@ -332,10 +342,10 @@ def qlinear(x, q, scale, fmt: str, group: int, out: int, rows=None, variant: str
     import jax.numpy as jnp
 
     T, n_in = x.shape
-    s = scale if scale is not None else jnp.zeros((1, 1, 1), jnp.float32)
+    s = _scales(scale, 3)
     r = jnp.zeros((0,), jnp.int32) if rows is None else rows.reshape(T).astype(jnp.int32)
     return jax.ffi.ffi_call("glmjax_qlinear" + variant, jax.ShapeDtypeStruct((T, out), jnp.float32))(
-        x.astype(jnp.float32), q, s.astype(jnp.float32), r, fmt=np.int32(fmt_code(fmt)),
+        x.astype(jnp.float32), q, s, r, fmt=np.int32(fmt_code(fmt)),
         group=np.int64(group if group else n_in), out=np.int64(out))
 
 
@@ -346,9 +356,9 @@ def qlinear_grouped(x, q, scale, fmt: str, group: int, out: int, variant: str = 
     import jax.numpy as jnp
 
     G, T, n_in = x.shape
-    s = scale if scale is not None else jnp.zeros((1, 1, 1), jnp.float32)
+    s = _scales(scale, 3)
     return jax.ffi.ffi_call("glmjax_qlinear_grouped" + variant, jax.ShapeDtypeStruct((G, T, out), jnp.float32))(
-        x.astype(jnp.float32), q, s.astype(jnp.float32), fmt=np.int32(fmt_code(fmt)),
+        x.astype(jnp.float32), q, s, fmt=np.int32(fmt_code(fmt)),
         group=np.int64(group if group else n_in), out=np.int64(out))
 
 
@@ -363,11 +373,10 @@ def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, g
 
     T, H = x.shape
     K = slots.shape[1]
-    z = jnp.zeros((1, 1, 1, 1), jnp.float32)
     shape = (T, K, H) if terms else (T, H)
     return jax.ffi.ffi_call("glmjax_moe" + variant, jax.ShapeDtypeStruct(shape, jnp.float32))(
         x.astype(jnp.float32), slots.astype(jnp.int32), weights.astype(jnp.float32), gate_up,
-        z if gate_up_scale is None else gate_up_scale, down, z if down_scale is None else down_scale,
+        _scales(gate_up_scale, 4), down, _scales(down_scale, 4),
         fmt=np.int32(fmt_code(fmt)), gu_group=np.int64(gu_group), dn_group=np.int64(dn_group),
         mode=np.int32(1 if terms else 0), inter=np.int64(inter))
 

@@ -13,6 +13,11 @@ nibbles per byte with the even element in the low nibble.  A row of ``n`` elemen
 elements; a row no longer than G is one group).  int8_row: per row, ``s = amax / 127``,
 ``q = clip(rint(w / s), -127, 127)``.  int4 needs an even row length (two nibbles per
 byte); ``fit_format`` picks int8_row for a layer where it is odd, and says so.
+
+Scales: int4_g{G} keeps them in f16 (``s`` rounded up to the next f16, so no weight is clipped), as llama.cpp's Q4_0
+does: 4.25 bits a weight at G = 64 instead of 4.5 with f32 scales, the bytes a decode step streams 5.6% fewer.  int4_row
+and int8_row (one scale a row) keep f32.  Data written with f32 int4_g scales (containers before stop 40) is read as
+it is: the kernels take either.
 """
 
 from __future__ import annotations
@@ -100,10 +105,27 @@ def quantize(w: np.ndarray, fmt: str) -> tuple[np.ndarray, Optional[np.ndarray]]
     wg = wp.reshape(*w.shape[:-1], ng, G)
     amax = np.abs(wg).max(axis=-1, keepdims=True)
     s = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+    if kind == "int4_g":
+        s = _f16_up(s, fmt)
     q = (np.clip(np.rint(wg / s), -8, 7).astype(np.int16) + 8).astype(np.uint8).reshape(*w.shape[:-1], ng * G)
     q = q[..., :n_in]
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
     return packed, s[..., 0]
+
+
+F16_MAX = 65504.0
+
+
+def _f16_up(s: np.ndarray, fmt: str) -> np.ndarray:
+    """f32 scales -> the f16 at or above each (so ``w / s`` stays within the int4 range)."""
+    if s.size and float(s.max()) > F16_MAX:
+        raise FormatError(f"{fmt}: a weight of magnitude {float(s.max()) * 7:.3g} is beyond the f16 scales' range "
+                          f"(|w| <= {F16_MAX * 7:.3g}); store it as bf16 or f32")
+    h = s.astype(np.float16)
+    low = h.astype(np.float32) < s
+    if low.any():
+        h = np.where(low, np.nextafter(h, np.float16(np.inf)), h)
+    return h
 
 
 def dequantize(q: np.ndarray, s: Optional[np.ndarray], fmt: str) -> np.ndarray:
@@ -121,7 +143,7 @@ def dequantize(q: np.ndarray, s: Optional[np.ndarray], fmt: str) -> np.ndarray:
     pad = ng * G - n_in
     if pad:
         vals = np.pad(vals, [(0, 0)] * (vals.ndim - 1) + [(0, pad)])
-    out = (vals.reshape(*vals.shape[:-1], ng, G) * s[..., None]).reshape(vals.shape)
+    out = (vals.reshape(*vals.shape[:-1], ng, G) * s[..., None].astype(np.float32)).reshape(vals.shape)
     return out[..., :n_in] if pad else out
 
 
@@ -136,7 +158,7 @@ def quantized_nbytes(out_dim: int, in_dim: int, fmt: str) -> int:
         return n + 4 * out_dim
     if kind == "int4_row":
         return n // 2 + 4 * out_dim
-    return n // 2 + 4 * out_dim * -(-in_dim // int4_group(kind, g, in_dim))
+    return n // 2 + 2 * out_dim * -(-in_dim // int4_group(kind, g, in_dim))      # f16 scales
 
 
 # ----------------------------------------------------------------------------- the "tiles" layout
@@ -201,7 +223,7 @@ def _tiles_block(q: np.ndarray, s: np.ndarray, kind: str, n_in: int, R: int, K: 
         t = np.ascontiguousarray(t.transpose(tuple(range(nl + 3)) + (nl + 4, nl + 3)))        # [.., T, U, 16, 4, 2]
         del vp
         qt = (t[..., 0] | (t[..., 1] << 4)).astype(np.uint8).reshape(lead + (R, K // 2))
-    sp = np.zeros(lead + (R, s.shape[-1]), np.float32)
+    sp = np.zeros(lead + (R, s.shape[-1]), s.dtype if s.dtype == np.float16 else np.float32)
     sp[..., :out, :] = s
     st = np.ascontiguousarray(np.swapaxes(sp.reshape(lead + (R // TILE, TILE, s.shape[-1])), -1, -2))
     return qt, st
@@ -339,7 +361,7 @@ def dequant_jax(q, s, fmt: str, dtype):
     pad = ng * G - n_in                  # a shorter last group: pad, scale, cut (static shapes)
     if pad:
         vals = jnp.pad(vals, [(0, 0)] * (vals.ndim - 1) + [(0, pad)])
-    out = vals.reshape(*vals.shape[:-1], ng, G) * s[..., None]
+    out = vals.reshape(*vals.shape[:-1], ng, G) * s[..., None].astype(jnp.float32)
     out = out.reshape(vals.shape)
     return (out[..., :n_in] if pad else out).astype(dtype)
 

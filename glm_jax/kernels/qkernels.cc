@@ -73,7 +73,8 @@ inline int64_t ceil_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // ------------------------------------------------------------------------------------------------ weights
 struct WMat {
   const uint8_t* q = nullptr;
-  const float* s = nullptr;
+  const void* s = nullptr;      // scales [tiles, ng, 16]: f32, or f16 where `half` (int4_g64 containers since stop 40)
+  bool half = false;
   int64_t out = 0, in = 0, ng = 1, G = 0;
   int fmt = kF32;
   // float formats: row-major, row_bytes per row.  int formats: tiles (K = padded input, unit bytes 64)
@@ -81,8 +82,52 @@ struct WMat {
   std::vector<int32_t> gt;      // int formats: group of each 64-block
   const uint8_t* row(int64_t r) const { return q + r * row_bytes; }
   const uint8_t* tile(int64_t t) const { return q + t * units * 64; }
-  const float* tscale(int64_t t) const { return s + t * ng * 16; }
+  int64_t sidx(int64_t t, int64_t g = 0) const { return (t * ng + g) * 16; }   // tile t, group g: its 16 scales
 };
+
+// One scale as f32 (f16 -> f32 is exact, so every build reads the same value)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t bits;
+  if (e == 0x1F) {
+    bits = sign | 0x7F800000u | (m << 13);                   // inf / nan
+  } else if (e != 0) {
+    bits = sign | ((e + 112) << 23) | (m << 13);             // normal: rebias 15 -> 127
+  } else if (m == 0) {
+    bits = sign;                                             // zero
+  } else {                                                   // subnormal: m x 2^-24, normalised
+    int sh = 0;
+    uint32_t mm = m;
+    while (!(mm & 0x400)) mm <<= 1, ++sh;
+    bits = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <bool HS>
+inline float scale_at(const WMat& W, int64_t i) {
+  return HS ? half_to_float(((const uint16_t*)W.s)[i]) : ((const float*)W.s)[i];
+}
+#if GLMJAX_VNNI
+template <bool HS>
+inline __m512 scale16(const WMat& W, int64_t i) {          // scales i .. i+16
+  return HS ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)W.s + i)))
+                : _mm512_loadu_ps((const float*)W.s + i);
+}
+#elif GLMJAX_AVX2
+template <bool HS>
+inline __m256 scale8(const WMat& W, int64_t i) {           // scales i .. i+8
+  if (!HS) return _mm256_loadu_ps((const float*)W.s + i);
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)W.s + i)));
+#else
+  alignas(32) float f[8];
+  for (int l = 0; l < 8; ++l) f[l] = half_to_float(((const uint16_t*)W.s)[i + l]);
+  return _mm256_load_ps(f);
+#endif
+}
+#endif
 
 inline bool is_float(int fmt) { return fmt == kF32 || fmt == kBF16; }
 inline int64_t unit_elems(int fmt) { return fmt == kI4 ? 8 : 4; }
@@ -97,10 +142,11 @@ int64_t matrix_bytes(int fmt, int64_t out, int64_t in) {
   }
 }
 
-WMat make_wmat(const void* q, const float* s, int fmt, int64_t out, int64_t in, int64_t ng, int64_t G) {
+WMat make_wmat(const void* q, const void* s, bool half, int fmt, int64_t out, int64_t in, int64_t ng, int64_t G) {
   WMat W;
   W.q = (const uint8_t*)q;
   W.s = s;
+  W.half = half;
   W.out = out;
   W.in = in;
   W.ng = std::max<int64_t>(1, ng);
@@ -398,10 +444,9 @@ void gemm_float(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps,
 // GB/s, the weight stream's loads alone 24.3-24.8: there the loop runs at what memory streams to one core.  A prefetch
 // past the end of a buffer is harmless (it never faults)
 constexpr int64_t kPrefetchAhead = 8192;
-template <int C>
+template <int C, bool HS>
 inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
   const uint8_t* wt = W.tile(t);
-  const float* st = W.tscale(t);
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   __m512 accf[C];
   for (int c = 0; c < C; ++c) accf[c] = _mm512_setzero_ps();
@@ -424,7 +469,7 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
         hi_acc[c] = _mm512_dpbusd_epi32(hi_acc[c], hi, _mm512_set1_epi32(*(const int32_t*)(xq + 4)));
       }
     }
-    const __m512 sc = _mm512_loadu_ps(st + W.gt[b] * 16);
+    const __m512 sc = scale16<HS>(W, W.sidx(t, W.gt[b]));
     for (int c = 0; c < C; ++c) {
       const __m512i isum = _mm512_add_epi32(lo_acc[c], _mm512_srai_epi32(hi_acc[c], 4));
       accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(P[c]->sx[b])), accf[c]);
@@ -433,7 +478,7 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], accf[c]);
 }
 
-template <int C>
+template <int C, bool HS>
 inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
   const uint8_t* wt = W.tile(t);
   const __m512i zero = _mm512_setzero_si512();
@@ -455,7 +500,7 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
     for (int c = 0; c < C; ++c)
       accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), _mm512_set1_ps(P[c]->sx[b]), accf[c]);
   }
-  const __m512 sc = _mm512_loadu_ps(W.tscale(t));
+  const __m512 sc = scale16<HS>(W, W.sidx(t));
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[c], _mm512_mul_ps(accf[c], sc));
 }
 #elif GLMJAX_AVX2
@@ -468,10 +513,9 @@ constexpr int64_t kPrefetchAhead = 4096;
 // a unit's low- and high-nibble products summed (<= 7680) into one int16 accumulator per token over 4 units (<= 30720,
 // exact), widened by vpmaddwd into int32: the exact int32 sums of the VNNI build.  One accumulator per token (not
 // one per nibble) keeps C = 4 tokens in the 16 ymm registers without spills: 70 -> 80 GMAC/s a core
-template <int C>
+template <int C, bool HS>
 inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
   const uint8_t* wt = W.tile(t);
-  const float* st = W.tscale(t);
   const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t nb = (W.in + BLK - 1) / BLK;
   if constexpr (C <= 3) {
@@ -501,7 +545,8 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
           h1[c] = _mm256_add_epi16(h1[c], _mm256_maddubs_epi16(b1, xb));
         }
       }
-      const float* sb = st + W.gt[b] * 16;
+      const int64_t sb = W.sidx(t, W.gt[b]);
+      const __m256 sb0 = scale8<HS>(W, sb), sb1 = scale8<HS>(W, sb + 8);
       for (int c = 0; c < C; ++c) {
         const __m256 sx = _mm256_set1_ps(P[c]->sx[b]);
         const __m256i cr = _mm256_set1_epi32(P[c]->corr[b]);
@@ -509,10 +554,10 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
                                             _mm256_madd_epi16(h0[c], ones));
         const __m256i i1 = _mm256_add_epi32(_mm256_add_epi32(cr, _mm256_madd_epi16(l1[c], ones)),
                                             _mm256_madd_epi16(h1[c], ones));
-        _mm256_store_ps(acc[c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(_mm256_loadu_ps(sb), sx),
+        _mm256_store_ps(acc[c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sb0, sx),
                                                 _mm256_load_ps(acc[c])));
         _mm256_store_ps(acc[c] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1),
-                                                    _mm256_mul_ps(_mm256_loadu_ps(sb + 8), sx),
+                                                    _mm256_mul_ps(sb1, sx),
                                                     _mm256_load_ps(acc[c] + 8)));
       }
     }
@@ -545,7 +590,7 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
         }
         for (int c = 0; c < C; ++c) i32[c] = _mm256_add_epi32(i32[c], _mm256_madd_epi16(a16[c], ones));
       }
-      const __m256 sc = _mm256_loadu_ps(st + W.gt[b] * 16 + 8 * h);
+      const __m256 sc = scale8<HS>(W, W.sidx(t, W.gt[b]) + 8 * h);
       for (int c = 0; c < C; ++c)
         accf[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[c]), _mm256_mul_ps(sc, _mm256_set1_ps(P[c]->sx[b])), accf[c]);
     }
@@ -560,7 +605,7 @@ alignas(64) static const int32_t kSignPattern[16] = {
     (int32_t)0xFF010101, (int32_t)0xFF0101FF, (int32_t)0xFF01FF01, (int32_t)0xFF01FFFF,
     (int32_t)0xFFFF0101, (int32_t)0xFFFF01FF, (int32_t)0xFFFFFF01, (int32_t)0xFFFFFFFF};
 
-template <int C>
+template <int C, bool HS>
 inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
   const uint8_t* wt = W.tile(t);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -589,10 +634,10 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
         _mm256_store_ps(acc[c] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[c]), sx, _mm256_load_ps(acc[c] + 8)));
       }
     }
-    const float* sc = W.tscale(t);
+    const __m256 sc0 = scale8<HS>(W, W.sidx(t)), sc1 = scale8<HS>(W, W.sidx(t) + 8);
     for (int c = 0; c < C; ++c) {
-      _mm256_storeu_ps(out[c], _mm256_mul_ps(_mm256_load_ps(acc[c]), _mm256_loadu_ps(sc)));
-      _mm256_storeu_ps(out[c] + 8, _mm256_mul_ps(_mm256_load_ps(acc[c] + 8), _mm256_loadu_ps(sc + 8)));
+      _mm256_storeu_ps(out[c], _mm256_mul_ps(_mm256_load_ps(acc[c]), sc0));
+      _mm256_storeu_ps(out[c] + 8, _mm256_mul_ps(_mm256_load_ps(acc[c] + 8), sc1));
     }
     return;
   }
@@ -615,15 +660,14 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
       for (int c = 0; c < C; ++c)
         accf[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c]), _mm256_set1_ps(P[c]->sx[b]), accf[c]);
     }
-    const __m256 sc = _mm256_loadu_ps(W.tscale(t) + 8 * h);
+    const __m256 sc = scale8<HS>(W, W.sidx(t) + 8 * h);
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[c] + 8 * h, _mm256_mul_ps(accf[c], sc));
   }
 }
 #else
-template <int C>
+template <int C, bool HS>
 inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
   const uint8_t* wt = W.tile(t);
-  const float* st = W.tscale(t);
   const int64_t nb = (W.in + BLK - 1) / BLK;
   for (int c = 0; c < C; ++c) {
     float accf[16] = {0};
@@ -638,18 +682,18 @@ inline void tile_i4(const WMat& W, int64_t t, const Prep* const* P, float (*out)
             lo_acc[l] += (int32_t)(v & 15) * P[c]->xq[u * 8 + j];
             hi_acc[l] += (int32_t)(v & 0xF0) * P[c]->xq[u * 8 + 4 + j];
           }
-      const float* sc = st + W.gt[b] * 16;
+      const int64_t sb = W.sidx(t, W.gt[b]);
       for (int l = 0; l < 16; ++l)
-        accf[l] = std::fma((float)(lo_acc[l] + (hi_acc[l] >> 4)), sc[l] * P[c]->sx[b], accf[l]);
+        accf[l] = std::fma((float)(lo_acc[l] + (hi_acc[l] >> 4)), scale_at<HS>(W, sb + l) * P[c]->sx[b], accf[l]);
     }
     std::memcpy(out[c], accf, sizeof(accf));
   }
 }
 
-template <int C>
+template <int C, bool HS>
 inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)[16]) {
   const uint8_t* wt = W.tile(t);
-  const float* sc = W.tscale(t);
+  const int64_t sb = W.sidx(t);
   const int64_t nb = (W.in + BLK - 1) / BLK;
   for (int c = 0; c < C; ++c) {
     float accf[16] = {0};
@@ -665,14 +709,15 @@ inline void tile_i8(const WMat& W, int64_t t, const Prep* const* P, float (*out)
           }
       for (int l = 0; l < 16; ++l) accf[l] = std::fma((float)acc[l], P[c]->sx[b], accf[l]);
     }
-    for (int l = 0; l < 16; ++l) out[c][l] = accf[l] * sc[l];
+    for (int l = 0; l < 16; ++l) out[c][l] = accf[l] * scale_at<HS>(W, sb + l);
   }
 }
 #endif
 
 // tiles [t0, t1) of a quantized W against tokens preps[0..n) -> ys[i][rows of the tiles], 4 tokens at a time, then 3 or
 // 2, then 1 (a token's result is the same whatever group it is in: exact integer sums, per-lane float operations)
-void gemm_tiles(const WMat& W, int64_t t0, int64_t t1, const Prep* const* preps, int64_t n, float* const* ys) {
+template <bool HS>          // HS: f16 scales (a template argument: no branch in the tile loops)
+void gemm_tiles_t(const WMat& W, int64_t t0, int64_t t1, const Prep* const* preps, int64_t n, float* const* ys) {
   alignas(64) float tmp[4][16];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t rows = std::min<int64_t>(16, W.out - 16 * t);
@@ -681,21 +726,21 @@ void gemm_tiles(const WMat& W, int64_t t0, int64_t t1, const Prep* const* preps,
     };
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
-      W.fmt == kI4 ? tile_i4<4>(W, t, preps + i, tmp) : tile_i8<4>(W, t, preps + i, tmp);
+      W.fmt == kI4 ? tile_i4<4, HS>(W, t, preps + i, tmp) : tile_i8<4, HS>(W, t, preps + i, tmp);
       put(i, 4);
     }
     if (n - i == 3) {           // (a 3-token pass: 1.37x a 2- and a 1-token one on AVX2, measured)
-      W.fmt == kI4 ? tile_i4<3>(W, t, preps + i, tmp) : tile_i8<3>(W, t, preps + i, tmp);
+      W.fmt == kI4 ? tile_i4<3, HS>(W, t, preps + i, tmp) : tile_i8<3, HS>(W, t, preps + i, tmp);
       put(i, 3);
       i += 3;
     }
     if (i + 2 <= n) {           // (a 2-token pass: 1.45x two 1-token ones on AVX2, measured)
-      W.fmt == kI4 ? tile_i4<2>(W, t, preps + i, tmp) : tile_i8<2>(W, t, preps + i, tmp);
+      W.fmt == kI4 ? tile_i4<2, HS>(W, t, preps + i, tmp) : tile_i8<2, HS>(W, t, preps + i, tmp);
       put(i, 2);
       i += 2;
     }
     for (; i < n; ++i) {
-      W.fmt == kI4 ? tile_i4<1>(W, t, preps + i, tmp) : tile_i8<1>(W, t, preps + i, tmp);
+      W.fmt == kI4 ? tile_i4<1, HS>(W, t, preps + i, tmp) : tile_i8<1, HS>(W, t, preps + i, tmp);
       put(i, 1);
     }
   }
@@ -705,7 +750,8 @@ void gemm_tiles(const WMat& W, int64_t t0, int64_t t1, const Prep* const* preps,
 void gemm(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps, int64_t n, float* const* ys) {
   if (W.fmt == kF32) return gemm_float<false>(W, r0, r1, preps, n, ys);
   if (W.fmt == kBF16) return gemm_float<true>(W, r0, r1, preps, n, ys);
-  gemm_tiles(W, r0 / 16, (r1 + 15) / 16, preps, n, ys);
+  if (W.half) return gemm_tiles_t<true>(W, r0 / 16, (r1 + 15) / 16, preps, n, ys);
+  gemm_tiles_t<false>(W, r0 / 16, (r1 + 15) / 16, preps, n, ys);
 }
 
 // ------------------------------------------------------------------------------------------------ threads
@@ -848,12 +894,20 @@ ffi::Error check_fmt(int32_t fmt, int64_t in, int64_t G) {
 }
 
 // ------------------------------------------------------------------------------------------------ qlinear
-// y[g] = x[g] @ W[g]^T for Gn matrices one after another in their layout (mb bytes each; scales sstride floats
-// each): x [Gn, T, in], y [Gn, T, out].  rm (optional, T entries, Gn == 1): rm[t] == 0 marks a padding row, skipped
+// A scale buffer's element type: f32 or f16 (quantized formats; a float format's placeholder is f32)
+ffi::Error scale_type(const char* who, const ffi::AnyBuffer& s, bool* half) {
+  *half = s.element_type() == ffi::DataType::F16;
+  if (!*half && s.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(std::string(who) + ": scales must be f32 or f16");
+  return ffi::Error::Success();
+}
+
+// y[g] = x[g] @ W[g]^T for Gn matrices one after another in their layout (mb bytes each; scales sstride elements
+// each, f16 where `half`): x [Gn, T, in], y [Gn, T, out].  rm (optional, T entries, Gn == 1): rm[t] == 0 marks a padding row, skipped
 // (its output is 0).  Every row is prepared and multiplied the same way whatever Gn, so a group's rows are bitwise a
 // call on that group alone.
 ffi::Error qlinear_groups(ffi::ThreadPool& pool, const char* who, const float* xp, const void* wq, size_t w_bytes,
-                          const float* sp, int64_t sstride, int64_t ng, float* yp, int32_t fmt, int64_t group,
+                          const void* sp, bool half, int64_t sstride, int64_t ng, float* yp, int32_t fmt, int64_t group,
                           int64_t Gn, int64_t T, int64_t in, int64_t out, const int32_t* rm) {
   if (auto e = check_fmt(fmt, in, group > 0 ? group : in); !e.success()) return e;
   const int64_t mb = matrix_bytes(fmt, out, in);
@@ -862,7 +916,8 @@ ffi::Error qlinear_groups(ffi::ThreadPool& pool, const char* who, const float* x
   std::vector<WMat> Ws;
   Ws.reserve(Gn);
   for (int64_t g = 0; g < Gn; ++g)
-    Ws.push_back(make_wmat((const uint8_t*)wq + g * mb, sp + g * sstride, fmt, out, in, ng, group));
+    Ws.push_back(make_wmat((const uint8_t*)wq + g * mb, (const uint8_t*)sp + g * sstride * (half ? 2 : 4), half, fmt,
+                           out, in, ng, group));
   PrepLayout L = prep_layout(fmt, in);
   std::vector<uint8_t> pbuf(std::max<int64_t>(1, L.bytes * Gn * T) + 64);
   uint8_t* pb = (uint8_t*)(((uintptr_t)pbuf.data() + 63) & ~(uintptr_t)63);
@@ -891,7 +946,7 @@ ffi::Error qlinear_groups(ffi::ThreadPool& pool, const char* who, const float* x
   return ffi::Error::Success();
 }
 
-ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
+ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer s,
                        ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group,
                        int64_t out) {
   auto xd = x.dimensions();
@@ -900,14 +955,16 @@ ffi::Error QLinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   auto sd = s.dimensions();
   const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
   const bool all_rows = rows.element_count() != (size_t)T;
-  return qlinear_groups(pool, "glmjax_qlinear", x.typed_data(), w.untyped_data(), w.size_bytes(), s.typed_data(), 0,
-                        ng, y->typed_data(), fmt, group, 1, T, in, out, all_rows ? nullptr : rows.typed_data());
+  bool half = false;
+  if (auto e = scale_type("glmjax_qlinear", s, &half); !e.success()) return e;
+  return qlinear_groups(pool, "glmjax_qlinear", x.typed_data(), w.untyped_data(), w.size_bytes(), s.untyped_data(),
+                        half, 0, ng, y->typed_data(), fmt, group, 1, T, in, out, all_rows ? nullptr : rows.typed_data());
 }
 
 // G independent products y[g] = x[g] @ W[g]^T (x [G, T, in], W G matrices [out, in] one after another in their
 // layout, scales likewise; y [G, T, out]): MLA's absorbed per-head products (W_UK^T, W_UV), a group's rows bitwise
 // one glmjax_qlinear call on that group.
-ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> s,
+ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer s,
                               ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int64_t group, int64_t out) {
   auto xd = x.dimensions();
   if (xd.size() != 3) return ffi::Error::InvalidArgument("glmjax_qlinear_grouped: rank");
@@ -915,8 +972,10 @@ ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   auto sd = s.dimensions();
   const int64_t ng = is_float(fmt) ? 1 : sd[sd.size() - 2];
   const int64_t sstride = is_float(fmt) ? 0 : (int64_t)s.element_count() / std::max<int64_t>(1, Gn);
+  bool half = false;
+  if (auto e = scale_type("glmjax_qlinear_grouped", s, &half); !e.success()) return e;
   return qlinear_groups(pool, "glmjax_qlinear_grouped", x.typed_data(), w.untyped_data(), w.size_bytes(),
-                        s.typed_data(), sstride, ng, y->typed_data(), fmt, group, Gn, T, in, out, nullptr);
+                        s.untyped_data(), half, sstride, ng, y->typed_data(), fmt, group, Gn, T, in, out, nullptr);
 }
 
 // ------------------------------------------------------------------------------------------------ MoE seam
@@ -936,8 +995,8 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
 }
 
 ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
-                   ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::Buffer<ffi::F32> gus, ffi::AnyBuffer dn,
-                   ffi::Buffer<ffi::F32> dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
+                   ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::AnyBuffer gus, ffi::AnyBuffer dn,
+                   ffi::AnyBuffer dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
                    int64_t dn_group, int32_t mode, int64_t inter) {
   auto xd = x.dimensions(), sd = slots.dimensions(), gd = gu.dimensions(), dd = dn.dimensions();
   if (xd.size() != 2 || sd.size() != 2 || gd.size() < 2 || dd.size() < 2)
@@ -956,8 +1015,11 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const int64_t ds_slot = quant ? (int64_t)dns.element_count() / S : 0;
   const uint8_t* gq = (const uint8_t*)gu.untyped_data();
   const uint8_t* dq = (const uint8_t*)dn.untyped_data();
-  const float* gs = gus.typed_data();
-  const float* ds = dns.typed_data();
+  bool ghalf = false, dhalf = false;
+  if (auto e = scale_type("glmjax_moe", gus, &ghalf); !e.success()) return e;
+  if (auto e = scale_type("glmjax_moe", dns, &dhalf); !e.success()) return e;
+  const uint8_t* gs = (const uint8_t*)gus.untyped_data();
+  const uint8_t* ds = (const uint8_t*)dns.untyped_data();
   const int32_t* sl = slots.typed_data();
   const float* wt = weights.typed_data();
   const float* xp = x.typed_data();
@@ -1014,7 +1076,8 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 
   auto task_a = [&](int64_t i) {     // h = gate_up(x)
     const Grp& g = groups[ta[i][0]];
-    WMat W = make_wmat(gq + g.slot * gu_slot, quant ? gs + g.slot * gs_slot : nullptr, fmt, I2, H, gng, gu_group);
+    WMat W = make_wmat(gq + g.slot * gu_slot, quant ? gs + g.slot * gs_slot * (ghalf ? 2 : 4) : nullptr, ghalf, fmt,
+                       I2, H, gng, gu_group);
     std::vector<const Prep*> pp(g.n);
     std::vector<float*> ys(g.n);
     for (int64_t j = 0; j < g.n; ++j) {
@@ -1034,7 +1097,8 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   };
   auto task_c = [&](int64_t i) {     // y = down(act)   (mode 1 writes straight into the [T, K, H] terms)
     const Grp& g = groups[tc[i][0]];
-    WMat W = make_wmat(dq + g.slot * dn_slot, quant ? ds + g.slot * ds_slot : nullptr, fmt, H, I, dng, dn_group);
+    WMat W = make_wmat(dq + g.slot * dn_slot, quant ? ds + g.slot * ds_slot * (dhalf ? 2 : 4) : nullptr, dhalf, fmt,
+                       H, I, dng, dn_group);
     std::vector<const Prep*> pp(g.n);
     std::vector<float*> ys(g.n);
     for (int64_t j = 0; j < g.n; ++j) {
@@ -1178,7 +1242,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxQLinear, QLinearImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
@@ -1190,7 +1254,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxQLinearGrouped, QLinearGroupedImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("group")
@@ -1215,9 +1279,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoe, MoeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("fmt")
                                   .Attr<int64_t>("gu_group")
