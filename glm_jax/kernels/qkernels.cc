@@ -73,7 +73,7 @@ inline int64_t ceil_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // ------------------------------------------------------------------------------------------------ weights
 struct WMat {
   const uint8_t* q = nullptr;
-  const void* s = nullptr;      // scales [tiles, ng, 16]: f32, or f16 where `half` (int4_g64 containers since stop 40)
+  const void* s = nullptr;      // scales [tiles, ng, 16]: f32, or f16 where `half` (the int4_g formats since stop 40)
   bool half = false;
   int64_t out = 0, in = 0, ng = 1, G = 0;
   int fmt = kF32;
@@ -84,6 +84,11 @@ struct WMat {
   const uint8_t* tile(int64_t t) const { return q + t * units * 64; }
   int64_t sidx(int64_t t, int64_t g = 0) const { return (t * ng + g) * 16; }   // tile t, group g: its 16 scales
 };
+
+// Scale element i of a buffer of f16 (half) or f32 scales (one matrix's scales inside a bank / a group of matrices)
+inline const void* scale_ptr(const void* s, bool half, int64_t i) {
+  return (const uint8_t*)s + i * (half ? 2 : 4);
+}
 
 // One scale as f32 (f16 -> f32 is exact, so every build reads the same value)
 inline float half_to_float(uint16_t h) {
@@ -916,7 +921,7 @@ ffi::Error qlinear_groups(ffi::ThreadPool& pool, const char* who, const float* x
   std::vector<WMat> Ws;
   Ws.reserve(Gn);
   for (int64_t g = 0; g < Gn; ++g)
-    Ws.push_back(make_wmat((const uint8_t*)wq + g * mb, (const uint8_t*)sp + g * sstride * (half ? 2 : 4), half, fmt,
+    Ws.push_back(make_wmat((const uint8_t*)wq + g * mb, scale_ptr(sp, half, g * sstride), half, fmt,
                            out, in, ng, group));
   PrepLayout L = prep_layout(fmt, in);
   std::vector<uint8_t> pbuf(std::max<int64_t>(1, L.bytes * Gn * T) + 64);
@@ -1018,8 +1023,8 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   bool ghalf = false, dhalf = false;
   if (auto e = scale_type("glmjax_moe", gus, &ghalf); !e.success()) return e;
   if (auto e = scale_type("glmjax_moe", dns, &dhalf); !e.success()) return e;
-  const uint8_t* gs = (const uint8_t*)gus.untyped_data();
-  const uint8_t* ds = (const uint8_t*)dns.untyped_data();
+  const void* gs = gus.untyped_data();
+  const void* ds = dns.untyped_data();
   const int32_t* sl = slots.typed_data();
   const float* wt = weights.typed_data();
   const float* xp = x.typed_data();
@@ -1076,7 +1081,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 
   auto task_a = [&](int64_t i) {     // h = gate_up(x)
     const Grp& g = groups[ta[i][0]];
-    WMat W = make_wmat(gq + g.slot * gu_slot, quant ? gs + g.slot * gs_slot * (ghalf ? 2 : 4) : nullptr, ghalf, fmt,
+    WMat W = make_wmat(gq + g.slot * gu_slot, quant ? scale_ptr(gs, ghalf, g.slot * gs_slot) : nullptr, ghalf, fmt,
                        I2, H, gng, gu_group);
     std::vector<const Prep*> pp(g.n);
     std::vector<float*> ys(g.n);
@@ -1097,7 +1102,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   };
   auto task_c = [&](int64_t i) {     // y = down(act)   (mode 1 writes straight into the [T, K, H] terms)
     const Grp& g = groups[tc[i][0]];
-    WMat W = make_wmat(dq + g.slot * dn_slot, quant ? ds + g.slot * ds_slot * (dhalf ? 2 : 4) : nullptr, dhalf, fmt,
+    WMat W = make_wmat(dq + g.slot * dn_slot, quant ? scale_ptr(ds, dhalf, g.slot * ds_slot) : nullptr, dhalf, fmt,
                        H, I, dng, dn_group);
     std::vector<const Prep*> pp(g.n);
     std::vector<float*> ys(g.n);
