@@ -283,6 +283,7 @@ class Engine(Runner):
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
         eng = cls(path, cfg, params, opts, tok, store, kernel, plan)
         eng._fitted = fitted if store is not None and fetch != "resident" else None
+        eng._fit = eng._fitted                   # kept: memory_guard / the refits after the first measure against it
         eng._kv_planned = fitted.kv_tokens if store is not None and fitted is not None else None
         return eng
 
@@ -439,16 +440,61 @@ class Engine(Runner):
         return _Stream(self, req)
 
     def _refit_memory(self):
-        """Once, after the first generation (its programs compiled): what the compile's working memory took is
-        measured, and the part of the workspace reserve it left free goes to the expert cache (fit.py)."""
-        f = getattr(self, "_fitted", None)
+        """After the first generation (its programs compiled): what the compile's working memory took is
+        measured, and the part of the workspace reserve it left free goes to the expert cache (fit.py).  Again
+        after any generation that found the cache shrunk by ``memory_guard``: what is measured free then goes
+        back to it, up to what was taken."""
+        f = getattr(self, "_fit", None)
         if f is None or self.store is None or self.opts["cache_cap"]:
+            return
+        first = getattr(self, "_fitted", None) is not None
+        taken = self.store.sizing.get("shrunk_by", 0) - self.store.sizing.get("regrown_by", 0)
+        if not first and taken <= 0:
             return
         self._fitted = None
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
-        kv_now = _tree_bytes(self._cache) if self._cache is not None else 0
-        self.store.grow_cap(F.refit_free(f.inputs, f.plan, MEM.private_bytes(), kv_now, self.store.cache_cap))
+        free = F.refit_free(f.inputs, f.plan, MEM.private_bytes(), self._kv_bytes(), self.store.cache_cap)
+        if not first:
+            per = self.store.sizing.get("per_cap_bytes", 0)
+            free = min(free, taken * per)
+            before = self.store.cache_cap
+            self.store.sizing["regrown_by"] = (self.store.sizing.get("regrown_by", 0)
+                                               + self.store.grow_cap(free) - before)
+        else:
+            self.store.grow_cap(free)
+
+    def memory_settled(self):
+        self._refit_memory()
+
+    def _kv_bytes(self) -> int:
+        return _tree_bytes(self._cache) if self._cache is not None else 0
+
+    def memory_guard(self, kv_positions: int = 0, rows: int = 1):
+        """Before a request's prefill (the scheduler's admission): keep the process inside its RAM budget when the
+        run outgrows its memory plan -- the KV cache about to grow by ``kv_positions`` x ``rows`` past what the
+        plan reserved, or the programs compiled since the last refit (other prompt buckets, longer attention
+        windows: each keeps its code) -- by taking the deficit back from the expert cache (``shrink_cap``) while
+        keeping fit.LATER_COMPILE free for the next compile.  Without it a long prompt in a tight memory cgroup
+        drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).  A
+        no-op for a run without a fitted store or with an explicit --cache_cap."""
+        f = getattr(self, "_fit", None)
+        if f is None or self.store is None or self.opts["cache_cap"]:
+            return
+        grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
+        kv_now = self._kv_bytes()
+        free = F.refit_free(f.inputs, f.plan, MEM.private_bytes() + grow, kv_now + grow, self.store.cache_cap)
+        if free < 0:
+            # measured again without what malloc holds free and the last fetch's transient slots (released at the
+            # next fetch anyway); every forward dispatched so far wrote the KV cache, so once it is ready none still
+            # reads a bank
+            if self._cache is not None:
+                jax.block_until_ready(self._cache)
+            self.store.release_transient()
+            MEM.trim()
+            free = F.refit_free(f.inputs, f.plan, MEM.private_bytes() + grow, kv_now + grow, self.store.cache_cap)
+        if free < 0:
+            self.store.shrink_cap(-free)
 
     @property
     def compile_s(self) -> float:

@@ -450,3 +450,68 @@ def test_the_refit_keeps_a_prefill_chunks_activations_out_of_the_cache():
     assert free == 600 * MB - private - 20 * MB - 256 * 400_000 - F.LATER_COMPILE
     # the KV not grown into yet is kept too
     assert F.refit_free(inp, p, private, kv_now=0, cache_cap=p.cap_fits) == free - p.kv_bytes
+
+
+_OUTGROW_CHILD = r"""
+import json, sys
+import glm_jax
+from glm_jax import fit as F
+from glm_jax import memory as MEM
+from glm_jax import model as M
+budget = (MEM.private_bytes() + 300e6) / 1e9     # the runtime as it is in a fresh process + 300 MB
+eng = glm_jax.Engine.load(sys.argv[1], ram_gb=budget, fetch="loop", reserve_tokens=256, state_dir="off")
+calls, out = [], {}
+guard = eng.memory_guard
+eng.memory_guard = lambda n=0, rows=1: (calls.append([n, rows]), guard(n, rows))[1]
+eng.generate(list(range(1, 17)), max_new_tokens=8, stop_on_eos=False)
+out["cap0"], per = eng.store.cache_cap, eng.store.sizing["per_cap_bytes"]
+out["planned"], out["calls0"] = eng._kv_planned, list(calls)
+# a prompt whose KV would take what is free and 3 experts of every layer more
+eng.store.release_transient()
+MEM.trim()
+free = F.refit_free(eng._fit.inputs, eng._fit.plan, MEM.private_bytes(), eng._kv_bytes(), out["cap0"])
+eng.memory_guard(-(-(max(free, 0) + 3 * per) // M.kv_bytes_per_token(eng.cfg, 4)), 1)
+out["cap1"] = eng.store.cache_cap
+out["over"] = [len(ix.cached) > ix.cap for ix in eng.store.index.values()]
+eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False)
+out["cap2"] = eng.store.cache_cap
+calls.clear()
+eng.generate([1 + i % 250 for i in range(400)], max_new_tokens=2, stop_on_eos=False)
+out["calls3"] = list(calls)
+eng.close()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_run_that_outgrows_its_plan_takes_the_room_from_the_expert_cache_and_gives_it_back(tmp_path):
+    """The plan reserves KV for the run it knows of (here 256 positions) and hands the rest to the expert cache.
+    A later, longer prompt grows the KV cache (and compiles programs for the longer window) past that plan: in the
+    GLM-4.5-Air slice's 836 MB cgroup a 1500-token prompt then made the process reclaim its own code pages while
+    compiling, and it did not finish in 40 minutes (docs/real-scale.md, stop 41).  Before each request's prefill
+    the scheduler now asks the engine to make room (Engine.memory_guard): the cache gives back what the growth
+    needs (its cap lowered, the victims evicted), and the next generation's refit hands back what is measured free
+    again.  A fresh process, so that the budget above its runtime is what the test says."""
+    import subprocess
+    import sys
+
+    from glm_jax.experts.convert import convert
+    from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
+
+    cfg = tiny_config(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0, torch_dtype="bfloat16",
+                      max_position_embeddings=8192)
+    write_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=1, dtype="bfloat16", keep_reference=False)
+    convert(str(tmp_path / "hf"), str(tmp_path / "c"), expert_format="bf16", progress=False)
+    r = subprocess.run([sys.executable, "-c", _OUTGROW_CHILD, str(tmp_path / "c")], capture_output=True, text=True,
+                       timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, r.stderr[-2000:]
+    out = json.loads(line[0].split(" ", 1)[1])
+    cap0 = out["cap0"]
+    assert 4 < cap0 < 64 and out["planned"] == 256, out
+    assert out["calls0"] == [[256, 1]]                  # the first request: the whole cache is allocated
+    # 3 fewer a layer (+-1: the measurements move by a few pages), none of them still cached
+    assert cap0 - 4 <= out["cap1"] <= cap0 - 2 and not any(out["over"]), out
+    assert out["cap2"] >= cap0 - 1, out                 # nothing grew after all: the refit gave the room back
+    assert out["calls3"] == [[512 - 256, 1]]            # a longer prompt: the positions the KV cache grows by

@@ -580,3 +580,46 @@ def test_huge_pages_advises_only_the_whole_pages_inside_the_range():
     lo = (base + M - 1) // M * M
     got = MEM.huge_pages(lo + M // 2, 3 * M)           # [lo + 0.5 M, lo + 3.5 M): whole pages [lo + M, lo + 3 M)
     assert got in (0, 2 * M)                          # 0: a kernel without THP refuses
+
+
+def test_shrink_cap_evicts_to_the_lower_cap_and_returns_the_slots_pages(tmp_path):
+    """When a run outgrows its memory plan (a KV cache grown past its reservation, programs compiled since), the
+    engine takes the room back from the expert cache: each layer's cap goes down by the bytes asked / one expert
+    of every layer (rounded up, never below one), the victims leave the cache, their slots' pages go back to the
+    OS at once, and an evicted expert is a miss again.  ``grow_cap`` hands it back."""
+    hf, d = str(tmp_path / "hf"), str(tmp_path / "c")      # sections of whole pages: slots can be released
+    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=128, intermediate_size=256,
+                                        num_hidden_layers=3, n_routed_experts=E, num_nextn_predict_layers=0), seed=1)
+    convert(hf, d, expert_format="int4_g64", progress=False)
+    cfg = load_config(d)
+    st = ExpertStore.open(d, cfg, ram_gb=10.0, used_bytes=0, io_threads=1, max_working_set=4, headroom_bytes=0,
+                          state_dir="off")
+    try:
+        layers = sorted(st.layers)
+        for L in layers:
+            st.index[L].cap = 6
+        st.cache_cap = 6
+        for L in layers:                               # 6 experts cached per layer, 0..5 in that order (LRU)
+            st.fetch(L, np.array([0, 1, 2, 3]))
+            st.fetch(L, np.array([4, 5]))
+        assert all(len(st.index[L].cached) == 6 for L in layers)
+        per = st.sizing["per_cap_bytes"]
+        held = {L: len(st.layers[L].touched) for L in layers}
+        assert st.shrink_cap(2 * per + 1) == 3          # 2 experts' worth and a byte: 3 fewer a layer
+        for L in layers:
+            assert st.index[L].cap == 3 and st.index[L].cached == {3, 4, 5}     # the least recently used left
+            lc = st.layers[L]
+            assert (lc.slot_of[[0, 1, 2]] == -1).all() and (lc.slot_of[[3, 4, 5]] >= 0).all()
+            assert len(lc.touched) == held[L] - 3       # their pages returned now, not at a later fetch
+        misses = st.stats()["misses"]
+        bank, so = st.fetch(layers[0], np.array([0, 3]))
+        _check(bank, so, [0, 3], open_container(d, cfg), layers[0])
+        assert st.stats()["misses"] == misses + 1
+        assert st.shrink_cap(100 * per) == 1            # never below one expert a layer
+        assert st.shrink_cap(0) == 1
+        assert st.sizing["shrunk_by"] == 3 + 2           # the cap steps taken
+        st._populate.join()
+        if st._populated[0]:                            # (grow_cap measures nothing on a kernel < 5.14)
+            assert st.grow_cap(2 * per) == 3
+    finally:
+        st.close(save_usage=False)

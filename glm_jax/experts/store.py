@@ -742,6 +742,48 @@ class ExpertStore:
                 self.sizing["grown_by"] = self.sizing.get("grown_by", 0) + n
         return self.cache_cap
 
+    def shrink_cap(self, need_bytes: int) -> int:
+        """Give ``need_bytes`` back from the cache: each layer's cap is lowered by need_bytes / (one expert of every
+        layer), rounded up, never below one expert; the experts beyond it (the policy's victims) are evicted and
+        their slots' pages returned to the OS now.  The engine calls it between forwards (no computation in flight
+        reads a bank: module docstring) when the run outgrows its memory plan -- a KV cache grown past its
+        reservation, programs compiled since -- and ``grow_cap`` hands the room back once it is measured free.
+        Returns the cache cap (experts per layer)."""
+        per = self.sizing.get("per_cap_bytes", 0)
+        if not per or need_bytes <= 0:
+            return self.cache_cap
+        # a step down below the working set saves one expert of every layer less the one the fetched layer still
+        # holds while it computes (its transient slot: memory.cache_slots)
+        W, mx = self.sizing.get("working_set", 0), self.sizing.get("max_record_bytes", 0)
+        rel = self.sizing.get("working_set_released", False)
+        c, saved = self.cache_cap, 0
+        while saved < need_bytes and c > 1:
+            c -= 1
+            saved += per - (mx if rel and c < W else 0)
+        n = self.cache_cap - c
+        if n <= 0:
+            return self.cache_cap
+        for L in self.layers:
+            self._wait_pending(L)            # prefetches in flight write into slots: let them land first
+        with self._lock:
+            for L, lc in self.layers.items():
+                idx = self.index[L]
+                idx.cap = max(1, idx.cap - n)
+                if len(idx.cached) > idx.cap:
+                    ev = idx.policy.victims(list(idx.cached))[:len(idx.cached) - idx.cap]
+                    idx.cached.difference_update(ev)
+                    lc.prefetched.difference_update(ev)
+                    for e in ev:
+                        s = int(lc.slot_of[e])
+                        lc.slot_of[e] = -1
+                        lc.free.append(s)
+                        lc.release.append(s)
+                    self._stats["evictions"] += len(ev)
+            self._release_transient()
+            self.cache_cap = max(ix.cap for ix in self.index.values())
+            self.sizing["shrunk_by"] = self.sizing.get("shrunk_by", 0) + n
+        return self.cache_cap
+
     def can_hold_all(self) -> bool:
         """Every expert of every layer fits in the cache (its cap is the layer's expert count)."""
         return all(int(self.index[L].pinned.sum()) + self.index[L].cap >= int(self.owned[L].sum())

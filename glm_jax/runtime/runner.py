@@ -139,6 +139,14 @@ class Runner:
         planned = getattr(self, "_kv_planned", None)
         return min(self.context_limit, int(self.opts["max_seq_len"] or planned or KV_DEFAULT_TOKENS))
 
+    def memory_guard(self, kv_positions: int = 0, rows: int = 1):
+        """Called by the scheduler before a request's prefill, with the positions the KV cache is about to grow by
+        (x ``rows``): where the run has a RAM budget the engine keeps inside it (``Engine.memory_guard``)."""
+
+    def memory_settled(self):
+        """Called by a server's scheduler when it goes idle after work: the engine may hand what is measured free
+        back to the expert cache (``Engine._refit_memory``)."""
+
     def _ensure_cache(self, batch: int, need: int):
         """A cache of ``batch`` rows holding at least ``need`` positions (a new one, zeroed, when it does not)."""
         cap = self.opts["max_seq_len"] or round_up(max(need, 64), 256)

@@ -378,6 +378,8 @@ class Scheduler:
                 if idle and worked:        # idle for a whole wait: hand the requests' freed heap back to the OS
                     trim()                 # (not at once: a client's next request would wait for it)
                     worked = False
+                    with self.step_lock:   # and what is free in the budget back to the expert cache
+                        self.rt.memory_settled()
         finally:
             self.serving = False
 
@@ -510,7 +512,11 @@ class Scheduler:
                 # a server: the positions the memory plan reserved, up front (llama-server's -c); growing the
                 # cache later would recompile every program compiled for its old length while a client waits
                 cap = max(cap, min(self.kv_reserve, lim))
-        if rt._cache is None or rt._cache_batch != self.B:
+        same = rt._cache is not None and rt._cache_batch == self.B
+        # the positions about to be allocated (a replaced cache is freed first), and the programs compiled since
+        # the last check: the engine makes room in its budget before the prefill (Engine.memory_guard)
+        rt.memory_guard(max(0, cap - rt._cache_len) if same else cap, self.B)
+        if not same:
             if any(r is not None and r.state != "prefill" for r in self.rows):
                 raise GlmJaxError("internal: the batch cache was replaced while rows were running")
             rt._new_cache(self.B, max(cap, rt._cache_len if rt._cache_batch == self.B else 0))
