@@ -274,7 +274,7 @@ def _plan(inp: FitInputs) -> FitPlan:
         notes.append(f"the stored dense weights ({native / 1e9:.2f} GB) "
                      + ("would keep experts out of RAM" if all_fit else "leave too little for the expert cache"))
     if kv < kvs[0]:
-        notes.append(f"KV reservation lowered from {kvs[0]} positions; longer contexts grow past the budget")
+        notes.append(f"KV reservation lowered from {kvs[0]} positions; a longer context takes its room from the expert cache")
     if chunk < inp.prefill_chunk:
         notes.append(f"prefill chunk {chunk} tokens")
     # streamed with fetch=fused: its decode programs (without and with the store's calls) unroll every layer like a
