@@ -282,8 +282,8 @@ class Engine(Runner):
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
         eng = cls(path, cfg, params, opts, tok, store, kernel, plan)
-        eng._fitted = fitted if store is not None and fetch != "resident" else None
-        eng._fit = eng._fitted                   # kept: memory_guard / the refits after the first measure against it
+        eng._fit = fitted if store is not None and fetch != "resident" else None
+        eng._refit_pending = eng._fit is not None   # the first generation's refit (_refit_memory)
         eng._kv_planned = fitted.kv_tokens if store is not None and fitted is not None else None
         return eng
 
@@ -447,22 +447,16 @@ class Engine(Runner):
         f = getattr(self, "_fit", None)
         if f is None or self.store is None or self.opts["cache_cap"]:
             return
-        first = getattr(self, "_fitted", None) is not None
-        taken = self.store.sizing.get("shrunk_by", 0) - self.store.sizing.get("regrown_by", 0)
+        first, taken = self._refit_pending, self.store.sizing.get("taken", 0)
         if not first and taken <= 0:
             return
-        self._fitted = None
+        self._refit_pending = False
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
         free = F.refit_free(f.inputs, f.plan, MEM.private_bytes(), self._kv_bytes(), self.store.cache_cap)
         if not first:
-            per = self.store.sizing.get("per_cap_bytes", 0)
-            free = min(free, taken * per)
-            before = self.store.cache_cap
-            self.store.sizing["regrown_by"] = (self.store.sizing.get("regrown_by", 0)
-                                               + self.store.grow_cap(free) - before)
-        else:
-            self.store.grow_cap(free)
+            free = min(free, taken * self.store.sizing.get("per_cap_bytes", 0))
+        self.store.grow_cap(free)
 
     def memory_settled(self):
         self._refit_memory()
@@ -483,7 +477,11 @@ class Engine(Runner):
             return
         grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
         kv_now = self._kv_bytes()
-        free = F.refit_free(f.inputs, f.plan, MEM.private_bytes() + grow, kv_now + grow, self.store.cache_cap)
+
+        def free_now():
+            return F.refit_free(f.inputs, f.plan, MEM.private_bytes() + grow, kv_now + grow, self.store.cache_cap)
+
+        free = free_now()
         if free < 0:
             # measured again without what malloc holds free and the last fetch's transient slots (released at the
             # next fetch anyway); every forward dispatched so far wrote the KV cache, so once it is ready none still
@@ -492,7 +490,7 @@ class Engine(Runner):
                 jax.block_until_ready(self._cache)
             self.store.release_transient()
             MEM.trim()
-            free = F.refit_free(f.inputs, f.plan, MEM.private_bytes() + grow, kv_now + grow, self.store.cache_cap)
+            free = free_now()
         if free < 0:
             self.store.shrink_cap(-free)
 

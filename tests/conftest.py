@@ -69,3 +69,23 @@ def int4_dir(tmp_path_factory):
     dst = str(tmp_path_factory.mktemp("c") / "int4")
     convert(GLM4MOE_FULL, dst, expert_format="int4_g64", mtp_format="int8_row", dense_format="f32", progress=False)
     return dst
+
+
+@pytest.fixture
+def over_budget_container(tmp_path):
+    """A converted model whose experts do not fit beside the runtime in a 300 MB budget (4 layers, H 512, 64 bf16
+    experts of 1.5 MB a layer, top-8): ``make(**config overrides) -> container dir`` (tests/test_store.py's peak
+    RSS test, tests/test_fit.py's outgrown plan)."""
+    from glm_jax.experts.convert import convert
+    from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
+
+    def make(**over):
+        cfg = tiny_config(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0,
+                          torch_dtype="bfloat16", **over)
+        write_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=1, dtype="bfloat16", keep_reference=False)
+        convert(str(tmp_path / "hf"), str(tmp_path / "c"), expert_format="bf16", progress=False)
+        return str(tmp_path / "c")
+
+    return make

@@ -483,7 +483,7 @@ print("RESULT", json.dumps(out))
 """
 
 
-def test_a_run_that_outgrows_its_plan_takes_the_room_from_the_expert_cache_and_gives_it_back(tmp_path):
+def test_a_run_that_outgrows_its_plan_takes_the_room_from_the_expert_cache_and_gives_it_back(over_budget_container):
     """The plan reserves KV for the run it knows of (here 256 positions) and hands the rest to the expert cache.
     A later, longer prompt grows the KV cache (and compiles programs for the longer window) past that plan: in the
     GLM-4.5-Air slice's 836 MB cgroup a 1500-token prompt then made the process reclaim its own code pages while
@@ -494,17 +494,8 @@ def test_a_run_that_outgrows_its_plan_takes_the_room_from_the_expert_cache_and_g
     import subprocess
     import sys
 
-    from glm_jax.experts.convert import convert
-    from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
-
-    cfg = tiny_config(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0, torch_dtype="bfloat16",
-                      max_position_embeddings=8192)
-    write_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=1, dtype="bfloat16", keep_reference=False)
-    convert(str(tmp_path / "hf"), str(tmp_path / "c"), expert_format="bf16", progress=False)
-    r = subprocess.run([sys.executable, "-c", _OUTGROW_CHILD, str(tmp_path / "c")], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", _OUTGROW_CHILD, over_budget_container(max_position_embeddings=8192)],
+                       capture_output=True, text=True, timeout=300)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, r.stderr[-2000:]
     out = json.loads(line[0].split(" ", 1)[1])

@@ -388,7 +388,7 @@ print("RESULT", peak[0], budget * 1e9, eng.store.cache_cap, eng.cfg.n_routed_exp
 """
 
 
-def test_the_ram_budget_bounds_the_whole_process(tmp_path):
+def test_the_ram_budget_bounds_the_whole_process(over_budget_container):
     """--ram_gb is the process's budget: the peak private memory (RssAnon + RssShmem, sampled every 2 ms; file-backed
     pages are reclaimable) of a real run stays under it, although the experts (300 MB) do not fit beside the
     runtime, also after the cache grew into the measured-free workspace reserve (second generate).  Before, the
@@ -396,12 +396,7 @@ def test_the_ram_budget_bounds_the_whole_process(tmp_path):
     import subprocess
     import sys
 
-    cfg = tiny_config(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0, torch_dtype="bfloat16")
-    write_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=1, dtype="bfloat16", keep_reference=False)
-    convert(str(tmp_path / "hf"), str(tmp_path / "c"), expert_format="bf16", progress=False)
-    r = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tmp_path / "c")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _PEAK_CHILD, over_budget_container()], capture_output=True, text=True,
                        timeout=300)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, r.stderr[-2000:]
@@ -621,5 +616,6 @@ def test_shrink_cap_evicts_to_the_lower_cap_and_returns_the_slots_pages(tmp_path
         st._populate.join()
         if st._populated[0]:                            # (grow_cap measures nothing on a kernel < 5.14)
             assert st.grow_cap(2 * per) == 3
+            assert st.sizing["taken"] == 5 - 2          # what was taken and not given back yet
     finally:
         st.close(save_usage=False)

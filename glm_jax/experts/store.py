@@ -350,6 +350,15 @@ class _Layer:
                     return False
         return True
 
+    def evict(self, experts):
+        """``experts`` leave their slots: the slots are free again, and their pages are returned to the OS at the
+        next release (``release_pages``), once nothing in flight can read them."""
+        for e in experts:
+            s = int(self.slot_of[e])
+            self.slot_of[e] = -1
+            self.free.append(s)
+            self.release.append(s)
+
     def slot_of_slot(self, slot: int) -> int:
         hit = np.nonzero(self.slot_of == slot)[0]
         return int(hit[0]) if len(hit) else -1
@@ -658,11 +667,7 @@ class ExpertStore:
                 lc.slot_of[e] = s
             self._sync_device(lc, slots)
             out_slot_of = lc.slot_of.copy()
-            for e in ev_after:
-                s = int(lc.slot_of[e])
-                lc.slot_of[e] = -1
-                lc.free.append(s)
-                lc.release.append(s)
+            lc.evict(ev_after)
             st = self._stats
             st["fetch_calls"] += 1
             st["requested"] += len(union)
@@ -734,12 +739,14 @@ class ExpertStore:
         n = int(free_bytes // per) if per and free_bytes > 0 and self._populated[0] else 0
         if n > 0:
             with self._lock:
+                before = self.cache_cap
                 for L, lc in self.layers.items():
                     idx = self.index[L]
                     P = int(idx.pinned.sum())
                     idx.cap = int(min(idx.cap + n, lc.S - P, int(self.owned[L].sum()) - P))
                 self.cache_cap = max(ix.cap for ix in self.index.values())
                 self.sizing["grown_by"] = self.sizing.get("grown_by", 0) + n
+                self.sizing["taken"] = max(0, self.sizing.get("taken", 0) - (self.cache_cap - before))
         return self.cache_cap
 
     def shrink_cap(self, need_bytes: int) -> int:
@@ -773,15 +780,12 @@ class ExpertStore:
                     ev = idx.policy.victims(list(idx.cached))[:len(idx.cached) - idx.cap]
                     idx.cached.difference_update(ev)
                     lc.prefetched.difference_update(ev)
-                    for e in ev:
-                        s = int(lc.slot_of[e])
-                        lc.slot_of[e] = -1
-                        lc.free.append(s)
-                        lc.release.append(s)
+                    lc.evict(ev)
                     self._stats["evictions"] += len(ev)
             self._release_transient()
             self.cache_cap = max(ix.cap for ix in self.index.values())
             self.sizing["shrunk_by"] = self.sizing.get("shrunk_by", 0) + n
+            self.sizing["taken"] = self.sizing.get("taken", 0) + n      # cap steps grow_cap has not given back
         return self.cache_cap
 
     def can_hold_all(self) -> bool:
