@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import mmap
 import os
 from typing import Optional
 
@@ -68,7 +69,29 @@ def trim():
 def _libc():
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     return libc
+
+
+MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4     # Linux: <linux/mman.h>
+
+
+def move_pages(src: int, dst: int, nbytes: int) -> bool:
+    """Move the pages behind [src, src + nbytes) to [dst, dst + nbytes) without copying them: ``mremap`` with
+    MREMAP_FIXED | MREMAP_DONTUNMAP (Linux >= 5.7) moves the page-table entries (~150 us for 9 MB), whatever was
+    mapped at ``dst`` is unmapped first, and ``src`` stays mapped but empty (zero-filled on a later touch).  Both
+    ranges page aligned, inside private anonymous mappings.  The memory stays counted once; nothing is zero-filled or
+    faulted in, which a release (MADV_DONTNEED) followed by a write into fresh pages costs (~1 ms and 2,300 faults a
+    9 MB record).  False where the kernel or platform refuses: the caller falls back to that."""
+    if nbytes <= 0 or src % mmap.PAGESIZE or dst % mmap.PAGESIZE or nbytes % mmap.PAGESIZE:
+        return False
+    try:
+        libc = _libc()
+        r = libc.mremap(src, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, dst)
+    except (OSError, AttributeError):
+        return False
+    return r == dst
 
 
 HUGE_PAGE = 2 << 20

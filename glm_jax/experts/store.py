@@ -36,8 +36,10 @@ the previous forward's output (the sampled token).  So when ``fetch`` runs, ever
 earlier that could read ANY bank of this store (earlier layers of this forward, all layers of earlier forwards)
 has finished.  A slot evicted at the end of a call keeps its bytes until a later ``fetch`` reuses it, so the
 computation dispatched with this call's ``slot_of`` (a fresh copy per call) reads valid data.  Slots beyond
-``pinned + cache_cap`` that held a transient working set are returned to the OS (``MADV_DONTNEED``) at the start
-of a later fetch, under the same argument, so resident memory stays near ``(pinned + cap) x record`` per layer.
+``pinned + cache_cap`` that held a transient working set are given back at the start of a later fetch, under the
+same argument, so resident memory stays near ``(pinned + cap) x record`` per layer: their pages move to the fresh
+slots the fetching layer's misses take (``mremap``, memory.move_pages: no zero fill, no page faults -- a cache below
+the working set needs fresh slots at every fetch), and those no fetch takes go to the OS (``MADV_DONTNEED``).
 On non-CPU backends the donated scatter is ordered by JAX after earlier readers of the bank.
 
 Prefetch.  ``prefetch(L, ids)`` (the engine calls it for layer L+1 right after ``fetch(L)``, with layer L+1's router
@@ -68,7 +70,7 @@ import numpy as np
 from .. import paths
 from ..errors import GlmJaxError
 from ..kernels.formats import FLOAT_FORMATS, ExpertBank, with_kernel
-from ..memory import cache_slots, default_budget, evict_page_cache, huge_pages, round_up_gb
+from ..memory import cache_slots, default_budget, evict_page_cache, huge_pages, move_pages, round_up_gb
 from ..model.config import ModelConfig
 from .container import balanced_chunk, config_hash, open_expert_source
 
@@ -336,6 +338,30 @@ class _Layer:
             if ok:
                 self.touched.discard(slot)
 
+    def spare(self, keep: int) -> list:
+        """The free slots ``release_pages(keep)`` would return to the OS now (evicted, their pages faulted in, while
+        more than ``keep`` slots are): the layer's transient working set once its computation is done."""
+        out, n = [], len(self.touched)
+        for slot in self.release:
+            if n - len(out) <= keep:
+                break
+            if slot in self.touched and self.slot_of_slot(slot) < 0 and slot not in out:
+                out.append(slot)
+        return out
+
+    def give_pages(self, slot: int, other: "_Layer", oslot: int) -> bool:
+        """Move ``slot``'s pages to ``other``'s ``oslot`` (memory.move_pages, per record section; same section sizes):
+        a spare slot's memory becomes another layer's fresh slot without a release and a refault.  False where the
+        kernel refuses (the caller then lets the slot fault in, as before)."""
+        for n, a in self.arrays.items():
+            nb = self.slot_bytes[n]
+            if not move_pages(a.ctypes.data + slot * nb, other.arrays[n].ctypes.data + oslot * nb, nb):
+                return False
+        self.touched.discard(slot)
+        self.release = [s for s in self.release if s != slot]
+        other.touched.add(oslot)
+        return True
+
     def populate(self, n: int) -> bool:
         """Fault in the first ``n`` slots' pages (MADV_POPULATE_WRITE: page tables only, the contents are not
         touched, so it is safe while reads land in those slots), so that a miss into a fresh slot does not pay
@@ -424,6 +450,7 @@ class ExpertStore:
             name="glm-jax-populate")
         self._populate.start()
         self._scatter = None
+        self._move_ok = True             # memory.move_pages works here (the first refusal turns it off)
         self.reset_stats()
         # load pinned experts (counted: pin_bytes_read and bytes_read)
         t0 = time.perf_counter()
@@ -648,8 +675,6 @@ class ExpertStore:
         wait_pf = time.perf_counter() - t1
         with self._lock:
             self._usage[layer] += np.bincount(ids.astype(np.int64), minlength=lc.E)[:lc.E]
-            # earlier computations are finished (module docstring): return transient pages to the OS
-            self._release_transient()
             idx = self.index[layer]
             hp, hc, miss, ev_now, ev_after = idx.access(union)
             hpf = [e for e in hc if e in lc.prefetched]
@@ -658,7 +683,9 @@ class ExpertStore:
             for e in ev_now:
                 lc.free.append(int(lc.slot_of[e]))
                 lc.slot_of[e] = -1
-            slots = [lc.free.pop() for _ in miss]
+            slots = self._take_slots(layer, lc, len(miss))
+            # earlier computations are finished (module docstring): the transient pages nobody took go to the OS
+            self._release_transient()
             t1 = time.perf_counter()
             if miss:
                 self._read_many(layer, miss, slots)
@@ -716,6 +743,33 @@ class ExpertStore:
             st["loads_per_layer"][layer] = st["loads_per_layer"].get(layer, 0)
             st["fetch_s"] += time.perf_counter() - t0
             return True
+
+    def _take_slots(self, layer: int, lc: _Layer, n: int) -> list:
+        """``n`` free slots of ``lc`` for a fetch's misses: slots whose pages are faulted in first; a fresh slot
+        takes the pages of a slot another layer would return to the OS now (its transient working set, evicted at
+        the end of its fetch: ``_Layer.spare``), moved instead of released, zero-filled and faulted in again.  Safe
+        under the argument of the module docstring: when ``fetch`` runs, no computation reads another layer's free
+        slots.  Caller holds the lock."""
+        warm = [s for s in lc.free if s in lc.touched][-n:] if n else []
+        cold = [s for s in reversed(lc.free) if s not in lc.touched][:n - len(warm)]
+        taken = set(warm) | set(cold)
+        lc.free = [s for s in lc.free if s not in taken]
+        lc.release = [s for s in lc.release if s not in taken]
+        todo = list(cold)
+        for L2, lc2 in self.layers.items():
+            if not todo or not self._move_ok:
+                break
+            if lc2 is lc or not lc2.release or lc2.slot_bytes != lc.slot_bytes:
+                continue
+            for s2 in lc2.spare(int(self.index[L2].pinned.sum()) + self.index[L2].cap):
+                if not todo:
+                    break
+                if not lc2.give_pages(s2, lc, todo[0]):
+                    self._move_ok = False
+                    break
+                todo.pop(0)
+                self._stats["pages_moved"] += 1
+        return list(reversed(warm)) + cold
 
     def _release_transient(self):
         for L2, lc2 in self.layers.items():     # only layers with slots to return (75 layers: 75 x 75 sums/token)
@@ -903,7 +957,7 @@ class ExpertStore:
                            pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0,
                            preload_bytes_read=getattr(self, "_stats", {}).get("preload_bytes_read", 0),
                            preload_s=getattr(self, "_stats", {}).get("preload_s", 0.0),
-                           sim_io_s=0.0, sim_bytes=0)
+                           sim_io_s=0.0, sim_bytes=0, pages_moved=0)
 
     def save_usage(self, decay: float = 1.0):
         """Merge this session's routing counts into the usage-history file (best effort, never raises).  The
