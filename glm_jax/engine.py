@@ -210,6 +210,10 @@ class Engine(Runner):
                 else:
                     params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=dense_kernel,
                                            dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
+                if fitted is not None:
+                    # a RAM budget: the loader's programs (quantize, pack) never run again in this run, and
+                    # what they hold would count against the expert cache (~20 MB in the 0.3x slice box)
+                    jax.clear_caches()
                 MEM.trim()
                 if plan is not None:
                     src = src if src is not None else C.open_expert_source(path, cfg, verify="first",
@@ -460,6 +464,20 @@ class Engine(Runner):
 
     def memory_settled(self):
         self._refit_memory()
+
+    def kv_give_back(self) -> bool:
+        return getattr(self, "_fit", None) is not None and self.store is not None and not self.opts["cache_cap"]
+
+    def shrink_cache(self, batch: int, cap: int):
+        """Runner.shrink_cache, and the programs compiled for the longer cache dropped with it: every step's shapes
+        follow the cache's length, so they never run again, and in the GLM-4.5-Air slice's 0.3x box they held
+        ~100 MB after a 1500-token prompt (docs/real-scale.md, stop 42).  The ones still needed are compiled again
+        (from the compilation cache on disk: ~0.7 s there)."""
+        before = self._cache_len
+        super().shrink_cache(batch, cap)
+        if self._cache_len < before:
+            jax.clear_caches()
+            MEM.trim()
 
     def _kv_bytes(self) -> int:
         return _tree_bytes(self._cache) if self._cache is not None else 0

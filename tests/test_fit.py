@@ -473,11 +473,18 @@ free = F.refit_free(eng._fit.inputs, eng._fit.plan, MEM.private_bytes(), eng._kv
 eng.memory_guard(-(-(max(free, 0) + 3 * per) // M.kv_bytes_per_token(eng.cfg, 4)), 1)
 out["cap1"] = eng.store.cache_cap
 out["over"] = [len(ix.cached) > ix.cap for ix in eng.store.index.values()]
-eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False)
+out["tok2"] = eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False).tokens
 out["cap2"] = eng.store.cache_cap
 calls.clear()
 eng.generate([1 + i % 250 for i in range(400)], max_new_tokens=2, stop_on_eos=False)
-out["calls3"] = list(calls)
+out["calls3"], out["len3"], out["kv3"] = list(calls), eng._cache_len, eng._kv_bytes()
+step = eng._stream_fns["attn_route"]                   # one program per cache length (and chunk shape)
+out["programs3"] = step._cache_size()
+# the long prompt done, a short one: the KV cache goes back to the planned 256 positions
+calls.clear()
+out["tok4"] = eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False).tokens
+out["calls4"], out["len4"], out["kv4"] = list(calls), eng._cache_len, eng._kv_bytes()
+out["programs4"] = step._cache_size()
 eng.close()
 print("RESULT", json.dumps(out))
 """
@@ -506,3 +513,10 @@ def test_a_run_that_outgrows_its_plan_takes_the_room_from_the_expert_cache_and_g
     assert cap0 - 4 <= out["cap1"] <= cap0 - 2 and not any(out["over"]), out
     assert out["cap2"] >= cap0 - 1, out                 # nothing grew after all: the refit gave the room back
     assert out["calls3"] == [[512 - 256, 1]]            # a longer prompt: the positions the KV cache grows by
+    # given back once no row needs them (the refit after a generation that found the cache shrunk hands what that
+    # frees to the expert cache), and the rows' K/V before the cut still serve
+    assert out["len3"] == 512 and out["len4"] == 256 and out["kv4"] * 2 == out["kv3"], out
+    assert out["calls4"] == [[0, 1]] and out["tok4"] == out["tok2"], out
+    # the programs compiled for the longer cache are dropped with it (in the 0.3x box: ~100 MB), the short
+    # request's compiled again
+    assert 0 < out["programs4"] < out["programs3"], out

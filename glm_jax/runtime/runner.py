@@ -147,6 +147,11 @@ class Runner:
         """Called by a server's scheduler when it goes idle after work: the engine may hand what is measured free
         back to the expert cache (``Engine._refit_memory``)."""
 
+    def kv_give_back(self) -> bool:
+        """Whether the scheduler returns the KV cache to the memory plan's reservation once no running row needs
+        the positions a longer request grew it by (``shrink_cache``): a run with a RAM budget (``Engine``)."""
+        return False
+
     def _ensure_cache(self, batch: int, need: int):
         """A cache of ``batch`` rows holding at least ``need`` positions (a new one, zeroed, when it does not)."""
         cap = self.opts["max_seq_len"] or round_up(max(need, 64), 256)
@@ -178,6 +183,15 @@ class Runner:
             if getattr(self, "plan", None) is not None:
                 self._cache = self.plan.place_cache(self._cache)
             self._cache_len = cap
+
+    def shrink_cache(self, batch: int, cap: int):
+        """Give back the positions past ``cap``; the rows keep their contents before it."""
+        if self._cache is None or self._cache_batch != batch or cap >= self._cache_len:
+            return
+        self._cache = jax.jit(lambda c: [{k: v[:, :cap] for k, v in e.items()} for e in c])(self._cache)
+        if getattr(self, "plan", None) is not None:
+            self._cache = self.plan.place_cache(self._cache)
+        self._cache_len = cap
 
     # ------------------------------------------------------------------ jitted pieces
     def _jit(self, name, fn, **kw):
