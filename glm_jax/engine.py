@@ -448,8 +448,8 @@ class Engine(Runner):
         measured, and the part of the workspace reserve it left free goes to the expert cache (fit.py).  Again
         after any generation that found the cache shrunk by ``memory_guard``: what is measured free then goes
         back to it, up to what was taken."""
-        f = getattr(self, "_fit", None)
-        if f is None or self.store is None or self.opts["cache_cap"]:
+        f = self._kept_plan()
+        if f is None:
             return
         first, taken = self._refit_pending, self.store.sizing.get("taken", 0)
         if not first and taken <= 0:
@@ -465,8 +465,13 @@ class Engine(Runner):
     def memory_settled(self):
         self._refit_memory()
 
+    def _kept_plan(self):
+        """The memory plan this run keeps to (a fitted store without an explicit --cache_cap), else None."""
+        f = getattr(self, "_fit", None)
+        return f if f is not None and self.store is not None and not self.opts["cache_cap"] else None
+
     def kv_give_back(self) -> bool:
-        return getattr(self, "_fit", None) is not None and self.store is not None and not self.opts["cache_cap"]
+        return self._kept_plan() is not None
 
     def shrink_cache(self, batch: int, cap: int):
         """Runner.shrink_cache, and the programs compiled for the longer cache dropped with it: every step's shapes
@@ -490,8 +495,8 @@ class Engine(Runner):
         keeping fit.LATER_COMPILE free for the next compile.  Without it a long prompt in a tight memory cgroup
         drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).  A
         no-op for a run without a fitted store or with an explicit --cache_cap."""
-        f = getattr(self, "_fit", None)
-        if f is None or self.store is None or self.opts["cache_cap"]:
+        f = self._kept_plan()
+        if f is None:
             return
         grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
         kv_now = self._kv_bytes()

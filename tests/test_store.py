@@ -42,6 +42,17 @@ def _fresh(cont, tmp_path):
     return d, load_config(d)
 
 
+def _paged_container(tmp_path, layers: int = 3, experts: int = E, inter: int = 128, seed: int = 1):
+    """An int4_g64 container at hidden 1024 whose record sections are whole pages (4096-byte multiples, as at the
+    real widths): its slots can be read into directly, released and moved.  Returns (dir, config)."""
+    hf, d = str(tmp_path / "hf"), str(tmp_path / "c")
+    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=inter, intermediate_size=256,
+                                        num_hidden_layers=layers, n_routed_experts=experts,
+                                        num_nextn_predict_layers=0), seed=seed)
+    convert(hf, d, expert_format="int4_g64", progress=False)
+    return d, load_config(d)
+
+
 def _reference(c, L, e):
     r = c.load_expert(L, e)
     f = c.layout(L).fmt
@@ -412,11 +423,7 @@ def test_reads_into_aligned_slots_count_no_staging_buffers(cont, tmp_path, monke
     A misaligned layout (this module's tiny int4_g32 experts) still counts them."""
     from glm_jax.experts import container as C
 
-    hf, dst = str(tmp_path / "hf"), str(tmp_path / "c")
-    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=128, intermediate_size=256,
-                                        num_hidden_layers=2, n_routed_experts=4, num_nextn_predict_layers=0), seed=1)
-    convert(hf, dst, expert_format="int4_g64", progress=False)
-    cfg = load_config(dst)
+    dst, cfg = _paged_container(tmp_path, layers=2, experts=4)
     c = open_container(dst, cfg)
     assert c.layout(1).direct_into_slots and c.read_buffer_bytes(4) == 0
     staged = []
@@ -442,11 +449,7 @@ def test_a_cache_below_the_working_set_holds_one_layers_transient_slots_at_a_tim
     a record (memory.cache_slots): the fetched layer's kept slots are part of its working set, and the slots
     beyond them are returned to the OS at the next fetch.  The old sizing added the whole working set on top of
     the cap, and refused this budget."""
-    hf, d = str(tmp_path / "hf"), str(tmp_path / "c")      # sections of whole pages: transient slots released
-    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=128, intermediate_size=256,
-                                        num_hidden_layers=3, n_routed_experts=E, num_nextn_predict_layers=0), seed=1)
-    convert(hf, d, expert_format="int4_g64", progress=False)
-    cfg = load_config(d)
+    d, cfg = _paged_container(tmp_path)                # sections of whole pages: transient slots released
     c = open_container(d, cfg)
     rec = {L: c.layout(L).record_len for L in c.expert_layers}
     from glm_jax.experts.store import working_set_released
@@ -486,11 +489,7 @@ def test_a_fresh_slot_takes_the_pages_another_layer_gives_back_instead_of_faulti
     system time per 64 tokens); the store moves the given-back pages to the fresh slot instead (mremap), so the
     process faults nothing in for them, holds no more than before, and every bank still holds the right bytes."""
     import resource
-    hf, d = str(tmp_path / "hf"), str(tmp_path / "c")      # sections of whole pages: slots can move
-    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=512, intermediate_size=256,
-                                        num_hidden_layers=4, n_routed_experts=E, num_nextn_predict_layers=0), seed=2)
-    convert(hf, d, expert_format="int4_g64", progress=False)
-    cfg = load_config(d)
+    d, cfg = _paged_container(tmp_path, layers=4, inter=512, seed=2)     # sections of whole pages: slots can move
     c = open_container(d, cfg)
     W = 4
     st = ExpertStore.open(d, cfg, cache_cap=1, io_threads=1, max_working_set=W, state_dir="off")
@@ -501,7 +500,7 @@ def test_a_fresh_slot_takes_the_pages_another_layer_gives_back_instead_of_faulti
         st._populate.join()
         for L in layers:                                # every layer's slots used once: their pages exist
             st.fetch(L, np.arange(W))
-        faults, moved0 = 0, st.stats().get("pages_moved", 0)
+        faults, moved0 = 0, st.stats()["pages_moved"]
         for step in range(8):
             for L in layers:
                 ids = rng.choice(E, W, replace=False)
@@ -511,7 +510,7 @@ def test_a_fresh_slot_takes_the_pages_another_layer_gives_back_instead_of_faulti
                 _check(bank, so, ids, c, L)
                 held = {L2: len(st.layers[L2].touched) for L2 in layers}
                 assert held[L] <= W and all(held[L2] <= 1 for L2 in layers if L2 != L), (step, L, held)
-        moved = st.stats().get("pages_moved", 0) - moved0
+        moved = st.stats()["pages_moved"] - moved0
         assert moved >= 8 * len(layers)                 # fresh slots of every fetch came with pages
         assert faults < moved * pages / 4, (faults, moved, pages)     # released + refaulted: ~moved x pages
     finally:
@@ -622,11 +621,7 @@ def test_shrink_cap_evicts_to_the_lower_cap_and_returns_the_slots_pages(tmp_path
     engine takes the room back from the expert cache: each layer's cap goes down by the bytes asked / one expert
     of every layer (rounded up, never below one), the victims leave the cache, their slots' pages go back to the
     OS at once, and an evicted expert is a miss again.  ``grow_cap`` hands it back."""
-    hf, d = str(tmp_path / "hf"), str(tmp_path / "c")      # sections of whole pages: slots can be released
-    write_hf_checkpoint(hf, tiny_config(hidden_size=1024, moe_intermediate_size=128, intermediate_size=256,
-                                        num_hidden_layers=3, n_routed_experts=E, num_nextn_predict_layers=0), seed=1)
-    convert(hf, d, expert_format="int4_g64", progress=False)
-    cfg = load_config(d)
+    d, cfg = _paged_container(tmp_path)                # sections of whole pages: slots can be released
     st = ExpertStore.open(d, cfg, ram_gb=10.0, used_bytes=0, io_threads=1, max_working_set=4, headroom_bytes=0,
                           state_dir="off")
     try:

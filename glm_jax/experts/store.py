@@ -316,15 +316,11 @@ class _Layer:
         return {n: a[slot] for n, a in self.arrays.items()}
 
     def release_pages(self, keep: int):
-        """MADV_DONTNEED free slots beyond ``keep`` touched slots (transient working set)."""
+        """MADV_DONTNEED free slots beyond ``keep`` touched slots (transient working set: ``spare``)."""
         if not self.release:
             return
-        rel, self.release = self.release, []
+        rel, self.release = self.spare(keep), []
         for slot in rel:
-            if len(self.touched) <= keep:
-                break
-            if slot not in self.touched or self.slot_of_slot(slot) >= 0:
-                continue
             ok = True
             for (n, a), mm in zip(self.arrays.items(), self._mms):
                 nb = self.slot_bytes[n]
