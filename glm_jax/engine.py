@@ -39,7 +39,6 @@ from .runtime.mesh import broadcast_ids
 from .runtime.runner import GenerationResult, Runner  # noqa: F401  (re-exported)
 from .runtime.runner import bucket as _bucket  # noqa: F401  (tests, tools)
 from .runtime.scheduler import Request, Sampling, Scheduler
-from .runtime.speculative import draft_plan
 
 _COMPILE_S = [0.0]
 
@@ -458,8 +457,7 @@ class Engine(Runner):
         self._refit_pending = False
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
-        free = F.refit_free(f.inputs, f.plan, self._private_bytes(), self._kv_bytes(), self.store.cache_cap,
-                            later=self._later_compile(True))
+        free = F.refit_free(f.inputs, f.plan, MEM.private_bytes(), self._kv_bytes(), self.store.cache_cap)
         if not first:
             free = min(free, taken * self.store.sizing.get("per_cap_bytes", 0))
         self.store.grow_cap(free)
@@ -475,21 +473,6 @@ class Engine(Runner):
     def kv_give_back(self) -> bool:
         return self._kept_plan() is not None
 
-    def _private_bytes(self) -> int:
-        """The process's private memory with the expert cache counted full (the slots of a cap grown since they
-        were filled take their pages as experts are read: ExpertStore.unfilled_bytes)."""
-        return MEM.private_bytes() + self.store.unfilled_bytes()
-
-    def _later_compile(self, warm: bool) -> int:
-        """What the budget keeps free for programs not compiled yet (fit.LATER_COMPILE), or only
-        fit.LATER_COMPILE_WARM where ``warm``: fetch=loop's programs follow its forwards' shapes (Runner.
-        shapes_compiled), so memory_guard takes LATER_COMPILE back from the cache before a request that runs a new
-        one, and the room is the cache's between them (the GLM-4.5-Air slice's 0.3x box: 2-3 more experts a
-        layer, docs/real-scale.md, stop 44).  fetch=fused's programs also follow the attention window, which grows
-        during a decode, and speculation's drafts their sampling parameters: they keep the reserve."""
-        loop = self.opts["fetch"] == "loop" and draft_plan(self) is None
-        return F.LATER_COMPILE_WARM if warm and loop else F.LATER_COMPILE
-
     def shrink_cache(self, batch: int, cap: int):
         """Runner.shrink_cache, and the programs compiled for the longer cache dropped with it: every step's shapes
         follow the cache's length, so they never run again, and in the GLM-4.5-Air slice's 0.3x box they held
@@ -499,32 +482,27 @@ class Engine(Runner):
         super().shrink_cache(batch, cap)
         if self._cache_len < before:
             jax.clear_caches()
-            self._shapes_run.clear()
             MEM.trim()
 
     def _kv_bytes(self) -> int:
         return _tree_bytes(self._cache) if self._cache is not None else 0
 
-    def memory_guard(self, kv_positions: int = 0, rows: int = 1, shapes=None):
+    def memory_guard(self, kv_positions: int = 0, rows: int = 1):
         """Before a request's prefill (the scheduler's admission): keep the process inside its RAM budget when the
         run outgrows its memory plan -- the KV cache about to grow by ``kv_positions`` x ``rows`` past what the
         plan reserved, or the programs compiled since the last refit (other prompt buckets, longer attention
         windows: each keeps its code) -- by taking the deficit back from the expert cache (``shrink_cap``) while
         keeping fit.LATER_COMPILE free for the next compile.  Without it a long prompt in a tight memory cgroup
         drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).  A
-        no-op for a run without a fitted store or with an explicit --cache_cap.  ``shapes``: the (rows, positions)
-        of the request's forwards (Scheduler._forward_shapes); where every one has run at the cache's length and the
-        cache does not grow, nothing new compiles and only fit.LATER_COMPILE_WARM is kept free (_later_compile)."""
+        no-op for a run without a fitted store or with an explicit --cache_cap."""
         f = self._kept_plan()
         if f is None:
             return
         grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
         kv_now = self._kv_bytes()
-        later = self._later_compile(not grow and shapes is not None and self.shapes_compiled(shapes))
 
         def free_now():
-            return F.refit_free(f.inputs, f.plan, self._private_bytes() + grow, kv_now + grow, self.store.cache_cap,
-                                later=later)
+            return F.refit_free(f.inputs, f.plan, MEM.private_bytes() + grow, kv_now + grow, self.store.cache_cap)
 
         free = free_now()
         if free < 0:

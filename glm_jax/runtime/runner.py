@@ -122,7 +122,6 @@ class Runner:
         self._jits = {}
         self._route_acc = {}
         self._view = None
-        self._shapes_run = set()   # (rows, positions, cache length) of every forward run since the last clear_caches
 
     # ------------------------------------------------------------------ limits and the cache
     @property
@@ -140,7 +139,7 @@ class Runner:
         planned = getattr(self, "_kv_planned", None)
         return min(self.context_limit, int(self.opts["max_seq_len"] or planned or KV_DEFAULT_TOKENS))
 
-    def memory_guard(self, kv_positions: int = 0, rows: int = 1, shapes=None):
+    def memory_guard(self, kv_positions: int = 0, rows: int = 1):
         """Called by the scheduler before a request's prefill, with the positions the KV cache is about to grow by
         (x ``rows``): where the run has a RAM budget the engine keeps inside it (``Engine.memory_guard``)."""
 
@@ -293,14 +292,7 @@ class Runner:
             real = int(np.argmax(np.asarray(lengths) > 0))
             s0 = int(start[real])
             raise nonfinite_error(self, s0, s0 + int(lengths[real]) - 1)
-        self._shapes_run.add((B, T, self._cache_len))
         return logits, hidden
-
-    def shapes_compiled(self, shapes) -> bool:
-        """Whether forwards of every (rows, positions) in ``shapes`` have run at the cache's current length since
-        the programs were last dropped: the scheduler's next request then compiles nothing new for its forwards
-        (``Engine.memory_guard``)."""
-        return all((b, t, self._cache_len) in self._shapes_run for b, t in shapes)
 
     class _RowView:
         def __init__(self, rt, row):

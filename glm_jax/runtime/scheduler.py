@@ -442,7 +442,7 @@ class Scheduler:
                 self._finish(req, "length")
                 continue
             try:
-                self._make_room(len(req.prompt) + s.max_new_tokens, self._forward_shapes(req))
+                self._make_room(len(req.prompt) + s.max_new_tokens)
             except Exception as e:
                 self._fail(req, e)
                 continue
@@ -500,7 +500,7 @@ class Scheduler:
         self._forget_if_replaced()
         return max(free, key=lambda i: (self._match(i, req), -self.row_freed[i]))
 
-    def _make_room(self, need: int, shapes=None):
+    def _make_room(self, need: int):
         rt = self.rt
         lim = rt.context_limit
         need = min(need, lim)
@@ -523,7 +523,7 @@ class Scheduler:
                 self.row_toks = [t[:keep] for t in self.row_toks]
         # the positions about to be allocated (a replaced cache is freed first), and the programs compiled since
         # the last check: the engine makes room in its budget before the prefill (Engine.memory_guard)
-        rt.memory_guard(max(0, cap - rt._cache_len) if same else cap, self.B, shapes)
+        rt.memory_guard(max(0, cap - rt._cache_len) if same else cap, self.B)
         if not same:
             if any(r is not None and r.state != "prefill" for r in self.rows):
                 raise GlmJaxError("internal: the batch cache was replaced while rows were running")
@@ -545,26 +545,11 @@ class Scheduler:
         a 1-token suffix at 4 rows (b, fetch=fused: the 43rd greedy token), so it and MLA / DSA keep 16 rows."""
         return self.rt.opts["fetch"] == "resident" and self.rt.cfg.model_type == "glm4_moe"
 
-    def _chunk_positions(self, n: int) -> int:
-        """The padded positions of a prefill chunk of ``n`` tokens (its forward's T)."""
-        return min(SHORT_PREFILL if n <= SHORT_PREFILL and self._short_prefill() else bucket(n), max(self.chunk, n))
-
-    def _forward_shapes(self, req: Request) -> set:
-        """The (rows, positions) of every forward ``req`` may run: each prefill chunk's, whatever part of its prompt
-        the prefix cache turns out to hold (every chunk length up to the first chunk's), and the decode step's.
-        The memory guard keeps room for compiling where one has not run yet (Engine.memory_guard).  None with a
-        draft plan: speculation compiles programs of its own (its drafts' catch-up windows, its sampling)."""
-        if req.plan is not None:
-            return None
-        first = min(self.chunk, len(req.prompt))
-        shapes = {(1, self._chunk_positions(n)) for n in range(1, first + 1)}
-        return shapes | {(self.B, decode_width(self.rt))}
-
     def _prefill_chunk(self, req: Request):
         rt = self.rt
         P = len(req.prompt)
         n = min(self.chunk, P - req.pf_done)
-        T = self._chunk_positions(n)
+        T = min(SHORT_PREFILL if n <= SHORT_PREFILL and self._short_prefill() else bucket(n), max(self.chunk, n))
         last = req.pf_done + n == P
         toks = np.zeros((1, T), np.int32)
         toks[0, :n] = req.prompt[req.pf_done:req.pf_done + n]
