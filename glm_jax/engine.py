@@ -197,6 +197,10 @@ class Engine(Runner):
                 if plan is None:  # what fits, from headers and the manifest: refused here, before any weights
                     src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
                     fitted = fit_memory(path, cfg, opts, src, dtype, dense_kernel, pack)
+                    if not fitted.all_fit:
+                        # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
+                        # the room the refit measures for it (memory.compact_heap)
+                        MEM.compact_heap()
                     if container and fitted.direct_io != src.direct_io:
                         src.close()
                         src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)

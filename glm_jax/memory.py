@@ -65,6 +65,24 @@ def trim():
         pass
 
 
+M_MMAP_THRESHOLD = -3          # glibc <malloc.h>: mallopt's parameter
+HEAP_MMAP_THRESHOLD = 1 << 20  # blocks from 1 MiB up get their own mapping, unmapped when freed
+
+
+def compact_heap(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` (``mallopt(M_MMAP_THRESHOLD)``): a block at least that large is
+    mapped on its own and given back to the OS when freed.  glibc's default threshold follows the largest mapped
+    block freed so far (up to 32 MiB), so after loading and compiling, XLA's multi-MB buffers are carved out of the
+    heap and its arenas, where freeing them leaves holes ``malloc_trim`` cannot return.  In the GLM-4.5-Air slice's
+    0.3x box that drift cost the expert cache 1-3 experts a layer, one generation after another; with the threshold
+    fixed the cache held 9 (docs/real-scale.md, stop 45).  For a run inside a RAM budget (Engine.load).  False where
+    the C library has no mallopt (not glibc)."""
+    try:
+        return bool(_libc().mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
 @functools.lru_cache(maxsize=1)
 def _libc():
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
