@@ -39,6 +39,7 @@ from .runtime.mesh import broadcast_ids
 from .runtime.runner import GenerationResult, Runner  # noqa: F401  (re-exported)
 from .runtime.runner import bucket as _bucket  # noqa: F401  (tests, tools)
 from .runtime.scheduler import Request, Sampling, Scheduler
+from .runtime.speculative import draft_plan
 
 _COMPILE_S = [0.0]
 
@@ -461,7 +462,8 @@ class Engine(Runner):
         self._refit_pending = False
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
-        free = F.refit_free(f.inputs, f.plan, MEM.private_bytes(), self._kv_bytes(), self.store.cache_cap)
+        free = F.refit_free(f.inputs, f.plan, self._private_bytes(), self._kv_bytes(), self.store.cache_cap,
+                            later=self._later_compile())
         if not first:
             free = min(free, taken * self.store.sizing.get("per_cap_bytes", 0))
         self.store.grow_cap(free)
@@ -477,6 +479,29 @@ class Engine(Runner):
     def kv_give_back(self) -> bool:
         return self._kept_plan() is not None
 
+    def _private_bytes(self) -> int:
+        """The process's private memory with the expert cache counted full: the slots of a cap grown since they
+        were filled take their pages as experts are read (ExpertStore.unfilled_bytes)."""
+        return MEM.private_bytes() + self.store.unfilled_bytes()
+
+    def _later_compile(self) -> int:
+        """What the budget keeps free between requests for programs not compiled yet.  fetch=loop without
+        speculation compiles only where a forward's shapes are new (Runner.before_new_shapes), and takes
+        fit.LATER_COMPILE back from the expert cache right then, so between requests it keeps only
+        fit.LATER_COMPILE_WARM (the sampler's programs of a new case): in the GLM-4.5-Air slice's 0.3x box that is
+        2-3 more experts a layer (docs/real-scale.md, stops 44-45).  fetch=fused's programs also follow the
+        attention window, which grows during a decode, and speculation's drafts their sampling parameters: they
+        keep fit.LATER_COMPILE free throughout."""
+        loop = self.opts["fetch"] == "loop" and draft_plan(self) is None
+        return F.LATER_COMPILE_WARM if loop else F.LATER_COMPILE
+
+    def before_new_shapes(self):
+        """Runner.before_new_shapes: a streamed forward about to compile its programs.  Where the budget keeps only
+        fit.LATER_COMPILE_WARM free between requests, the expert cache gives back what makes fit.LATER_COMPILE
+        free first (the cap lowered; the next generation's refit hands it back)."""
+        if self._kept_plan() is not None and self._later_compile() != F.LATER_COMPILE:
+            self._keep_free(0, F.LATER_COMPILE)
+
     def shrink_cache(self, batch: int, cap: int):
         """Runner.shrink_cache, and the programs compiled for the longer cache dropped with it: every step's shapes
         follow the cache's length, so they never run again, and in the GLM-4.5-Air slice's 0.3x box they held
@@ -486,6 +511,7 @@ class Engine(Runner):
         super().shrink_cache(batch, cap)
         if self._cache_len < before:
             jax.clear_caches()
+            self._shapes_run.clear()
             MEM.trim()
 
     def _kv_bytes(self) -> int:
@@ -496,17 +522,23 @@ class Engine(Runner):
         run outgrows its memory plan -- the KV cache about to grow by ``kv_positions`` x ``rows`` past what the
         plan reserved, or the programs compiled since the last refit (other prompt buckets, longer attention
         windows: each keeps its code) -- by taking the deficit back from the expert cache (``shrink_cap``) while
-        keeping fit.LATER_COMPILE free for the next compile.  Without it a long prompt in a tight memory cgroup
+        keeping what ``_later_compile`` says free for the next compile.  Without it a long prompt in a tight memory cgroup
         drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).  A
         no-op for a run without a fitted store or with an explicit --cache_cap."""
-        f = self._kept_plan()
-        if f is None:
+        if self._kept_plan() is None:
             return
         grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
+        self._keep_free(grow, self._later_compile())
+
+    def _keep_free(self, grow: int, later: int):
+        """memory_guard and before_new_shapes: the expert cache gives back what the budget lacks for the KV cache's
+        ``grow`` bytes and ``later`` free for compiling (fit.refit_free), measured as the refit measures."""
+        f = self._kept_plan()
         kv_now = self._kv_bytes()
 
         def free_now():
-            return F.refit_free(f.inputs, f.plan, MEM.private_bytes() + grow, kv_now + grow, self.store.cache_cap)
+            return F.refit_free(f.inputs, f.plan, self._private_bytes() + grow, kv_now + grow, self.store.cache_cap,
+                                later=later)
 
         free = free_now()
         if free < 0:

@@ -46,6 +46,8 @@ CACHE_CHUNK_TOKENS = 2                        # ... (CACHE_CHUNK_TOKENS x top-k 
 COMPILE_BYTES = 100 << 20                     # compiled programs, kept (see workspace_bytes)
 COMPILE_TRANSIENT = 100 << 20                 # XLA's working memory while compiling, given back (measured, ibid.)
 LATER_COMPILE = 64 << 20                      # kept free after the first run: later programs (other buckets)
+LATER_COMPILE_WARM = 16 << 20                 # ... where the next request's forwards are all compiled (fetch=loop):
+                                              # the sampling and bookkeeping programs of a new case
 # compiled code of a resident run's whole-model programs, per decoder layer: one step per prefill bucket (the first
 # prompt's, a prefix-cache hit's shorter one) and the decode loop, each with every layer unrolled, so O(layers); a
 # streamed run (fetch=loop) shares one program per layer kind and shape, counted in the workspace.  Measured as the
@@ -168,15 +170,16 @@ def _loads(inp: FitInputs, fmt: str) -> bool:
     return inp.runtime + inp.dense[fmt] + inp.load_extra.get(fmt, 0) <= inp.budget
 
 
-def refit_free(inp: FitInputs, plan: "FitPlan", private: int, kv_now: int, cache_cap: int) -> int:
+def refit_free(inp: FitInputs, plan: "FitPlan", private: int, kv_now: int, cache_cap: int,
+               later: int = LATER_COMPILE) -> int:
     """What the refit after the first generation may hand the expert cache (``ExpertStore.grow_cap``): the budget
     less what is measured now (``private``: the weights, the cache's slots, the compiled programs), the KV still
     to grow into its reservation, the working set beyond the cache (memory.cache_slots), one prefill chunk's
     activations -- freed between forwards, so not in the measurement, but the next prefill allocates them again --
-    and LATER_COMPILE for programs not compiled yet."""
+    and ``later`` for programs not compiled yet (LATER_COMPILE; Engine._later_compile)."""
     buffers = inp.buffers - (min(cache_cap, inp.working_set) * inp.max_rec if inp.released else 0)
     acts = max(0, _workspace(inp, plan.prefill_chunk or inp.prefill_chunk) - COMPILE_BYTES - COMPILE_TRANSIENT)
-    return int(inp.budget - private - max(0, plan.kv_bytes - kv_now) - buffers - acts - LATER_COMPILE)
+    return int(inp.budget - private - max(0, plan.kv_bytes - kv_now) - buffers - acts - later)
 
 
 def with_working_set(inp: FitInputs, w: int) -> FitInputs:

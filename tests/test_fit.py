@@ -343,8 +343,15 @@ def test_grow_cap_hands_measured_room_to_the_cache():
         if not st._populated[0]:
             pytest.skip("MADV_POPULATE_WRITE unavailable (kernel < 5.14): grow_cap measures nothing")
         assert all(lc.S == 3 + 5 for lc in st.layers.values())   # room for 5 more, not yet the cache's
+        assert st.unfilled_bytes() == 0                             # the 3 slots' pages are in (populated)
         assert st.grow_cap(2 * per + per // 2) == 5                 # 2.5 experts' worth free: 2 more per layer
         assert all(ix.cap == 5 for ix in st.index.values())
+        # the 2 new slots of every layer take their pages as experts are read: a measurement before then counts them
+        slot = {L: sum(lc.slot_bytes.values()) for L, lc in st.layers.items()}
+        assert st.unfilled_bytes() == 2 * sum(slot.values())
+        L0 = min(st.layers)
+        st.fetch(L0, [0, 1, 2, 3])                                  # a 4th slot of the first layer read into
+        assert st.unfilled_bytes() == 2 * sum(slot.values()) - slot[L0]
         assert st.grow_cap(100 * per) == 8                          # never past the arena's slots
         assert st.grow_cap(-per) == 8
     finally:
@@ -469,7 +476,8 @@ out["planned"], out["calls0"] = eng._kv_planned, list(calls)
 # a prompt whose KV would take what is free and 3 experts of every layer more
 eng.store.release_transient()
 MEM.trim()
-free = F.refit_free(eng._fit.inputs, eng._fit.plan, MEM.private_bytes(), eng._kv_bytes(), out["cap0"])
+free = F.refit_free(eng._fit.inputs, eng._fit.plan, eng._private_bytes(), eng._kv_bytes(), out["cap0"],
+                    later=eng._later_compile())
 eng.memory_guard(-(-(max(free, 0) + 3 * per) // M.kv_bytes_per_token(eng.cfg, 4)), 1)
 out["cap1"] = eng.store.cache_cap
 out["over"] = [len(ix.cached) > ix.cap for ix in eng.store.index.values()]
@@ -574,3 +582,71 @@ def test_a_load_in_a_binding_budget_compacts_the_heap(over_budget_container, mon
     assert not eng._fit.all_fit
     eng.close()
     assert calls == [()]
+
+
+_WARM_CHILD = r"""
+import json, sys
+import glm_jax
+from glm_jax import fit as F
+from glm_jax import memory as MEM
+budget = (MEM.private_bytes() + 300e6) / 1e9
+eng = glm_jax.Engine.load(sys.argv[1], ram_gb=budget, fetch="loop", reserve_tokens=256, state_dir="off")
+out, hooks = {}, []
+hook = eng.before_new_shapes
+def spy():
+    c = eng.store.cache_cap
+    hook()
+    free = F.refit_free(eng._fit.inputs, eng._fit.plan, eng._private_bytes(), eng._kv_bytes(), eng.store.cache_cap)
+    hooks.append([c, eng.store.cache_cap, free])
+eng.before_new_shapes = spy
+eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False)
+per = eng.store.sizing["per_cap_bytes"]
+out["per"], out["cap0"], out["first"] = per, eng.store.cache_cap, len(hooks)
+eng.store.release_transient()
+MEM.trim()
+f, kw = eng._fit, dict(kv_now=eng._kv_bytes(), cache_cap=eng.store.cache_cap)
+out["free_warm"] = F.refit_free(f.inputs, f.plan, eng._private_bytes(), later=F.LATER_COMPILE_WARM, **kw)
+out["unfilled"] = eng.store.unfilled_bytes()
+hooks.clear()
+eng.generate(list(range(2, 18)), max_new_tokens=4, stop_on_eos=False)     # the same shapes: nothing to compile
+out["same"] = list(hooks)
+out["cap1"] = eng.store.cache_cap
+hooks.clear()
+eng.generate(list(range(1, 41)), max_new_tokens=4, stop_on_eos=False)     # a 64-position prefill: new programs
+out["new"] = list(hooks)
+out["cap2"] = eng.store.cache_cap
+eng.close()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_the_cache_holds_the_compile_reserve_between_requests_whose_programs_are_compiled(over_budget_container):
+    """fetch=loop compiles one program per forward shape (a prefill chunk's positions, the decode width) and cache
+    length.  The refit after a generation used to keep LATER_COMPILE (64 MB) free for later programs for the run's
+    whole life: in the GLM-4.5-Air slice's 0.3x box that was 3 of the 9 experts a layer the cache could hold
+    (docs/real-scale.md, stops 44-45).  Now the refit hands it to the cache (only LATER_COMPILE_WARM stays free),
+    and a streamed forward whose shapes have not run at this cache length takes it back before its programs
+    compile (Runner.before_new_shapes); the next generation's refit hands it back again."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _WARM_CHILD, over_budget_container()],
+                       capture_output=True, text=True, timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, r.stderr[-2000:]
+    out = json.loads(line[0].split(" ", 1)[1])
+    per = out["per"]
+    assert 4 < out["cap0"] < 64 and out["first"] >= 2, out      # the first request: its prefill's and decode's
+    # the refit left the cache what was free beyond the warm reserve: the LATER_COMPILE it used to keep is not left
+    # over (a measurement a moment later moves by a few MB on a loaded machine); the grown slots, not read into
+    # yet, are counted as full
+    assert -per <= out["free_warm"] < (F.LATER_COMPILE - F.LATER_COMPILE_WARM) // 2 and out["unfilled"] >= 0, out
+    # the same shapes again (another 16-token prompt): no forward compiles, the cache keeps its room
+    assert out["same"] == [] and out["cap1"] >= out["cap0"] - 1, out
+    # a 64-position prefill never ran: before it LATER_COMPILE is taken back from the cache (at least half of the
+    # difference: the rest depends on what the refit left over), and it is free (within a page or two's noise)
+    first = out["new"][0]
+    taken = (F.LATER_COMPILE - F.LATER_COMPILE_WARM) // per
+    assert first[1] <= first[0] - taken // 2 and first[2] >= -per, out
+    # the generation's refit handed back what is free again (the new programs' code keeps some of it)
+    assert out["cap2"] > first[1], out

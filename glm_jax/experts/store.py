@@ -370,6 +370,7 @@ class _Layer:
                     mm.madvise(MADV_POPULATE_WRITE, 0, nb)
                 except (AttributeError, OSError, ValueError):     # old kernel, or the store closed meanwhile
                     return False
+        self.touched.update(range(min(n, self.S)))              # their pages are in (taken first, counted full)
         return True
 
     def evict(self, experts):
@@ -778,6 +779,14 @@ class ExpertStore:
         flight that reads a bank)."""
         with self._lock:
             self._release_transient()
+
+    def unfilled_bytes(self) -> int:
+        """Bytes the cache's slots will take once every layer holds its cap (and pins) and that no page holds yet:
+        a cap just grown (``grow_cap``) fills as experts are read, so a measurement of the process's memory before
+        then must add them (Engine.memory_guard, Engine._refit_memory)."""
+        with self._lock:
+            return sum(max(0, int(self.index[L].pinned.sum()) + self.index[L].cap - len(lc.touched))
+                       * sum(lc.slot_bytes.values()) for L, lc in self.layers.items())
 
     def grow_cap(self, free_bytes: int) -> int:
         """Give ``free_bytes`` (measured free inside the budget) to the cache: each layer's cap grows by

@@ -122,6 +122,7 @@ class Runner:
         self._jits = {}
         self._route_acc = {}
         self._view = None
+        self._shapes_run = set()   # the streamed forwards' shapes run at a cache length since programs were dropped
 
     # ------------------------------------------------------------------ limits and the cache
     @property
@@ -138,6 +139,11 @@ class Runner:
         (fit.py, lowered where memory is short), else fit.KV_DEFAULT_TOKENS -- never past the context limit."""
         planned = getattr(self, "_kv_planned", None)
         return min(self.context_limit, int(self.opts["max_seq_len"] or planned or KV_DEFAULT_TOKENS))
+
+    def before_new_shapes(self):
+        """Called by a streamed ``forward`` whose shapes (rows, positions, the cache's length, ...) have not run
+        since its programs were last dropped: they compile now.  Where the run keeps a RAM budget the engine makes
+        room for the compile first (``Engine.before_new_shapes``)."""
 
     def memory_guard(self, kv_positions: int = 0, rows: int = 1):
         """Called by the scheduler before a request's prefill, with the positions the KV cache is about to grow by
@@ -283,11 +289,16 @@ class Runner:
                 self.step_params(), self._cache, tokens, start, lengths, self._resident_masks(), lr, **kw)
             self._accumulate(summ)
         else:
-            if row is None or self._cache_batch == 1:
+            viewed = row is not None and self._cache_batch > 1
+            shapes = (B, T, self._cache_len, moe_rows, viewed, lr is None)
+            if shapes not in self._shapes_run:
+                self.before_new_shapes()          # this forward's programs compile now (Engine: room for it)
+            if not viewed:
                 logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr)
             else:
                 with self.row_view(row):
                     logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr)
+            self._shapes_run.add(shapes)
         if not bool(all_finite(logits, lengths)):
             real = int(np.argmax(np.asarray(lengths) > 0))
             s0 = int(start[real])
