@@ -522,9 +522,9 @@ class Engine(Runner):
         run outgrows its memory plan -- the KV cache about to grow by ``kv_positions`` x ``rows`` past what the
         plan reserved, or the programs compiled since the last refit (other prompt buckets, longer attention
         windows: each keeps its code) -- by taking the deficit back from the expert cache (``shrink_cap``) while
-        keeping what ``_later_compile`` says free for the next compile.  Without it a long prompt in a tight memory cgroup
-        drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).  A
-        no-op for a run without a fitted store or with an explicit --cache_cap."""
+        keeping what ``_later_compile`` says free for the next compile.  Without it a long prompt in a tight memory
+        cgroup drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).
+        A no-op for a run without a fitted store or with an explicit --cache_cap."""
         if self._kept_plan() is None:
             return
         grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
