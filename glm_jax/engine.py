@@ -453,8 +453,7 @@ class Engine(Runner):
         measured, and the part of the workspace reserve it left free goes to the expert cache (fit.py).  Again
         after any generation that found the cache shrunk by ``memory_guard``: what is measured free then goes
         back to it, up to what was taken."""
-        f = self._kept_plan()
-        if f is None:
+        if self._kept_plan() is None:
             return
         first, taken = self._refit_pending, self.store.sizing.get("taken", 0)
         if not first and taken <= 0:
@@ -462,8 +461,7 @@ class Engine(Runner):
         self._refit_pending = False
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
-        free = F.refit_free(f.inputs, f.plan, self._private_bytes(), self._kv_bytes(), self.store.cache_cap,
-                            later=self._later_compile())
+        free = self._free_bytes(0, self._later_compile())
         if not first:
             free = min(free, taken * self.store.sizing.get("per_cap_bytes", 0))
         self.store.grow_cap(free)
@@ -478,6 +476,13 @@ class Engine(Runner):
 
     def kv_give_back(self) -> bool:
         return self._kept_plan() is not None
+
+    def _free_bytes(self, grow: int, later: int) -> int:
+        """fit.refit_free as measured now, the KV cache about to grow by ``grow`` bytes and ``later`` kept free for
+        compiling: the one measurement of the refit, the guard and before_new_shapes."""
+        f = self._kept_plan()
+        return F.refit_free(f.inputs, f.plan, self._private_bytes() + grow, self._kv_bytes() + grow,
+                            self.store.cache_cap, later=later)
 
     def _private_bytes(self) -> int:
         """The process's private memory with the expert cache counted full: the slots of a cap grown since they
@@ -533,14 +538,7 @@ class Engine(Runner):
     def _keep_free(self, grow: int, later: int):
         """memory_guard and before_new_shapes: the expert cache gives back what the budget lacks for the KV cache's
         ``grow`` bytes and ``later`` free for compiling (fit.refit_free), measured as the refit measures."""
-        f = self._kept_plan()
-        kv_now = self._kv_bytes()
-
-        def free_now():
-            return F.refit_free(f.inputs, f.plan, self._private_bytes() + grow, kv_now + grow, self.store.cache_cap,
-                                later=later)
-
-        free = free_now()
+        free = self._free_bytes(grow, later)
         if free < 0:
             # measured again without what malloc holds free and the last fetch's transient slots (released at the
             # next fetch anyway); every forward dispatched so far wrote the KV cache, so once it is ready none still
@@ -549,7 +547,7 @@ class Engine(Runner):
                 jax.block_until_ready(self._cache)
             self.store.release_transient()
             MEM.trim()
-            free = free_now()
+            free = self._free_bytes(grow, later)
         if free < 0:
             self.store.shrink_cap(-free)
 
