@@ -529,15 +529,22 @@ class Engine(Runner):
         windows: each keeps its code) -- by taking the deficit back from the expert cache (``shrink_cap``) while
         keeping what ``_later_compile`` says free for the next compile.  Without it a long prompt in a tight memory
         cgroup drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).
+        Where the growth and its compile do not fit even with the cache at one expert a layer, the request is
+        refused (RamBudgetError, one line; nothing changed): 8 rows of glm-jax-serve grown for a ~920-token prompt,
+        and 2 rows for a ~1900-token one, in the GLM-4.5-Air slice's 0.3x box were OOM-killed (stop 47).
         A no-op for a run without a fitted store or with an explicit --cache_cap."""
         if self._kept_plan() is None:
             return
         grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
-        self._keep_free(grow, self._later_compile())
+        self._keep_free(grow, self._later_compile(), refuse=(kv_positions, rows) if grow else None)
 
-    def _keep_free(self, grow: int, later: int):
+    def _keep_free(self, grow: int, later: int, refuse=None):
         """memory_guard and before_new_shapes: the expert cache gives back what the budget lacks for the KV cache's
-        ``grow`` bytes and ``later`` free for compiling (fit.refit_free), measured as the refit measures."""
+        ``grow`` bytes and ``later`` free for compiling (fit.refit_free), measured as the refit measures.
+        ``refuse`` (memory_guard's positions, rows): a growth that, with its programs' compile
+        (fit.LATER_COMPILE), does not fit the budget even with the cache at its floor raises RamBudgetError before
+        anything is given up (the budget's own margin, 0.1 of a cgroup's limit, is the process's file pages': 48 MB
+        short in the GLM-4.5-Air slice's 0.3x box was OOM-killed, stop 47)."""
         free = self._free_bytes(grow, later)
         if free < 0:
             # measured again without what malloc holds free and the last fetch's transient slots (released at the
@@ -548,6 +555,17 @@ class Engine(Runner):
             self.store.release_transient()
             MEM.trim()
             free = self._free_bytes(grow, later)
+        # a longer cache: the streamed programs compile again for it, at this request's prefill
+        short = -(free + later - max(later, F.LATER_COMPILE) + self.store.shrink_room()) if refuse else 0
+        if short > 0:
+            n, rows = refuse
+            f = self._kept_plan().inputs
+            raise RamBudgetError(
+                f"this request needs the K/V cache grown by {n} positions x {rows} rows ({grow / 1e6:.0f} MB) and "
+                f"its programs compiled for the longer cache: {short / 1e6:.0f} MB more than the RAM budget "
+                f"({f.budget / 1e9:.2f} GB, {f.budget_from}) holds with the expert cache at one expert a layer; a "
+                f"shorter request, fewer rows ({self.opts.label('max_batch')}) or a larger budget "
+                f"({self.opts.label('ram_gb')})")
         if free < 0:
             self.store.shrink_cap(-free)
 
@@ -786,7 +804,6 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     layers = list(src.expert_layers)
     rec = {L: src.layout(L).record_len for L in layers}
     max_rec = max(rec.values()) if rec else 0
-    W_ = min(max(src.num_experts(L) for L in layers), working_set(cfg, opts)) if layers else 0
     ctx = min(int(cfg.max_position_embeddings), int(opts["max_seq_len"] or cfg.max_position_embeddings))
     if opts["max_seq_len"]:
         kv_tokens, kv_fixed = ctx, True
@@ -796,25 +813,35 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         kv_tokens, kv_fixed = min(ctx, F.KV_DEFAULT_TOKENS), False
     # a prefill chunk is never longer than the context; lowered with the KV reservation unless given
     chunk = min(opts["prefill_chunk"], ctx)
-    ws = F.workspace_bytes(cfg, chunk, opts["max_batch"], item)
     if opts["ram_gb"]:
         budget, why = int(opts["ram_gb"] * 1e9), opts.label("ram_gb")
     else:
         budget, why = MEM.default_budget()
-    inp = F.FitInputs(
-        budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD + prefix_store_reserve(opts), dense=dense,
-        dense_fixed=fixed_dense,
-        load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * opts["max_batch"], kv_tokens=kv_tokens,
-        kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
-        act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
-        resident_code=F.resident_code_bytes(cfg), layers=cfg.num_hidden_layers, fetch=opts["fetch"],
-        top_k=cfg.num_experts_per_tok, working_set=W_, max_rec=max_rec, released=S.working_set_released(src, layers),
-        rec_sum=sum(rec.values()), buffers=src.read_buffer_bytes(opts["io_threads"]) + W_ * max_rec,
-        pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
-        num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,
-        direct_io=opts["direct_io"] if opts.where("direct_io") else None)
+    runtime = MEM.private_bytes() + F.LOAD_OVERHEAD + prefix_store_reserve(opts)
+
+    def inputs_at(rows: int) -> F.FitInputs:        # the plan's inputs at ``rows`` rows of the scheduler
+        ws = F.workspace_bytes(cfg, chunk, rows, item)
+        W_ = min(max(src.num_experts(L) for L in layers), working_set(cfg, dict(opts, max_batch=rows))) if layers else 0
+        return F.FitInputs(
+            budget=budget, budget_from=why, runtime=runtime, dense=dense,
+            dense_fixed=fixed_dense,
+            load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * rows, kv_tokens=kv_tokens,
+            kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
+            act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
+            resident_code=F.resident_code_bytes(cfg), layers=cfg.num_hidden_layers, fetch=opts["fetch"],
+            top_k=cfg.num_experts_per_tok, working_set=W_, max_rec=max_rec, released=S.working_set_released(src, layers),
+            rec_sum=sum(rec.values()), buffers=src.read_buffer_bytes(opts["io_threads"]) + W_ * max_rec,
+            pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
+            num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,
+            direct_io=opts["direct_io"] if opts.where("direct_io") else None)
+
     try:
-        p = F.plan(inp)
+        if opts.is_auto("max_batch"):          # glm-jax-serve's rows, not the user's: fewer where memory is short
+            rows, p, inp = F.plan_rows(inputs_at, opts["max_batch"])
+            opts["max_batch"] = rows
+        else:
+            inp = inputs_at(opts["max_batch"])
+            p = F.plan(inp)
     except F.FitError as e:
         src.close()
         raise RamBudgetError(f"{path}: {e}") from None

@@ -22,7 +22,10 @@ process's resident set before the weights, so a run that cannot fit is refused *
    else fits -- a decode's experts are then fetched and computed in rounds (else ``RamBudgetError`` naming what
    would fit).
 
-An explicit flag (``--dense_format``, ``--max_seq_len``, ``--direct_io``) is never overridden.
+Where the rows are the run's to choose (glm-jax-serve without ``--max_batch``: ``plan_rows``), they are halved before
+a refusal, and traded for positions at the same KV bytes while each row would reserve fewer than ROW_TOKENS.
+
+An explicit flag (``--dense_format``, ``--max_seq_len``, ``--direct_io``, ``--max_batch``) is never overridden.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ LATER_COMPILE_WARM = 16 << 20                 # ... where the next request's for
 # private-memory peak of two 16-token generates after load, slope over the layer count at tiny widths
 # (docs/real-scale.md): glm_moe_dsa 5 -> 78 layers 13.7 MB / layer, glm4_moe 4 -> 28 layers 7.9 MB / layer.
 RESIDENT_CODE_PER_LAYER = {"glm_moe_dsa": 14 << 20, "glm4_moe": 8 << 20}
+ROW_TOKENS = 1024                             # rows the run did not ask for (glm-jax-serve's --max_batch): fewer
+                                              # rows of this many positions before more rows of fewer (plan_rows)
 FUSED_CODE_SHARE = 0.1                        # fetch=fused where its code costs at most this share of the cache
 LOAD_OVERHEAD = 32 << 20                      # what loading adds besides the weights (measured on the shipped model:
                                               # NNX model, tokenizer, device copies' bookkeeping: 25 MB private)
@@ -209,6 +214,46 @@ def plan(inp: FitInputs) -> FitPlan:
                 f"working set lowered from {inp.working_set} to {w} experts: a decode's experts are fetched in "
                 f"rounds of {w}",))
         raise
+
+
+def plan_rows(inputs_at, rows: int) -> tuple:
+    """(rows, plan, inputs) where the row count is the run's to choose (glm-jax-serve's --max_batch not given):
+    ``inputs_at(r)`` gives the FitInputs at r rows.  The rows are halved while a plan at that many does not fit at
+    all (refused only at one row), then traded for positions at the same KV bytes while the plan reserves each row
+    fewer than ROW_TOKENS (nor the context): the cache is [rows, positions], so a request longer than the
+    reservation grows every row's K/V, and compiles the programs for the longer cache, inside the box -- 8 rows of
+    256 positions in the GLM-4.5-Air slice's 0.3x box took the expert cache to its floor and left the compile short
+    of its reserve (docs/real-scale.md, stop 46)."""
+    r = rows
+    while True:
+        inp = inputs_at(r)
+        try:
+            p = plan(inp)
+            break
+        except FitError:
+            if r <= 1:
+                raise
+            r = max(1, r // 2)
+    notes = [f"rows lowered from {rows} to {r}: {rows} do not fit"] if r < rows else []
+    want = min(ROW_TOKENS, inp.kv_tokens)
+    r2, kv2 = r, p.kv_tokens
+    while not inp.kv_fixed and r2 > 1 and kv2 < want:
+        r2, kv2 = r2 // 2, min(want, kv2 * 2)
+    if r2 < r:
+        inp2 = inputs_at(r2)
+        try:
+            p2 = plan(dataclasses.replace(inp2, kv_tokens=kv2, kv_fixed=True))
+        except FitError:
+            p2 = None
+        if p2 is not None and p2.cap_fits >= p.cap_fits:
+            notes.append(f"rows lowered from {r} to {r2}: {kv2} positions each instead of {p.kv_tokens}")
+            if kv2 < inp2.kv_tokens:
+                notes.append(f"KV reservation lowered from {inp2.kv_tokens} positions; a longer context takes its "
+                             f"room from the expert cache")
+            r, p, inp = r2, p2, inp2
+    if notes:               # (a plan at a fixed reservation has no note of its own about it)
+        p = dataclasses.replace(p, notes=tuple(notes) + p.notes)
+    return r, p, inp
 
 
 def _plan(inp: FitInputs) -> FitPlan:

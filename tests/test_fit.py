@@ -442,6 +442,122 @@ def test_the_working_set_is_halved_before_a_refusal():
         F.plan(inputs(budget=530 * MB, **dict(kw, max_rec=0)))
 
 
+def _rows(**kw):
+    """FitInputs at r rows: KV and the working set scale with the rows (10 kB a position a row, top-8)."""
+    return lambda r: inputs(**dict(kw, kv_per_token=10_000 * r))
+
+
+def test_rows_nobody_asked_for_are_traded_for_positions_at_the_same_kv_bytes():
+    """glm-jax-serve's 8 default rows in the GLM-4.5-Air slice's 0.3x box: the plan kept 8 rows and lowered each
+    to 256 positions, so the first ~230-token prompt + 48 tokens grew every row's K/V to 512 (+50 MB) and compiled
+    the longer cache's programs with the expert cache at its floor (docs/real-scale.md, stop 46).  Where the rows
+    are the run's to choose (fit.plan_rows), the same KV bytes go to fewer rows of ROW_TOKENS positions."""
+    f = _rows(budget=380 * MB)                   # int4 dense: 380 - 100 - 150 - 60 - 20 = 50 MB for KV + experts
+    p8 = F.plan(f(8))
+    assert (p8.kv_tokens, p8.cap_fits) == (256, 2)          # 8 x 256 x 10 kB = 20.5 MB, 2 experts of 10 MB
+    r, p, inp = F.plan_rows(f, 8)
+    assert (r, p.kv_tokens, p.kv_bytes, p.cap_fits) == (2, 1024, p8.kv_bytes, 2)
+    assert inp.kv_per_token == 20_000
+    assert p.notes[:2] == ("rows lowered from 8 to 2: 1024 positions each instead of 256",
+                           "KV reservation lowered from 4096 positions; a longer context takes its room from the "
+                           "expert cache")
+    assert "rows lowered from 8 to 2" in p.line(inp)
+    # where 8 rows keep ROW_TOKENS or more, nothing changes; nor below the context limit
+    r, p, _ = F.plan_rows(_rows(budget=1000 * MB), 8)
+    assert (r, p.kv_tokens) == (8, 4096) and not any("rows" in n for n in p.notes)
+    r, p, _ = F.plan_rows(_rows(budget=380 * MB, kv_tokens=512), 8)
+    assert (r, p.kv_tokens) == (4, 512)                     # 8 x 256 -> 4 x 512: the whole context
+    # a reservation the run fixed (--max_seq_len, reserve_tokens) is not traded
+    r, p, _ = F.plan_rows(_rows(budget=380 * MB, kv_tokens=256, kv_fixed=True), 8)
+    assert (r, p.kv_tokens) == (8, 256)
+
+
+def test_rows_nobody_asked_for_are_halved_before_a_refusal():
+    # 355 - 330 = 25 MB: 8 rows of 256 positions (20.5 MB) leave no expert of 10 MB, 4 rows (10.2 MB) leave one
+    f = _rows(budget=355 * MB, kv_tokens=256, kv_fixed=True)
+    with pytest.raises(F.FitError):
+        F.plan(f(8))
+    r, p, _ = F.plan_rows(f, 8)
+    assert (r, p.cap_fits, p.kv_tokens) == (4, 1, 256) and p.notes[0] == "rows lowered from 8 to 4: 8 do not fit"
+    with pytest.raises(F.FitError, match="too small for one layer's experts"):
+        F.plan_rows(_rows(budget=340 * MB, kv_tokens=256, kv_fixed=True), 8)       # not even one row
+
+
+_REFUSE_CHILD = r"""
+import json, sys
+import glm_jax
+from glm_jax import memory as MEM
+from glm_jax.experts.store import RamBudgetError
+budget = (MEM.private_bytes() + 300e6) / 1e9     # the runtime as it is in a fresh process + 300 MB
+eng = glm_jax.Engine.load(sys.argv[1], ram_gb=budget, fetch="loop", max_batch=8, state_dir="off")
+out = {"tok0": eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False).tokens}
+out["cap0"], out["len0"] = eng.store.cache_cap, eng._cache_len
+try:
+    eng.generate([1 + i % 250 for i in range(7000)], max_new_tokens=2, stop_on_eos=False)
+    out["err"] = None
+except RamBudgetError as e:
+    out["err"] = str(e)
+out["cap1"], out["len1"] = eng.store.cache_cap, eng._cache_len
+out["tok2"] = eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False).tokens
+eng.close()
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_request_whose_kv_growth_does_not_fit_even_at_the_cache_floor_is_refused(over_budget_container):
+    """glm-jax-serve's 8 rows in the GLM-4.5-Air slice's 0.3x box, a ~920-token prompt: the K/V cache grew from 256
+    to 1024 positions for every row (+150 MB), the guard took the expert cache to its floor (58 MB), and the
+    process was OOM-killed (docs/real-scale.md, stop 47).  Now Engine.memory_guard refuses such a request before
+    anything is given up: one line naming the growth, the shortfall and the flags; the engine serves on."""
+    r = subprocess.run([sys.executable, "-c", _REFUSE_CHILD, over_budget_container(max_position_embeddings=8192)],
+                       capture_output=True, text=True, timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, r.stderr[-2000:]
+    out = json.loads(line[0].split(" ", 1)[1])
+    # 7000 + 2 tokens: 8192 positions, 7936 more for 8 rows at 4 kB = 260 MB, past the budget with 1 expert a layer
+    assert out["err"] is not None and out["err"].startswith(
+        "this request needs the K/V cache grown by 7936 positions x 8 rows (260 MB) and its programs compiled for "
+        "the longer cache: "), out
+    assert "max_batch" in out["err"] and "ram_gb" in out["err"] and "\n" not in out["err"]
+    assert (out["cap1"], out["len1"]) == (out["cap0"], out["len0"])      # nothing given up for it
+    assert out["tok2"] == out["tok0"]
+
+
+_ROWS_CHILD = r"""
+import json, sys
+import glm_jax
+from glm_jax import options as O, memory as MEM
+budget = (MEM.private_bytes() + 300e6) / 1e9     # the runtime as it is in a fresh process + 300 MB
+kw = dict(ram_gb=budget, fetch="loop", state_dir="off")
+if sys.argv[2] == "serve":                       # glm-jax-serve without --max_batch
+    opts = O.resolve(kw)
+    opts.set_auto("max_batch", 8)
+else:
+    opts = O.resolve(dict(kw, max_batch=8))
+eng = glm_jax.Engine.from_options(sys.argv[1], opts)
+r = eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False)
+print("RESULT", json.dumps(dict(rows=eng.opts["max_batch"], B=eng.scheduler.B, kv=eng._kv_planned,
+                                tokens=len(r.tokens))))
+eng.close()
+"""
+
+
+def test_glm_jax_serves_default_rows_follow_the_memory_plan_and_a_given_max_batch_stays(over_budget_container):
+    model = over_budget_container(max_position_embeddings=8192)
+    out = {}
+    for how in ("serve", "given"):
+        r = subprocess.run([sys.executable, "-c", _ROWS_CHILD, model, how], capture_output=True, text=True,
+                           timeout=300)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+        assert line, r.stderr[-2000:]
+        out[how] = json.loads(line[0].split(" ", 1)[1])
+        out[how + "_err"] = r.stderr
+    # 8 rows of 256 positions at 4 kB a position a row: the same 8 MB as 2 rows of 1024
+    assert out["given"] == dict(rows=8, B=8, kv=256, tokens=4), out
+    assert out["serve"] == dict(rows=2, B=2, kv=1024, tokens=4), out
+    assert "rows lowered from 8 to 2: 1024 positions each instead of 256" in out["serve_err"]
+
+
 def test_the_refit_keeps_a_prefill_chunks_activations_out_of_the_cache():
     """After the first generation the refit measures private memory and hands what is free to the cache.  A
     prefill's activations are freed between forwards, so the measurement does not see them; handing their reserve

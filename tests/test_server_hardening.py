@@ -239,6 +239,29 @@ def test_an_unexpected_error_is_a_counted_logged_json_500(server, monkeypatch, c
     _error(httpx.get(server.base + "/v1/completions", timeout=10), 405)
 
 
+def test_a_request_the_memory_plan_refuses_is_a_400_not_a_500(server, eng, monkeypatch):
+    """Engine.memory_guard refuses a request whose K/V growth does not fit the RAM budget (RamBudgetError, one
+    line): the client gets a 400 naming it (code insufficient_memory), streamed or not, and the server serves on.
+    Before, a request's error from the scheduler was always an internal-error 500."""
+    from glm_jax.experts.store import RamBudgetError
+
+    msg = "this request needs the K/V cache grown by 512 positions x 2 rows (9 MB), 70 MB more than the RAM budget"
+
+    def refuse(kv_positions=0, rows=1):
+        raise RamBudgetError(msg)
+    before = (_requests_total(server, "completions", 400), _requests_total(server, "completions", 500))
+    monkeypatch.setattr(eng, "memory_guard", refuse)
+    e = _error(_post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 4}), 400, text=msg)
+    assert e["code"] == "insufficient_memory"
+    r = _post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 4, "stream": True})
+    events = [json.loads(ln[5:]) for ln in r.text.splitlines() if ln.startswith("data:") and "[DONE]" not in ln]
+    assert events[-1]["error"]["code"] == "insufficient_memory" and msg in events[-1]["error"]["message"]
+    assert (_requests_total(server, "completions", 400), _requests_total(server, "completions", 500)) == \
+        (before[0] + 2, before[1])
+    monkeypatch.undo()
+    assert _post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 4}).status_code == 200
+
+
 def test_serve_flags_have_ranges():
     from glm_jax import options as O
 

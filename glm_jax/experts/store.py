@@ -815,17 +815,12 @@ class ExpertStore:
         reads a bank: module docstring) when the run outgrows its memory plan -- a KV cache grown past its
         reservation, programs compiled since -- and ``grow_cap`` hands the room back once it is measured free.
         Returns the cache cap (experts per layer)."""
-        per = self.sizing.get("per_cap_bytes", 0)
-        if not per or need_bytes <= 0:
+        if not self.sizing.get("per_cap_bytes", 0) or need_bytes <= 0:
             return self.cache_cap
-        # a step down below the working set saves one expert of every layer less the one the fetched layer still
-        # holds while it computes (its transient slot: memory.cache_slots)
-        W, mx = self.sizing.get("working_set", 0), self.sizing.get("max_record_bytes", 0)
-        rel = self.sizing.get("working_set_released", False)
         c, saved = self.cache_cap, 0
         while saved < need_bytes and c > 1:
             c -= 1
-            saved += per - (mx if rel and c < W else 0)
+            saved += self._step_bytes(c)
         n = self.cache_cap - c
         if n <= 0:
             return self.cache_cap
@@ -846,6 +841,18 @@ class ExpertStore:
             self.sizing["shrunk_by"] = self.sizing.get("shrunk_by", 0) + n
             self.sizing["taken"] = self.sizing.get("taken", 0) + n      # cap steps grow_cap has not given back
         return self.cache_cap
+
+    def _step_bytes(self, c: int) -> int:
+        """What lowering the cap to ``c`` experts a layer (from c + 1) saves: one expert of every layer, less, below
+        the working set, the one the fetched layer still holds while it computes (its transient slot:
+        memory.cache_slots)."""
+        W, mx = self.sizing.get("working_set", 0), self.sizing.get("max_record_bytes", 0)
+        rel = self.sizing.get("working_set_released", False)
+        return self.sizing.get("per_cap_bytes", 0) - (mx if rel and c < W else 0)
+
+    def shrink_room(self) -> int:
+        """The most ``shrink_cap`` can give back: every layer's cap lowered to one expert."""
+        return sum(self._step_bytes(c) for c in range(1, self.cache_cap))
 
     def can_hold_all(self) -> bool:
         """Every expert of every layer fits in the cache (its cap is the layer's expert count)."""

@@ -5,7 +5,8 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream`` true/fals
 ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics.  One engine thread drives the scheduler; request
 handlers submit ``Request``s to it and receive their tokens through an asyncio queue.  Errors are OpenAI-style JSON
 bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON / fields / an unknown model / a prompt
-beyond the context, 401 for a wrong API key, 429 when ``--max_queue`` requests are waiting, 503 while draining.
+beyond the context, or one the memory plan refuses (code ``insufficient_memory``: its K/V growth and compile do not
+fit the RAM budget, Engine.memory_guard), 401 for a wrong API key, 429 when ``--max_queue`` requests are waiting, 503 while draining.
 A client that disconnects has its request cancelled; its row is freed before the next decode dispatch.
 SIGTERM: uvicorn stops accepting connections, in-flight requests finish, then the engine closes and the process
 exits 0.
@@ -30,6 +31,7 @@ from .. import chat as C
 from .. import options as O
 from ..engine import Engine, default_model_path
 from ..errors import GlmJaxError
+from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
 from .constrain import Processor, json_schema_grammar, tool_call_grammar
 
@@ -62,6 +64,11 @@ class HTTPError(Exception):
 
 
 _one_line = O.one_line
+
+
+def _memory_refusal(e: RamBudgetError) -> HTTPError:
+    """A request the memory plan refused (Engine.memory_guard: its K/V growth does not fit the RAM budget)."""
+    return HTTPError(400, _one_line(e), code="insufficient_memory")
 
 
 # ----------------------------------------------------------------------------- request parameters
@@ -731,6 +738,9 @@ class Server:
                 raise
             self._observe(job)
             for req in reqs:
+                if isinstance(req.error, RamBudgetError):    # refused by the memory plan: nothing went wrong here
+                    self._log(job, 400)
+                    raise _memory_refusal(req.error)
                 if req.error is not None:
                     self._log(job, 500)
                     return self.internal_error(endpoint, req.error)
@@ -828,7 +838,10 @@ class Server:
                                                                      "function": c["function"]}])}
                         yield {"data": chunk(i, None if chat else "", reason=self._finish_reason(job, req, calls))}
                 errs = [r.error for r in reqs if r.error is not None]
-                if errs:
+                if errs and isinstance(errs[0], RamBudgetError):
+                    yield {"data": json.dumps(_memory_refusal(errs[0]).body())}
+                    status = 400
+                elif errs:
                     LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(errs[0]), exc_info=errs[0])
                     yield {"data": json.dumps(HTTPError(500, _one_line(errs[0]), type_="server_error").body())}
                     status = 500
@@ -939,8 +952,8 @@ def main(argv):
             raise GlmJaxError(f"unexpected arguments: {' '.join(argv[1:])} (flags are --name=value)")
         opts = O.from_flags()
         limits = O.serve_from_flags()
-        if not FLAGS["max_batch"].present:
-            opts["max_batch"] = SERVE_MAX_BATCH
+        if not FLAGS["max_batch"].present:      # the memory plan may lower it (fit.plan_rows); a given one stays
+            opts.set_auto("max_batch", SERVE_MAX_BATCH)
         engine = Engine.from_options(FLAGS.model or None, opts)
         import socket
 
