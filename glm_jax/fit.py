@@ -219,11 +219,13 @@ def plan(inp: FitInputs) -> FitPlan:
 def plan_rows(inputs_at, rows: int) -> tuple:
     """(rows, plan, inputs) where the row count is the run's to choose (glm-jax-serve's --max_batch not given):
     ``inputs_at(r)`` gives the FitInputs at r rows.  The rows are halved while a plan at that many does not fit at
-    all (refused only at one row), then traded for positions at the same KV bytes while the plan reserves each row
-    fewer than ROW_TOKENS (nor the context): the cache is [rows, positions], so a request longer than the
-    reservation grows every row's K/V, and compiles the programs for the longer cache, inside the box -- 8 rows of
-    256 positions in the GLM-4.5-Air slice's 0.3x box took the expert cache to its floor and left the compile short
-    of its reserve (docs/real-scale.md, stop 46)."""
+    all (refused only at one row).  Where the plan then reserves each row fewer than ROW_TOKENS positions (nor the
+    context) and its rows could not all grow to ROW_TOKENS even with the expert cache at its floor, the rows are
+    traded for positions at the same KV bytes and prefill chunk (no smaller cache, no more rounds of a decode's
+    fetch): the cache is [rows, positions], so a request longer than the reservation grows every row's K/V inside
+    the box -- 8 rows of 256 positions in the GLM-4.5-Air slice's 0.3x box were OOM-killed by a ~920-token prompt
+    (docs/real-scale.md, stop 47); 2 rows of 1024 in the same bytes served it.  Where they could grow, the plan stays
+    (Engine.memory_guard takes a growth's room from the cache when it comes, and gives it back after)."""
     r = rows
     while True:
         inp = inputs_at(r)
@@ -236,21 +238,30 @@ def plan_rows(inputs_at, rows: int) -> tuple:
             r = max(1, r // 2)
     notes = [f"rows lowered from {rows} to {r}: {rows} do not fit"] if r < rows else []
     want = min(ROW_TOKENS, inp.kv_tokens)
-    r2, kv2 = r, p.kv_tokens
-    while not inp.kv_fixed and r2 > 1 and kv2 < want:
-        r2, kv2 = r2 // 2, min(want, kv2 * 2)
-    if r2 < r:
-        inp2 = inputs_at(r2)
+
+    def at(rr: int, kv: int):       # the plan at rr rows of kv positions, at the first plan's prefill chunk
+        i = inputs_at(rr)
+        c = p.prefill_chunk or i.prefill_chunk
         try:
-            p2 = plan(dataclasses.replace(inp2, kv_tokens=kv2, kv_fixed=True))
+            return i, plan(dataclasses.replace(i, kv_tokens=kv, kv_fixed=True, workspace=_workspace(i, c),
+                                               prefill_chunk=c, chunk_fixed=True))
         except FitError:
-            p2 = None
-        if p2 is not None and p2.cap_fits >= p.cap_fits:
+            return i, None
+
+    if not inp.kv_fixed and r > 1 and p.kv_tokens < want and at(r, want)[1] is None:
+        # the rows could not all grow to ROW_TOKENS even with the cache at its floor: fewer rows, the same bytes
+        r2, kv2 = r, p.kv_tokens
+        while r2 > 1 and kv2 < want:
+            r2, kv2 = r2 // 2, min(want, kv2 * 2)
+        i2, p2 = at(r2, kv2)
+        rounds = lambda q, i: -(-i.working_set // (q.working_set or i.working_set)) if i.working_set else 1  # noqa
+        if p2 is not None and p2.cap_fits >= p.cap_fits and rounds(p2, i2) <= rounds(p, inp):
             notes.append(f"rows lowered from {r} to {r2}: {kv2} positions each instead of {p.kv_tokens}")
-            if kv2 < inp2.kv_tokens:
-                notes.append(f"KV reservation lowered from {inp2.kv_tokens} positions; a longer context takes its "
+            if kv2 < i2.kv_tokens:
+                notes.append(f"KV reservation lowered from {i2.kv_tokens} positions; a longer context takes its "
                              f"room from the expert cache")
-            r, p, inp = r2, p2, inp2
+            r, inp = r2, i2
+            p = dataclasses.replace(p2, notes=p2.notes + tuple(n for n in p.notes if n.startswith("prefill chunk")))
     if notes:               # (a plan at a fixed reservation has no note of its own about it)
         p = dataclasses.replace(p, notes=tuple(notes) + p.notes)
     return r, p, inp
