@@ -23,7 +23,8 @@ process's resident set before the weights, so a run that cannot fit is refused *
    would fit).
 
 Where the rows are the run's to choose (glm-jax-serve without ``--max_batch``: ``plan_rows``), they are halved before
-a refusal, and traded for positions at the same KV bytes while each row would reserve fewer than ROW_TOKENS.
+a refusal, and traded for positions at the same KV bytes where each row would reserve fewer than ROW_TOKENS and the
+rows could not all grow to that even with the expert cache at its floor.
 
 An explicit flag (``--dense_format``, ``--max_seq_len``, ``--direct_io``, ``--max_batch``) is never overridden.
 """

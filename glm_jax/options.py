@@ -117,8 +117,8 @@ OPTIONS = [
         "limit, 4096), lowered down to 256 when memory is short; glm-jax passes its prompt + --max_new_tokens). The "
         "cache itself grows with the requests either way.", lo=0),
     Opt("max_batch", 1, "int", "Rows of the continuous-batching scheduler: sequences decoded together, each with its "
-        "own KV rows (glm-jax-serve: 8; where the RAM plan would give 8 rows fewer than 1024 KV positions each, "
-        "fewer rows of 1024 unless --max_batch is given). Decode runs at the width of the running rows (1, 2, 4, ...) with "
+        "own KV rows (glm-jax-serve: 8; where the RAM plan would give 8 rows fewer than 1024 KV positions each and "
+        "they could not grow to that, fewer rows of 1024, unless --max_batch is given). Decode runs at the width of the running rows (1, 2, 4, ...) with "
         "native kernels, else at this one; either way a sequence's output does not depend on the others; the "
         "expert store sizes its working set for this many rows.", lo=1, hi=256),
     Opt("prefill_chunk", 512, "int", "Prompt tokens per prefill forward: longer prompts are prefilled in chunks, "
