@@ -817,23 +817,24 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
         budget, why = int(opts["ram_gb"] * 1e9), opts.label("ram_gb")
     else:
         budget, why = MEM.default_budget()
-    runtime = MEM.private_bytes() + F.LOAD_OVERHEAD + prefix_store_reserve(opts)
+    E = max(src.num_experts(L) for L in layers) if layers else 0
+    read_buffers = src.read_buffer_bytes(opts["io_threads"])
+    base = F.FitInputs(
+        budget=budget, budget_from=why, runtime=MEM.private_bytes() + F.LOAD_OVERHEAD + prefix_store_reserve(opts),
+        dense=dense, dense_fixed=fixed_dense, load_extra=extra, kv_per_token=0, kv_tokens=kv_tokens,
+        kv_fixed=kv_fixed, workspace=0, prefill_chunk=chunk, act_per_position=F.activation_bytes(cfg, item),
+        chunk_fixed=bool(opts.where("prefill_chunk")), resident_code=F.resident_code_bytes(cfg),
+        layers=cfg.num_hidden_layers, fetch=opts["fetch"], top_k=cfg.num_experts_per_tok, max_rec=max_rec,
+        released=S.working_set_released(src, layers), rec_sum=sum(rec.values()), buffers=read_buffers,
+        pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0, num_experts=E,
+        cache_cap=opts["cache_cap"] or None, direct_io=opts["direct_io"] if opts.where("direct_io") else None)
 
     def inputs_at(rows: int) -> F.FitInputs:        # the plan's inputs at ``rows`` rows of the scheduler
         ws = F.workspace_bytes(cfg, chunk, rows, item)
-        W_ = min(max(src.num_experts(L) for L in layers), working_set(cfg, dict(opts, max_batch=rows))) if layers else 0
-        return F.FitInputs(
-            budget=budget, budget_from=why, runtime=runtime, dense=dense,
-            dense_fixed=fixed_dense,
-            load_extra=extra, kv_per_token=M.kv_bytes_per_token(cfg, item) * rows, kv_tokens=kv_tokens,
-            kv_fixed=kv_fixed, workspace=ws, persistent=ws - F.COMPILE_TRANSIENT, prefill_chunk=chunk,
-            act_per_position=F.activation_bytes(cfg, item), chunk_fixed=bool(opts.where("prefill_chunk")),
-            resident_code=F.resident_code_bytes(cfg), layers=cfg.num_hidden_layers, fetch=opts["fetch"],
-            top_k=cfg.num_experts_per_tok, working_set=W_, max_rec=max_rec, released=S.working_set_released(src, layers),
-            rec_sum=sum(rec.values()), buffers=src.read_buffer_bytes(opts["io_threads"]) + W_ * max_rec,
-            pin_bytes=int(opts["pin_gb"] * 1e9) if opts["pin"] else 0,
-            num_experts=max(src.num_experts(L) for L in layers) if layers else 0, cache_cap=opts["cache_cap"] or None,
-            direct_io=opts["direct_io"] if opts.where("direct_io") else None)
+        W_ = min(E, working_set(cfg, dict(opts, max_batch=rows))) if layers else 0
+        return dataclasses.replace(base, kv_per_token=M.kv_bytes_per_token(cfg, item) * rows, workspace=ws,
+                                   persistent=ws - F.COMPILE_TRANSIENT, working_set=W_,
+                                   buffers=read_buffers + W_ * max_rec)
 
     try:
         if opts.is_auto("max_batch"):          # glm-jax-serve's rows, not the user's: fewer where memory is short

@@ -217,6 +217,11 @@ def plan(inp: FitInputs) -> FitPlan:
         raise
 
 
+def _rounds(p: FitPlan, inp: FitInputs) -> int:
+    """Rounds in which a decode's full union is fetched under plan ``p`` (its working set, lowered or not)."""
+    return -(-inp.working_set // (p.working_set or inp.working_set)) if inp.working_set else 1
+
+
 def plan_rows(inputs_at, rows: int) -> tuple:
     """(rows, plan, inputs) where the row count is the run's to choose (glm-jax-serve's --max_batch not given):
     ``inputs_at(r)`` gives the FitInputs at r rows.  The rows are halved while a plan at that many does not fit at
@@ -255,8 +260,7 @@ def plan_rows(inputs_at, rows: int) -> tuple:
         while r2 > 1 and kv2 < want:
             r2, kv2 = r2 // 2, min(want, kv2 * 2)
         i2, p2 = at(r2, kv2)
-        rounds = lambda q, i: -(-i.working_set // (q.working_set or i.working_set)) if i.working_set else 1  # noqa
-        if p2 is not None and p2.cap_fits >= p.cap_fits and rounds(p2, i2) <= rounds(p, inp):
+        if p2 is not None and p2.cap_fits >= p.cap_fits and _rounds(p2, i2) <= _rounds(p, inp):
             notes.append(f"rows lowered from {r} to {r2}: {kv2} positions each instead of {p.kv_tokens}")
             if kv2 < i2.kv_tokens:
                 notes.append(f"KV reservation lowered from {i2.kv_tokens} positions; a longer context takes its "

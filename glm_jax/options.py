@@ -354,15 +354,16 @@ class Options(dict):
         super().__init__(values)
         self.sources = dict(sources)
         self.labels = dict(labels or {})
+        self.auto = set()           # values a command chose where the user gave none (set_auto)
 
     def set_auto(self, name: str, value):
         """A value the command chooses where the user gave none (glm-jax-serve's --max_batch): what the memory plan
         may lower (``is_auto``), unlike a value the user set."""
         self[name] = value
-        self.auto = getattr(self, "auto", frozenset()) | {name}
+        self.auto.add(name)
 
     def is_auto(self, name: str) -> bool:
-        return name in getattr(self, "auto", ()) and name not in self.sources
+        return name in self.auto and name not in self.sources
 
     def where(self, name: str, default: str = "") -> str:
         """'flag --x' | 'environment variable X (alias of --x)' | "option 'x'" | ``default`` (not set)."""
