@@ -37,7 +37,8 @@ def format_stats(s: dict) -> str:
     if s.get("compile_s"):
         parts.append(f"compile {s['compile_s']:.1f} s")
     if "dtype" in s:
-        parts.append(f"{s['fetch']}, {s['kernels']} kernels, compute {s['dtype']} (checkpoint {s['checkpoint_dtype']})")
+        parts.append(f"{s['fetch']}, {s['kernels']} kernels, compute {s['dtype']} (checkpoint {s['checkpoint_dtype']}), "
+                     f"K/V {s.get('kv_dtype', s['dtype'])}")
     if "mesh" in s:
         parts.append(f"mesh {s['mesh']}" + (f" over {s['processes']} processes" if s.get("processes", 1) > 1 else ""))
     if "hit_rate" in s and s.get("fetch") != "resident":      # resident: every expert in RAM, nothing fetched

@@ -109,6 +109,7 @@ class Engine(Runner):
         self.tokenizer = tokenizer
         self.store = store
         self.dtype = params["norm"].dtype
+        self.kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], self.dtype)   # the K/V cache's storage
         self.moe_layers = cfg.moe_layers
         self._init_runtime()
         self.plugin, self.plugin_names = _build_plugin(opts)
@@ -174,6 +175,7 @@ class Engine(Runner):
             fetch = "resident"
         opts["fetch"] = fetch
         dtype = _pick_dtype(opts["dtype"], path, cfg)
+        kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], dtype)
         kernel = _pick_kernel(opts["kernels"])
         plan = MESH.plan_for(opts, cfg, opts.label("mesh"))
         # a tensor-parallel mesh: dense weights unfused, on the XLA path (mesh.py); the experts keep ``kernel``
@@ -238,7 +240,7 @@ class Engine(Runner):
                                            used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None
                                                                          else fitted.workspace)
                                            + prefix_store_reserve(opts),
-                                           kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(dtype).itemsize) *
+                                           kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(kv_dtype).itemsize) *
                                                      (opts["max_seq_len"] or F.KV_DEFAULT_TOKENS) * opts["max_batch"]
                                                      if fitted is None else fitted.kv_bytes),
                                            # slots for one decode / verify's union; a larger one (a prefill) is
@@ -535,7 +537,8 @@ class Engine(Runner):
         A no-op for a run without a fitted store or with an explicit --cache_cap."""
         if self._kept_plan() is None:
             return
-        grow = max(0, int(kv_positions)) * int(rows) * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.dtype).itemsize)
+        grow = (max(0, int(kv_positions)) * int(rows)
+                * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.kv_dtype).itemsize))
         self._keep_free(grow, self._later_compile(), refuse=(kv_positions, rows) if grow else None)
 
     def _keep_free(self, grow: int, later: int, refuse=None):
@@ -767,6 +770,15 @@ def _pick_dtype(name: str, path: str, cfg: ModelConfig):
     return jnp.bfloat16 if declared_dtype(path) in ("bfloat16", "float16") else jnp.float32
 
 
+def pick_kv_dtype(name: str, dtype):
+    """The K/V cache's storage dtype (--kv_cache_dtype).  auto: float16 where the compute dtype is float32 (half a
+    float32 cache's bytes, llama.cpp's default; float16's 10-bit mantissa against bfloat16's 7, and K/V values sit
+    far inside its range), else the compute dtype."""
+    if name != "auto":
+        return jnp.dtype(name).type
+    return jnp.float16 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype).type
+
+
 def prefix_store_mb(opts, store) -> float:
     """--prefix_store_mb as the run uses it.  Given: as given (a streamed load counted it in its budget).  Not
     given: the default without an expert store; with every expert in the store's RAM, at most a quarter of the RAM
@@ -793,6 +805,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     resident set now: the dense storage format, the KV reservation, direct I/O.  Raises RamBudgetError (one line)
     before anything large is read when not even one expert per layer fits."""
     item = jnp.dtype(dtype).itemsize
+    kv_item = jnp.dtype(pick_kv_dtype(opts["kv_cache_dtype"], dtype)).itemsize
     tensors = F.header_tensors(path)
     fixed_dense = bool(opts.where("dense_format"))
     fmts = [opts["dense_format"]] if fixed_dense else ["native", *F.QUANT_STEPS]
@@ -832,7 +845,7 @@ def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense
     def inputs_at(rows: int) -> F.FitInputs:        # the plan's inputs at ``rows`` rows of the scheduler
         ws = F.workspace_bytes(cfg, chunk, rows, item)
         W_ = min(E, working_set(cfg, dict(opts, max_batch=rows))) if layers else 0
-        return dataclasses.replace(base, kv_per_token=M.kv_bytes_per_token(cfg, item) * rows, workspace=ws,
+        return dataclasses.replace(base, kv_per_token=M.kv_bytes_per_token(cfg, kv_item) * rows, workspace=ws,
                                    persistent=ws - F.COMPILE_TRANSIENT, working_set=W_,
                                    buffers=read_buffers + W_ * max_rec)
 

@@ -44,7 +44,8 @@ def main(out_path, work):
         E = glm_jax.load_config(src).n_routed_experts
         for backing, path, kw in (("resident", src, {}), ("store", cont, {"fetch": "loop", "cache_cap": E})):
             def load(mesh, kernels):
-                return glm_jax.Engine.load(path, dtype="float32", mesh=mesh, kernels=kernels, **kw)
+                return glm_jax.Engine.load(path, dtype="float32", kv_cache_dtype="float32", mesh=mesh,
+                                           kernels=kernels, **kw)
 
             refs = {}
             for mesh in SHAPES:
@@ -91,7 +92,8 @@ def main(out_path, work):
         src = os.path.join(GOLDEN, MODELS[mtype])
         exp = dict(np.load(os.path.join(src, "expected.npz")))
         ids = exp["input_ids"][0].tolist()
-        eng = glm_jax.Engine.load(src, dtype="float32", mesh=mesh, kernels="native", expert_comm="all_to_all")
+        eng = glm_jax.Engine.load(src, dtype="float32", kv_cache_dtype="float32", mesh=mesh, kernels="native",
+                                  expert_comm="all_to_all")
         assert eng.plan.comm == "all_to_all"
         ref_lg = one_device[mtype, "native"]
         results.append(dict(model=mtype, backing="resident", mesh=mesh, kernels="native", fetch=eng.opts["fetch"],

@@ -522,9 +522,10 @@ def test_a_request_whose_kv_growth_does_not_fit_even_at_the_cache_floor_is_refus
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, r.stderr[-2000:]
     out = json.loads(line[0].split(" ", 1)[1])
-    # 7000 + 2 tokens: 8192 positions, 7936 more for 8 rows at 4 kB = 260 MB, past the budget with 1 expert a layer
+    # 7000 + 2 tokens: 8192 positions, 7936 more for 8 rows at 2 kB (the default f16 cache) = 130 MB, past the
+    # budget with 1 expert a layer
     assert out["err"] is not None and out["err"].startswith(
-        "this request needs the K/V cache grown by 7936 positions x 8 rows (260 MB) and its programs compiled for "
+        "this request needs the K/V cache grown by 7936 positions x 8 rows (130 MB) and its programs compiled for "
         "the longer cache: "), out
     assert "max_batch" in out["err"] and "ram_gb" in out["err"] and "\n" not in out["err"]
     assert (out["cap1"], out["len1"]) == (out["cap0"], out["len0"])      # nothing given up for it
@@ -549,9 +550,9 @@ def test_glm_jax_serves_default_rows_follow_the_memory_plan_and_a_given_max_batc
     from glm_jax.experts.convert import convert
     from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
 
-    # 4 layers of 4 x 128 K/V heads: 16 kB a position a row (f32), 64 experts of 1.5 MB a layer
+    # 4 layers of 8 x 128 K/V heads: 16 kB a position a row (the default f16 cache), 64 experts of 1.5 MB a layer
     cfg = tiny_config(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
                       n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0,
                       torch_dtype="bfloat16", max_position_embeddings=8192)
     write_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=1, dtype="bfloat16", keep_reference=False)

@@ -372,6 +372,28 @@ def test_native_attention_matches_the_dots_and_is_row_invariant():
     assert np.array_equal(port, got)
 
 
+def test_native_attention_reads_an_f16_cache_as_its_values_widened():
+    """The default K/V cache is float16 (--kv_cache_dtype=auto): the kernel reads it as it lies and gives bitwise what
+    it gives over the same values widened to f32, in the native and the portable build (hd 80: the vector loads'
+    16-lane tail; subnormal and large f16 values included); before, the f16 cache was copied to f32 every step."""
+    rng = np.random.default_rng(13)
+    B, T, nh, nkv, hd, S = 2, 3, 8, 2, 80, 70
+    q = rng.normal(size=(B, T, nh, hd)).astype(np.float32)
+    k = (rng.normal(size=(B, S, nkv, hd)) * 4).astype(np.float16)
+    v = rng.normal(size=(B, S, nkv, hd)).astype(np.float16)
+    k[0, 3, 0, :5] = [6e-8, -3e-6, 1e-5, 6e4, -6e4]            # subnormals and values near f16's range
+    pos = rng.integers(0, S, (B, T)).astype(np.int32)
+    rows = np.ones((B, T), bool)
+    for variant in ("", kernels.load_portable()):
+        f = jax.jit(lambda q, k, v, p, r: kernels.attention(q, k, v, p, r, hd ** -0.5, variant=variant))
+        h = np.asarray(f(q, k, v, pos, rows))
+        w = np.asarray(f(q, k.astype(np.float32), v.astype(np.float32), pos, rows))
+        assert np.array_equal(h, w), variant
+        assert np.isfinite(h).all()
+        call = [ln for ln in f.lower(q, k, v, pos, rows).as_text().splitlines() if "glmjax_attn" in ln]
+        assert call and all(f"{B}x{S}x{nkv}x{hd}xf16>" in ln for ln in call), call     # the cache passed as f16
+
+
 def test_a_quantized_mlp_is_one_seam_call_with_padding_rows_skipped():
     """model.layers.mlp on native int4 / int8 gate_up + down: one glmjax_moe call on a one-slot bank (it was two
     glmjax_qlinear calls and XLA's silu between them), = the kernels' emulation row by row, padding rows 0."""

@@ -20,7 +20,7 @@ def _gen(eng, exp, n=24):
 
 @pytest.mark.parametrize("fetch", ["loop", "callback"])
 def test_plain_hf_dir_streams_with_oracle_parity(fetch, exp):
-    eng = glm_jax.Engine.load(SRC, fetch=fetch, cache_cap=2)
+    eng = glm_jax.Engine.load(SRC, fetch=fetch, cache_cap=2, kv_cache_dtype="float32")   # transformers' f32 cache
     lg = eng.logits(exp["input_ids"][0].tolist())
     assert np.abs(lg - exp["logits"][0]).max() < 1e-4
     res = _gen(eng, exp, 32)
@@ -47,8 +47,8 @@ def test_int4_container_matches_numpy_dequant_of_the_same_records(int4_dir, exp)
     """Reference: a resident f32 engine whose experts are the numpy-dequantized container records.  The XLA path
     (f32 activations x dequantized weights) is exact against it; the native kernels' int8 activations are checked
     against their own emulation in test_kernels.py."""
-    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=8, kernels="xla")
-    ref = glm_jax.Engine.load(SRC, fetch="resident", dtype="float32")
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=8, kernels="xla", kv_cache_dtype="float32")
+    ref = glm_jax.Engine.load(SRC, fetch="resident", dtype="float32", kv_cache_dtype="float32")
     c = open_container(int4_dir, ref.cfg)
     cfg = ref.cfg
     import jax.numpy as jnp
@@ -317,7 +317,7 @@ def test_a_working_set_below_top_k_decodes_in_rounds_with_oracle_parity(exp, mon
     refusal): a decode's experts are then fetched and computed in rounds of that many.  One slot (top-4 in four
     rounds) still gives transformers' logits and greedy tokens."""
     monkeypatch.setattr(glm_jax.engine, "working_set", lambda cfg, opts=None: 1)
-    eng = glm_jax.Engine.load(SRC, fetch="loop", cache_cap=1)
+    eng = glm_jax.Engine.load(SRC, fetch="loop", cache_cap=1, kv_cache_dtype="float32")
     assert eng.store.max_working_set == 1 and eng.cfg.num_experts_per_tok > 1
     sizes, fetch = [], eng.store.fetch
     monkeypatch.setattr(eng.store, "fetch", lambda L, ids, *a, **k: sizes.append(len(ids)) or fetch(L, ids, *a, **k))

@@ -382,15 +382,17 @@ def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, g
 
 
 def attention(q, k, v, pos, rows, scale: float, variant: str = ""):
-    """GQA attention of q [B, T, nh, hd] over the cache k, v [B, S, nkv, hd] (f32, as it lies): row (b, t) attends
+    """GQA attention of q [B, T, nh, hd] over the cache k, v [B, S, nkv, hd] (f32 or f16, as it lies): row (b, t) attends
     to positions 0..pos[b, t]; ``rows`` [B, T] bool: real rows (the others' output is 0).  Returns [B, T, nh, hd]
     f32; each row's numbers do not depend on B, T or the other rows (qkernels.cc, "attention")."""
     import jax
     import jax.numpy as jnp
 
     B, T, nh, hd = q.shape
+    if k.dtype not in (jnp.float32, jnp.float16):
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     y = jax.ffi.ffi_call("glmjax_attn" + variant, jax.ShapeDtypeStruct((B * T, nh * hd), jnp.float32))(
-        q.reshape(B * T, nh, hd).astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        q.reshape(B * T, nh, hd).astype(jnp.float32), k, v,
         pos.reshape(B * T).astype(jnp.int32), rows.reshape(B * T).astype(jnp.int32), T=np.int64(T),
         scale=np.float32(scale))
     return y.reshape(B, T, nh, hd)

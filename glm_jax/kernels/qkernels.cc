@@ -4,7 +4,7 @@
 //   glmjax_moe     : the MoE seam: for every valid (t, k), e = slots[t, k]:
 //                      y_tk = down_e( silu(gate_e x_t) * up_e x_t ),  out[t] = sum_k weights[t, k] * y_tk
 //                    (mode 0: out [T, H]; mode 1: the per-(t, k) terms y [T, K, H], invalid entries 0)
-//   glmjax_attn    : GQA attention of a few query rows over the [B, S, nkv, hd] f32 K/V cache (see "attention")
+//   glmjax_attn    : GQA attention of a few query rows over the [B, S, nkv, hd] f32 / f16 K/V cache (see "attention")
 //   glmjax_sink    : a running decode loop hands its tokens to the host without calling Python (see "Stream sink")
 //
 // Weight formats and layouts (glm_jax/quant.py is the reference: quantize / to_tiles):
@@ -1159,7 +1159,7 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 }
 
 // ------------------------------------------------------------------------------------------------ attention
-// glmjax_attn: GQA attention of a few query rows over the f32 K/V cache as it lies, [B, S, nkv, hd] (XLA's dots
+// glmjax_attn: GQA attention of a few query rows over the f32 or f16 K/V cache as it lies, [B, S, nkv, hd] (XLA's dots
 // transposed the cache's window into [B, nkv, ...] copies every step: most of a decode step at 1K positions).
 //   q [N, nh, hd] (N = B x T rows, row r of batch entry r / T), k, v [B, S, nkv, hd], pos [N] (row r attends to cache
 //   positions 0..pos[r]), rows [N] (0: a padding row, its output 0) -> out [N, nh x hd]
@@ -1167,31 +1167,66 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 // added in order), m = max s, e_j = exp(s_j - m), out = (sum_j e_j v_j, j in order) / (sum_j e_j): the same operations
 // whatever B, T, the other rows or the thread, in every build (AVX-512: the 16 lanes as one vector, AVX2: as two
 // halves, bitwise the portable sums; the AVX-512 build had used the portable loops, 74 us a call at 50 positions on b).
-inline float dot16(const float* a, const float* b, int64_t n) {
+// The cache's elements: f32, or f16 (--kv_cache_dtype, float16 by default since stop 48), each converted exactly to
+// f32 before use, so an f16 cache gives bitwise the f32 kernel's numbers over the same values widened to f32.
+inline float kv_at(const float* p, int64_t i) { return p[i]; }
+inline float kv_at(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
+#if GLMJAX_VNNI
+inline __m512 kv16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 kv16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#elif GLMJAX_AVX2
+inline __m256 kv8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 kv8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  alignas(32) float f[8];
+  for (int l = 0; l < 8; ++l) f[l] = half_to_float(p[l]);
+  return _mm256_load_ps(f);
+#endif
+}
+#endif
+
+template <typename KV>
+inline float dot16(const float* a, const KV* b, int64_t n) {
   alignas(64) float acc[16] = {0};
   int64_t i = 0;
 #if GLMJAX_VNNI
   __m512 va = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) va = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), va);
+  for (; i + 16 <= n; i += 16) va = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), kv16(b + i), va);
   _mm512_store_ps(acc, va);
 #elif GLMJAX_AVX2
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
-    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv8(b + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), kv8(b + i + 8), hi);
   }
   _mm256_store_ps(acc, lo);
   _mm256_store_ps(acc + 8, hi);
 #endif
-  for (; i < n; ++i) acc[i % 16] = std::fma(a[i], b[i], acc[i % 16]);
+  for (; i < n; ++i) acc[i % 16] = std::fma(a[i], kv_at(b, i), acc[i % 16]);
   float sum = 0.f;
   for (int l = 0; l < 16; ++l) sum += acc[l];
   return sum;
 }
 
-ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                    ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t T,
-                    float scale) {
+template <typename KV>
+inline void axpy_kv(float w, const KV* x, float* y, int64_t n) {     // axpy's operations, x widened to f32
+  int64_t i = 0;
+#if GLMJAX_VNNI
+  const __m512 wv = _mm512_set1_ps(w);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, kv16(x + i), _mm512_loadu_ps(y + i)));
+#elif GLMJAX_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, kv8(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::fma(w, kv_at(x, i), y[i]);
+}
+
+template <typename KV>
+ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t T,
+                     float scale) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || v.dimensions().size() != 4) return ffi::Error::InvalidArgument("glmjax_attn: rank");
   const int64_t N = qd[0], nh = qd[1], hd = qd[2], B = kd[0], S = kd[1], nkv = kd[2];
@@ -1200,8 +1235,8 @@ ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
     return ffi::Error::InvalidArgument("glmjax_attn: shapes");
   const int64_t g = nh / nkv;
   const float* qp = q.typed_data();
-  const float* kp = k.typed_data();
-  const float* vp = v.typed_data();
+  const KV* kp = (const KV*)k.untyped_data();
+  const KV* vp = (const KV*)v.untyped_data();
   const int32_t* ps = pos.typed_data();
   const int32_t* rm = rows.typed_data();
   float* op = out->typed_data();
@@ -1232,12 +1267,21 @@ ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
       for (int64_t j = 0; j < L; ++j) {
         const float e = std::exp(sc[j] - m);
         den += e;
-        axpy(e, vp + ((b * S + j) * nkv + n) * hd, o, hd);
+        axpy_kv(e, vp + ((b * S + j) * nkv + n) * hd, o, hd);
       }
       for (int64_t d = 0; d < hd; ++d) o[d] /= den;
     }
   });
   return ffi::Error::Success();
+}
+
+ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t T,
+                    float scale) {
+  if (k.element_type() != v.element_type()) return ffi::Error::InvalidArgument("glmjax_attn: k and v dtypes differ");
+  if (k.element_type() == ffi::DataType::F32) return AttnTyped<float>(pool, q, k, v, pos, rows, out, T, scale);
+  if (k.element_type() == ffi::DataType::F16) return AttnTyped<uint16_t>(pool, q, k, v, pos, rows, out, T, scale);
+  return ffi::Error::InvalidArgument("glmjax_attn: the K/V cache must be f32 or f16");
 }
 
 }  // namespace
@@ -1269,8 +1313,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxAttn, AttnImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

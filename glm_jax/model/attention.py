@@ -69,11 +69,11 @@ def gqa_attention(cfg: ModelConfig, p, x, cache, start, rows=None):
     return linear(out, p["o_w"], rows=rows), {"k": ck, "v": cv}, None
 
 def _native_attention(p, q, ck) -> bool:
-    """Decode / verify rows (at most NATIVE_MAX_ROWS) of a model on the native kernels with an f32 cache: the native
+    """Decode / verify rows (at most NATIVE_MAX_ROWS) of a model on the native kernels with an f32 or f16 cache: the native
     attention (kernels.attention, over the cache as it lies); prefills and the xla kernels keep the dots below."""
     w = p.get("qkv", p.get("q_w"))
     return (isinstance(w, QWeight) and w.kernel == "native" and q.shape[0] * q.shape[1] <= NATIVE_MAX_ROWS
-            and ck.dtype == jnp.float32 and q.dtype == jnp.float32)
+            and ck.dtype in (jnp.float32, jnp.float16) and q.dtype == jnp.float32)
 
 
 def attention(cfg: ModelConfig, p, x, cache, start, layer: int, prev_sel, rows=None):

@@ -331,8 +331,8 @@ def _sparse_absorbed(cfg, q_nope, q_rot, ckv, kpe, sel, positions, w_uk_t, w_uv,
     selected keys past the query's position masked (sel may hold invisible slots when fewer keys than k are
     visible).  The result equals the dense path with the selection mask (tests/test_mla.py)."""
     f32 = jnp.float32
-    ckv_g = jax.vmap(lambda c, i: c[i])(ckv, sel)                                    # [B,T,k,kl]
-    kpe_g = jax.vmap(lambda c, i: c[i])(kpe, sel)                                    # [B,T,k,rope]
+    ckv_g = jax.vmap(lambda c, i: c[i])(ckv, sel).astype(dtype)                      # [B,T,k,kl] (an f16 cache's
+    kpe_g = jax.vmap(lambda c, i: c[i])(kpe, sel).astype(dtype)                      # [B,T,k,rope]  rows widened)
     q_lat = _per_head(q_nope, w_uk_t, "bthd,hcd->bthc")                              # [B,T,nH,kl]
     sc = (jnp.einsum("bthc,btkc->bhtk", q_lat, ckv_g, preferred_element_type=f32)
           + jnp.einsum("bthr,btkr->bhtk", q_rot, kpe_g, preferred_element_type=f32)) * scale
@@ -397,6 +397,7 @@ def mla_attention(cfg, p: dict, x, cache: dict, start, layer: int, prev_sel=None
         return _lin(o.reshape(B, T, nH * v), p["o_w"], p.get("o_b")), new_cache, sel
     mask = visible if sel is None else (visible & selection_mask(sel, S))
     f32 = jnp.float32
+    ckv, kpe = ckv.astype(x.dtype), kpe.astype(x.dtype)                           # an f16 cache widened
     if absorbed:
         q_lat = _per_head(q_nope, w_uk_t, "bthd,hcd->bthc")                          # [B,T,nH,kl]
         sc = (jnp.einsum("bthc,bsc->bhts", q_lat, ckv, preferred_element_type=f32)

@@ -112,7 +112,7 @@ def scatter_rows(full, part, rmap):
 
 class Runner:
     """Forward passes over the cache.  The attributes are set by the subclass (``engine.Engine``): path, cfg,
-    params, opts, store, plugin, dtype, device, kernel, moe_layers."""
+    params, opts, store, plugin, dtype, kv_dtype, device, kernel, moe_layers."""
 
     def _init_runtime(self):
         self._cache = None
@@ -171,7 +171,7 @@ class Runner:
     def _new_cache(self, batch: int, cap: int):
         self._cache = None         # free the old one first
         self.kv_epoch += 1
-        cache = M.init_cache(self.cfg, batch, cap, self.dtype, with_mtp=self.params.get("mtp") is not None)
+        cache = M.init_cache(self.cfg, batch, cap, self.kv_dtype, with_mtp=self.params.get("mtp") is not None)
         # one device, or the mesh: the KV cache split by heads where they divide the model axis (mesh.py)
         plan = getattr(self, "plan", None)
         self._cache = jax.device_put(cache, self.device) if plan is None else plan.place_cache(cache)

@@ -949,7 +949,8 @@ class Scheduler:
             "new_tokens": len(req.out), "forwards": req.forwards,
             "tokens_per_forward": (n_dec / req.forwards) if req.forwards else 0.0,
             "fetch": rt.opts["fetch"], "compile_s": rt.compile_s - compile0,
-            "dtype": jnp.dtype(rt.dtype).name, "checkpoint_dtype": rt.checkpoint_dtype, "kernels": rt.kernel,
+            "dtype": jnp.dtype(rt.dtype).name, "kv_dtype": jnp.dtype(rt.kv_dtype).name,
+            "checkpoint_dtype": rt.checkpoint_dtype, "kernels": rt.kernel,
             "max_batch": self.B, "finish_reason": req.finish_reason,
             "ttft_s": (req.t_first - req.t_submit) if req.t_first else 0.0,
         }

@@ -346,7 +346,7 @@ def bench_orbax():
              "seconds": t(load_glmjax)},
             {"what": "weights: orbax restore of the packed state", "MB": nbytes / 1e6, "seconds": t(restore_orbax)},
             {"what": "weights: orbax save (once)", "MB": nbytes / 1e6, "seconds": save_s}]
-    cache = M.init_cache(cfg, 1, 4096, eng.dtype, with_mtp=eng.params.get("mtp") is not None)
+    cache = M.init_cache(cfg, 1, 4096, eng.kv_dtype, with_mtp=eng.params.get("mtp") is not None)
     cache = jax.tree.map(lambda a: a + 1, cache)
     kv_mb = sum(a.nbytes for a in jax.tree.leaves(cache)) / 1e6
     kv_dir = os.path.join(tmp, "kv")
