@@ -458,11 +458,17 @@ class Engine(Runner):
         if self._kept_plan() is None:
             return
         first, taken = self._refit_pending, self.store.sizing.get("taken", 0)
-        if not first and taken <= 0:
+        lowered = getattr(self.store, "round_limit", None) is not None
+        if not first and taken <= 0 and not lowered:
             return
         self._refit_pending = False
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
+        if lowered:                              # the working set memory_guard lowered, back where there is room
+            w0, f = self.store.max_working_set, self._kept_plan()
+            if F.refit_free(F.with_working_set(f.inputs, w0), f.plan, self._private_bytes(), self._kv_bytes(),
+                            self.store.cache_cap, later=self._later_compile()) >= 0:
+                self._set_working_set(w0)
         free = self._free_bytes(0, self._later_compile())
         if not first:
             free = min(free, taken * self.store.sizing.get("per_cap_bytes", 0))
@@ -478,6 +484,13 @@ class Engine(Runner):
 
     def kv_give_back(self) -> bool:
         return self._kept_plan() is not None
+
+    def _set_working_set(self, w: int):
+        """The store fetches at most ``w`` experts at a time (ExpertStore.limit_rounds) and the kept plan's inputs
+        count that working set's buffers (fit.with_working_set)."""
+        w = min(int(w), int(self.store.max_working_set or w))
+        self._fit.inputs = F.with_working_set(self._fit.inputs, w)
+        self.store.limit_rounds(w)
 
     def _free_bytes(self, grow: int, later: int) -> int:
         """fit.refit_free as measured now, the KV cache about to grow by ``grow`` bytes and ``later`` kept free for
@@ -537,18 +550,27 @@ class Engine(Runner):
         A no-op for a run without a fitted store or with an explicit --cache_cap."""
         if self._kept_plan() is None:
             return
-        grow = (max(0, int(kv_positions)) * int(rows)
-                * M.kv_bytes_per_token(self.cfg, jnp.dtype(self.kv_dtype).itemsize))
-        self._keep_free(grow, self._later_compile(), refuse=(kv_positions, rows) if grow else None)
+        per = M.kv_bytes_per_token(self.cfg, jnp.dtype(self.kv_dtype).itemsize)
+        grow = max(0, int(kv_positions)) * int(rows) * per
+        # a streamed prefill on one row of several: fetch=loop's layers work on one layer's slice of that row at a
+        # time (streaming.stream_step's row), the whole-model programs on a copy of the row's every layer
+        # (Runner.row_view), held beside the cache through the prefill and its compile.  That copy took a
+        # 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its budget, and its compile
+        # 270 s with the cgroup at its limit (stop 48)
+        view = (self._cache_len + max(0, int(kv_positions))) * per if self._cache_batch > 1 else 0
+        if self.opts["fetch"] == "loop":
+            view //= max(1, self.cfg.num_hidden_layers)
+        self._keep_free(grow, self._later_compile(), refuse=(kv_positions, rows) if grow else None, transient=view)
 
-    def _keep_free(self, grow: int, later: int, refuse=None):
+    def _keep_free(self, grow: int, later: int, refuse=None, transient: int = 0):
         """memory_guard and before_new_shapes: the expert cache gives back what the budget lacks for the KV cache's
         ``grow`` bytes and ``later`` free for compiling (fit.refit_free), measured as the refit measures.
         ``refuse`` (memory_guard's positions, rows): a growth that, with its programs' compile
         (fit.LATER_COMPILE), does not fit the budget even with the cache at its floor raises RamBudgetError before
         anything is given up (the budget's own margin, 0.1 of a cgroup's limit, is the process's file pages': 48 MB
-        short in the GLM-4.5-Air slice's 0.3x box was OOM-killed, stop 47)."""
-        free = self._free_bytes(grow, later)
+        short in the GLM-4.5-Air slice's 0.3x box was OOM-killed, stop 47).  ``transient``: bytes the coming
+        forward holds beside the cache besides its compile (memory_guard: a row view's copy), kept free too."""
+        free = self._free_bytes(grow, later) - transient
         if free < 0:
             # measured again without what malloc holds free and the last fetch's transient slots (released at the
             # next fetch anyway); every forward dispatched so far wrote the KV cache, so once it is ready none still
@@ -557,16 +579,31 @@ class Engine(Runner):
                 jax.block_until_ready(self._cache)
             self.store.release_transient()
             MEM.trim()
-            free = self._free_bytes(grow, later)
+            free = self._free_bytes(grow, later) - transient
         # a longer cache: the streamed programs compile again for it, at this request's prefill
         short = -(free + later - max(later, F.LATER_COMPILE) + self.store.shrink_room()) if refuse else 0
+        if short > 0 and hasattr(self.store, "limit_rounds"):
+            # before a refusal: a smaller working set (a decode's experts fetched in rounds), halved down to one
+            # expert, as the plan lowers it before refusing a load.  The f16 K/V cache's plan in the GLM-4.5-Air
+            # slice's 0.3x box spends the bytes it saved on a working set of 8 (one round a decode) where f32's had
+            # 4; without this its 2 rows refused a ~920-token request that f32's served (stop 48)
+            w, f = self._fit.inputs.working_set, self._kept_plan()
+            while short > 0 and w > 1:
+                w = max(1, w // 2)
+                free_w = F.refit_free(F.with_working_set(f.inputs, w), f.plan, self._private_bytes() + grow,
+                                      self._kv_bytes() + grow, self.store.cache_cap, later=later) - transient
+                short = -(free_w + later - max(later, F.LATER_COMPILE) + self.store.shrink_room(w))
+            if short <= 0:
+                self._set_working_set(w)
+                free = self._free_bytes(grow, later) - transient
         if short > 0:
             n, rows = refuse
             f = self._kept_plan().inputs
             raise RamBudgetError(
                 f"this request needs the K/V cache grown by {n} positions x {rows} rows ({grow / 1e6:.0f} MB) and "
                 f"its programs compiled for the longer cache: {short / 1e6:.0f} MB more than the RAM budget "
-                f"({f.budget / 1e9:.2f} GB, {f.budget_from}) holds with the expert cache at one expert a layer; a "
+                f"({f.budget / 1e9:.2f} GB, {f.budget_from}) holds with the expert cache at one expert a layer, "
+                f"fetched one at a time; a "
                 f"shorter request, fewer rows ({self.opts.label('max_batch')}) or a larger budget "
                 f"({self.opts.label('ram_gb')})")
         if free < 0:

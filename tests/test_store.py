@@ -234,6 +234,33 @@ def test_working_set_beyond_cap_and_errors(cont, tmp_path):
     small.close(save_usage=False)
 
 
+def test_limit_rounds_lowers_the_fetch_size_and_what_the_cap_can_give_then_puts_it_back(cont, tmp_path):
+    """Engine.memory_guard lowers the working set at run time before refusing a longer K/V cache (stop 48): the
+    store then serves at most that many experts a fetch (call_limit: a larger union is fetched in rounds), counts
+    the cap's steps below the new working set as what they free (shrink_room), and limit_rounds(None) restores
+    the working set it was opened with."""
+    d, cfg = _fresh(cont, tmp_path)
+    st = ExpertStore.open(d, cfg, cache_cap=3, max_working_set=4)
+    try:
+        sz = st.sizing
+        per, mx = sz["per_cap_bytes"], sz["max_record_bytes"]
+        assert st.call_limit(1) == 4 and sz["working_set"] == 4 and st.round_limit is None
+        rel = sz["working_set_released"]
+        assert st.shrink_room() == 2 * per - (2 * mx if rel else 0)           # caps 3 -> 1, both below W 4
+        st.limit_rounds(2)
+        assert st.call_limit(1) == 2 and sz["working_set"] == 2 and st.round_limit == 2
+        assert st.shrink_room() == 2 * per - (mx if rel else 0)               # only cap 1 -> 1 below W 2
+        assert st.shrink_room(working_set=4) == 2 * per - (2 * mx if rel else 0)
+        with pytest.raises(StoreError, match="max_working_set"):               # the slots' room is unchanged,
+            st.fetch(1, np.arange(5))                                          # the fetch size is the caller's
+        st.limit_rounds(None)
+        assert st.call_limit(1) == 4 and sz["working_set"] == 4 and st.round_limit is None
+        st.limit_rounds(8)                                                     # never above the opened one
+        assert st.round_limit is None and st.call_limit(1) == 4
+    finally:
+        st.close(save_usage=False)
+
+
 def test_lfu_policy_and_real_prefetch(cont, tmp_path):
     d, cfg = _fresh(cont, tmp_path)
     st = ExpertStore.open(d, cfg, cache_cap=2, policy="lfu", max_working_set=4)

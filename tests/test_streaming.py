@@ -312,6 +312,29 @@ def test_dsa_layers_share_compiled_programs(tmp_path):
     eng.close()
 
 
+def test_a_rows_prefill_runs_on_the_batch_cache_in_place_with_oracle_parity(exp, monkeypatch):
+    """A streamed (fetch=loop) prefill on one row of several writes that row of each layer's cache in place
+    (stream_step's ``row``); before, it ran on a copy of the row's every layer (Runner.row_view), held beside the
+    cache: 50 MB past the budget for a 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box (stop 48).
+    Row 1's logits are transformers', row 0's cache is untouched, and no row copy is taken."""
+    eng = glm_jax.Engine.load(SRC, fetch="loop", cache_cap=2, kv_cache_dtype="float32")
+    try:
+        ids = exp["input_ids"][0].tolist()
+        eng._ensure_cache(2, len(ids) + 1)
+        before = [{k: np.asarray(v[0]) for k, v in c.items()} for c in eng._cache]
+        monkeypatch.setattr(type(eng), "take_row", lambda *a, **k: pytest.fail("a row copy was taken"))
+        toks = np.asarray([ids], np.int32)
+        lg, _ = eng.forward(toks, np.zeros(1, np.int32), np.asarray([len(ids)], np.int32), row=1)
+        assert np.abs(np.asarray(lg)[0] - exp["logits"][0]).max() < 1e-4
+        for i, (c, b) in enumerate(zip(eng._cache, before)):
+            for k, v in c.items():
+                assert np.array_equal(np.asarray(v[0]), b[k]), (i, k)
+                if i < eng.cfg.num_hidden_layers:             # (the MTP layer's cache: written by drafts only)
+                    assert np.asarray(v[1, :len(ids)]).any(), (i, k)
+    finally:
+        eng.close()
+
+
 def test_a_working_set_below_top_k_decodes_in_rounds_with_oracle_parity(exp, monkeypatch):
     """Where memory leaves no room for top-k slots, the plan lowers the working set (fit.plan, last before a
     refusal): a decode's experts are then fetched and computed in rounds of that many.  One slot (top-4 in four

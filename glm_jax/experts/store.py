@@ -405,6 +405,7 @@ class ExpertStore:
         import jax
         self.source, self.cfg, self.model_dir = source, cfg, model_dir
         self.cache_cap, self.policy_name, self.max_working_set = cache_cap, policy, max_working_set
+        self.round_limit = None    # fetches of at most this many experts (limit_rounds), None: the slots' room
         self.sizing = sizing
         self.usage_path = usage_path
         self.sim_disk_gbps, self.sim_expert_mb = 0.0, 19.0   # --sim_disk_gbps (benchmarks only)
@@ -644,8 +645,19 @@ class ExpertStore:
                              f"{sorted(self.layers)})") from None
 
     def call_limit(self, layer: int) -> int:
-        """The most distinct non-pinned experts one ``fetch`` of ``layer`` can serve (its slots beyond the pins)."""
-        return self.index[self._layer(layer).layer].room
+        """The most distinct non-pinned experts one ``fetch`` of ``layer`` can serve (its slots beyond the pins, or
+        fewer where ``limit_rounds`` lowered the working set)."""
+        room = self.index[self._layer(layer).layer].room
+        return room if self.round_limit is None else min(room, self.round_limit)
+
+    def limit_rounds(self, w: Optional[int]):
+        """From the next fetch on, fetch at most ``w`` experts at a time (None: the working set the store was
+        opened with): a larger union (a decode's experts) is fetched and computed in rounds of ``w``, so a fetch
+        holds at most ``w`` slots at once.  Engine.memory_guard lowers it to make room for a longer K/V cache
+        where the expert cache at its floor is not enough, and the refit puts it back when there is room."""
+        with self._lock:
+            self.round_limit = None if w is None or w >= (self.max_working_set or 0) else max(1, int(w))
+            self.sizing["working_set"] = self.max_working_set if self.round_limit is None else self.round_limit
 
     def peek(self, layer: int):
         """(bank, slot_of copy) as they are now, without loading anything: lets the engine start computing the
@@ -842,17 +854,19 @@ class ExpertStore:
             self.sizing["taken"] = self.sizing.get("taken", 0) + n      # cap steps grow_cap has not given back
         return self.cache_cap
 
-    def _step_bytes(self, c: int) -> int:
+    def _step_bytes(self, c: int, working_set: Optional[int] = None) -> int:
         """What lowering the cap to ``c`` experts a layer (from c + 1) saves: one expert of every layer, less, below
         the working set, the one the fetched layer still holds while it computes (its transient slot:
-        memory.cache_slots)."""
-        W, mx = self.sizing.get("working_set", 0), self.sizing.get("max_record_bytes", 0)
+        memory.cache_slots).  ``working_set``: at that working set instead of the current one."""
+        W = self.sizing.get("working_set", 0) if working_set is None else working_set
+        mx = self.sizing.get("max_record_bytes", 0)
         rel = self.sizing.get("working_set_released", False)
         return self.sizing.get("per_cap_bytes", 0) - (mx if rel and c < W else 0)
 
-    def shrink_room(self) -> int:
-        """The most ``shrink_cap`` can give back: every layer's cap lowered to one expert."""
-        return sum(self._step_bytes(c) for c in range(1, self.cache_cap))
+    def shrink_room(self, working_set: Optional[int] = None) -> int:
+        """The most ``shrink_cap`` can give back: every layer's cap lowered to one expert (at ``working_set``:
+        with the working set lowered to that first, limit_rounds)."""
+        return sum(self._step_bytes(c, working_set) for c in range(1, self.cache_cap))
 
     def can_hold_all(self) -> bool:
         """Every expert of every layer fits in the cache (its cap is the layer's expert count)."""

@@ -47,17 +47,29 @@ def _fns(engine):
     def embed(params, tokens):
         return M.embed(params, tokens)
 
+    def attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row):
+        """attn_block on the cache, or with ``row`` (traced int32) on that row of it alone, written back in place
+        (the cache is donated): one layer's row is the transient, where a copy of the row's every layer
+        (Runner.row_view) took a 2600-token prefill of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its
+        budget (stop 48)."""
+        if row is None:
+            return M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+        part = {k: jax.lax.dynamic_slice_in_dim(v, row, 1, axis=0) for k, v in cache.items()}
+        h, part, sel = M.attn_block(cfg, lp, x, part, start, layer, prev_sel, valid_bt)
+        return h, {k: jax.lax.dynamic_update_slice_in_dim(v, part[k].astype(v.dtype), row, axis=0)
+                   for k, v in cache.items()}, sel
+
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-    def dense(layer, lp, x, cache, start, prev_sel, valid_bt):
-        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+    def dense(layer, lp, x, cache, start, prev_sel, valid_bt, row=None):
+        h, cache, sel = attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row)
         return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps), valid_bt), cache, sel
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-    def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router, layer_id):
+    def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router, layer_id, row=None):
         """``layer`` (static) picks the compiled variant (_layer_key); ``layer_id`` (traced) is the true index the
         plugins see."""
         B, T, H = x.shape
-        h, cache, sel = M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+        h, cache, sel = attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row)
         hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
         flat = hn.reshape(B * T, H)
         before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident, layer_id, M.positions_of(start, T))
@@ -151,12 +163,21 @@ def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
     return f["combine_finish"](mp, h, hn, y, w, valid)
 
 
-def stream_step(engine, tokens, start, lengths, logit_rows=None):
-    """engine.forward for fetch=loop|callback|fused.  Returns (logits, hidden, cache)."""
-    if engine.opts["fetch"] == "callback" or (engine.opts["fetch"] == "fused" and not engine.store.aliased):
+def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
+    """engine.forward for fetch=loop|callback|fused.  Returns (logits, hidden, cache).  ``row``: tokens [1, T] run
+    on that row of the batch cache alone (the loop's layers read and write it in place; the whole-model programs
+    run on the row's copy, Runner.row_view)."""
+    callback = engine.opts["fetch"] == "callback" or (engine.opts["fetch"] == "fused" and not engine.store.aliased)
+    fused = not callback and engine.opts["fetch"] == "fused" and fused_applies(engine, *tokens.shape, lengths)
+    if row is not None and (callback or fused):
+        with engine.row_view(row):
+            logits, hidden, engine._cache = stream_step(engine, tokens, start, lengths, logit_rows)
+        return logits, hidden, engine._cache
+    if callback:
         return _callback_step(engine, tokens, start, lengths, logit_rows)
-    if engine.opts["fetch"] == "fused" and fused_applies(engine, *tokens.shape, lengths):
+    if fused:
         return _fused_step(engine, tokens, start, lengths, logit_rows)
+    rw = None if row is None else jnp.int32(row)
     cfg, params, store = engine.cfg, engine.params, engine.store
     f = _fns(engine)
     B, T = tokens.shape
@@ -174,14 +195,14 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None):
     for i, lp in enumerate(layers):
         k = _layer_key(cfg, i)
         if "moe" not in lp:
-            x, cache[i], sel = f["dense"](k, lp, x, cache[i], start, sel, valid_bt)
+            x, cache[i], sel = f["dense"](k, lp, x, cache[i], start, sel, valid_bt, rw)
             continue
         nxt = None
         if engine.opts["prefetch"]:
             later = [j for j in moe_idx if j > i]
             nxt = layers[later[0]]["moe"] if later else None
         h, hn, cache[i], sel, ids, w, valid, pred, summ = f["attn_route"](
-            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(engine.resident_for(i)), nxt, np.int32(i))
+            k, lp, x, cache[i], start, sel, valid_bt, jnp.asarray(engine.resident_for(i)), nxt, np.int32(i), rw)
         ids_np, valid_np_k = np.asarray(ids), np.asarray(valid)       # the one host sync per MoE layer
         union = np.unique(ids_np[valid_np_k])
         if pending_pred is not None:
