@@ -782,3 +782,102 @@ def test_the_cache_holds_the_compile_reserve_between_requests_whose_programs_are
     assert first[1] <= first[0] - taken // 2 and first[2] >= -per, out
     # the generation's refit handed back what is free again (the new programs' code keeps some of it)
     assert out["cap2"] > first[1], out
+
+
+def _guard_stub(inp, private, cap=3, W=8):
+    """An object with Engine's guard methods over a stub store (cap ``cap``, opened with working set ``W``) and the
+    kept plan of ``inp``: the guard's decisions on numbers, without a model."""
+    from glm_jax.engine import Engine, _Fitted
+    from glm_jax.experts.store import ExpertStore
+
+    class Store:
+        shrink_room, _step_bytes = ExpertStore.shrink_room, ExpertStore._step_bytes
+
+        def __init__(self):
+            self.cache_cap, self.max_working_set, self.round_limit, self.shrunk, self.grown = cap, W, None, [], []
+            self.sizing = dict(per_cap_bytes=inp.rec_sum, max_record_bytes=inp.max_rec, working_set=W,
+                               working_set_released=True, taken=0)
+
+        def limit_rounds(self, w):
+            self.round_limit = None if w is None or w >= W else w
+            self.sizing["working_set"] = W if self.round_limit is None else w
+
+        def release_transient(self):
+            pass
+
+        def shrink_cap(self, b):
+            self.shrunk.append(b)
+
+        def grow_cap(self, b):
+            self.grown.append(b)
+
+        def unfilled_bytes(self):
+            return 0
+
+    class Stub:
+        _keep_free, _free_bytes, _set_working_set = Engine._keep_free, Engine._free_bytes, Engine._set_working_set
+        _refit_memory = Engine._refit_memory
+
+        def __init__(self):
+            self.store, self._cache, self._refit_pending = Store(), None, False
+            self._fit = _Fitted(F.plan(inp), inp)
+            self.opts = glm_jax.options.resolve({})
+            self.private = private
+
+        def _kept_plan(self):
+            return self._fit
+
+        def _private_bytes(self):
+            return self.private
+
+        def _kv_bytes(self):
+            return 0
+
+        def _later_compile(self):
+            return F.LATER_COMPILE_WARM
+
+    return Stub()
+
+
+def test_the_guard_lowers_the_working_set_before_it_refuses_a_growth_and_the_refit_puts_it_back(monkeypatch):
+    """The f16 K/V cache's plan in the GLM-4.5-Air slice's 0.3x box spent the bytes it saved on a working set of 8
+    where f32's had 4, and its 2 rows then refused a ~920-token request main served (stop 48).  Before refusing,
+    Engine.memory_guard now halves the working set (the store fetches a decode's experts in rounds) down to one
+    expert, to the largest one that makes the growth fit, and changes nothing where none does; the refit after the
+    request puts the opened working set back where the memory measured free allows."""
+    from glm_jax import memory as MEM
+    from glm_jax.experts.store import RamBudgetError
+
+    monkeypatch.setattr(MEM, "trim", lambda: None)
+    inp = inputs(budget=800 * MB, kv_tokens=1024, kv_fixed=True, rec_sum=20 * MB, max_rec=10 * MB, working_set=8,
+                 buffers=80 * MB, num_experts=128, released=True, prefill_chunk=32, act_per_position=100_000,
+                 workspace=F.COMPILE_BYTES + F.COMPILE_TRANSIENT + 32 * 100_000)
+    later = F.LATER_COMPILE_WARM
+
+    def short(stub, grow, w):        # what the guard finds missing at working set w, the cache at its floor
+        free = F.refit_free(F.with_working_set(inp, w), stub._fit.plan, stub.private + grow, grow, 3, later=later)
+        return -(free + later - max(later, F.LATER_COMPILE) + stub.store.shrink_room(w))
+
+    probe = _guard_stub(inp, private=500 * MB)
+    # a growth that is short at the opened working set (8) and fits at 4: lowered to 4, no further
+    grow = next(g * MB for g in range(1, 400) if short(probe, g * MB, 8) > 0 and short(probe, g * MB, 4) <= 0)
+    stub = _guard_stub(inp, private=500 * MB)
+    stub._keep_free(grow, later, refuse=(grow // 10_000, 1))
+    assert stub.store.round_limit == 4 and stub._fit.inputs.working_set == 4
+    assert stub._fit.inputs.buffers == inp.buffers - 4 * inp.max_rec
+    # a growth short even at one expert a fetch: refused, nothing lowered or shrunk
+    big = next(g * MB for g in range(1, 2000) if short(probe, g * MB, 1) > 0)
+    stub2 = _guard_stub(inp, private=500 * MB)
+    with pytest.raises(RamBudgetError, match="fetched one at a time"):
+        stub2._keep_free(big, later, refuse=(big // 10_000, 1))
+    assert stub2.store.round_limit is None and stub2._fit.inputs.working_set == 8 and not stub2.store.shrunk
+    # the refit after the request: the working set back where the opened one fits what is measured free
+    stub.private = 400 * MB
+    stub._refit_memory()
+    assert stub.store.round_limit is None and stub._fit.inputs.working_set == 8 and stub._fit.inputs == inp
+    # ... and kept lowered where it does not
+    stub3 = _guard_stub(inp, private=500 * MB)
+    stub3._keep_free(grow, later, refuse=(grow // 10_000, 1))
+    stub3.private = inp.budget - 20 * MB          # the opened working set's 4 more slots (40 MB) do not fit
+    stub3._refit_memory()
+    assert stub3.store.round_limit == 4 and stub3._fit.inputs.working_set == 4

@@ -196,9 +196,9 @@ class Runner:
         self._cache_len = cap
 
     def _relayout(self, f):
-        """The cache through ``f``, one layer at a time, each old layer freed before the next is copied: a copy of
-        the whole cache held beside the old one took a 2-row, 2048 -> 4096-position growth of the GLM-4.5-Air slice
-        50 MB past its budget in the 0.3x box (stop 48); now one layer's old arrays are the transient."""
+        """The cache through ``f``, one layer at a time, each old layer freed before the next is copied: the
+        transient is one layer's old arrays, not the whole old cache beside the new one (a 2-row, 2048 -> 4096
+        growth of the GLM-4.5-Air slice's f16 cache: 50 MB, where the 0.3x box's budget keeps ~60 MB free)."""
         old, self._cache = self._cache, None
         new = []
         while old:
