@@ -45,7 +45,9 @@ QUANT_STEPS = ("int8_row", "int4_g64")        # what the dense weights are quant
 KV_DEFAULT_TOKENS = 4096                      # reserved when the run's length is unknown (the Python API, a server)
 KV_FLOOR_TOKENS = 256                         # the reservation is never lowered below this (nor below the run's)
 CHUNK_FLOOR = 32                              # nor the prefill chunk below this (where only that lets it start)
-CACHE_CHUNK_FLOOR = 64                        # nor below this to give a streamed run's cache two tokens' experts
+CACHE_CHUNK_FLOOR = 32                        # nor below this to give a streamed run's cache two tokens' experts
+                                              # (64 until stop 48: the f16 cache's 3 MB then kept a 64-token chunk
+                                              # and 2 fewer experts a layer in the GLM-4.5-Air slice's 0.3x box)
 CACHE_CHUNK_TOKENS = 2                        # ... (CACHE_CHUNK_TOKENS x top-k a layer)
 COMPILE_BYTES = 100 << 20                     # compiled programs, kept (see workspace_bytes)
 COMPILE_TRANSIENT = 100 << 20                 # XLA's working memory while compiling, given back (measured, ibid.)

@@ -101,10 +101,12 @@ def test_prefill_chunk_halved_at_the_kv_floor_before_refusing():
 def test_a_streamed_runs_prefill_chunk_gives_its_activations_to_a_cache_below_two_tokens_experts():
     """The GLM-4.5-Air slice at 0.45x of its size: the plan kept a 256-token prefill chunk (0.36 GB of activations)
     and left the cache 2 experts a layer (8 after the first run) against top-8 routing: hits 0.60, 54 MB read a
-    token.  The 6-layer slice at 0.3x: 8 a layer, hits 0.75.  The chunk now halves (to 64 at least) while the cache
-    holds fewer experts than two tokens route to."""
+    token.  The 6-layer slice at 0.3x: 8 a layer, hits 0.75.  The chunk now halves (to 32 at least, CHUNK_FLOOR:
+    stop 48, where the f16 K/V cache's 3 MB left a 64-token chunk and 2 fewer cached experts a layer than the f32
+    cache's plan at 32 in the GLM-4.5-Air slice's 0.3x box) while the cache holds fewer experts than two tokens
+    route to."""
     # 600 - runtime 100 - int8 dense 100 - KV 10.24 (1024 positions) - buffers 20 - workspace 150 + (512 - chunk) x 0.4 MB
-    # -> chunk 512: 21 experts of 10 MB, 256: 32, 128: 37, 64: 39
+    # -> chunk 512: 21 experts of 10 MB, 256: 32, 128: 37, 64: 39, 32: 41
     kw = dict(budget=600 * MB, prefill_chunk=512, act_per_position=400_000, chunk_fixed=False, kv_tokens=1024,
               kv_fixed=True, num_experts=128)
     old = F.plan(inputs(**kw))                           # without a top_k: the chunk as asked, 21 experts
@@ -116,8 +118,8 @@ def test_a_streamed_runs_prefill_chunk_gives_its_activations_to_a_cache_below_tw
     assert (p.prefill_chunk, p.cap_fits) == (512, 20)
     p = F.plan(inputs(top_k=18, **kw))                   # 36: 256 (32) -> 128 (37): stops there
     assert (p.prefill_chunk, p.cap_fits) == (128, 37)
-    p = F.plan(inputs(top_k=30, **kw))                   # never below CACHE_CHUNK_FLOOR: 64 (39 experts)
-    assert (p.prefill_chunk, p.cap_fits) == (F.CACHE_CHUNK_FLOOR, 39)
+    p = F.plan(inputs(top_k=30, **kw))                   # never below CACHE_CHUNK_FLOOR: 32 (41 experts)
+    assert (p.prefill_chunk, p.cap_fits) == (F.CACHE_CHUNK_FLOOR, 41) == (32, 41)
     assert F.plan(inputs(top_k=10, **kw)).prefill_chunk == 512          # the cache holds two tokens' experts: kept
     assert F.plan(inputs(top_k=30, **dict(kw, chunk_fixed=True))).prefill_chunk == 512   # --prefill_chunk: kept
     assert F.plan(inputs(top_k=30, cache_cap=20, **kw)).prefill_chunk == 512   # a --cache_cap it already holds
@@ -464,12 +466,12 @@ def test_rows_nobody_asked_for_are_traded_for_positions_at_the_same_kv_bytes():
                            "expert cache")
     assert "rows lowered from 8 to 2" in p.line(inp)
     # where the rows could grow (a prefill chunk lowered after the reservation left the room: 8 rows of 1024 at
-    # chunk 64 cost 61 MB, 6 of the 7 cached experts -- the GLM-5.2 slice's 0.3x box), the plan stays: the guard
+    # chunk 32 cost 61 MB, 6 of the 8 cached experts -- the GLM-5.2 slice's 0.3x box), the plan stays: the guard
     # takes a growth's room from the cache when a request needs it
     f = _rows(budget=340 * MB, prefill_chunk=512, act_per_position=200_000, chunk_fixed=False, top_k=8)
-    assert (F.plan(f(8)).kv_tokens, F.plan(f(8)).prefill_chunk, F.plan(f(8)).cap_fits) == (256, 64, 7)
+    assert (F.plan(f(8)).kv_tokens, F.plan(f(8)).prefill_chunk, F.plan(f(8)).cap_fits) == (256, 32, 8)
     r, p, _ = F.plan_rows(f, 8)
-    assert (r, p.kv_tokens, p.cap_fits) == (8, 256, 7) and not any("rows" in n for n in p.notes)
+    assert (r, p.kv_tokens, p.cap_fits) == (8, 256, 8) and not any("rows" in n for n in p.notes)
     # where 8 rows keep ROW_TOKENS or more, nothing changes; nor below the context limit
     r, p, _ = F.plan_rows(_rows(budget=1000 * MB), 8)
     assert (r, p.kv_tokens) == (8, 4096) and not any("rows" in n for n in p.notes)
