@@ -199,7 +199,7 @@ class Engine(Runner):
                     C.verify_dense(path, src.manifest)
                 if plan is None:  # what fits, from headers and the manifest: refused here, before any weights
                     src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
-                    fitted = fit_memory(path, cfg, opts, src, dtype, dense_kernel, pack)
+                    fitted = fit_memory(path, cfg, opts, src, dtype, kv_dtype, dense_kernel, pack)
                     if not fitted.all_fit:
                         # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
                         # the room the refit measures for it (memory.compact_heap)
@@ -458,17 +458,15 @@ class Engine(Runner):
         if self._kept_plan() is None:
             return
         first, taken = self._refit_pending, self.store.sizing.get("taken", 0)
-        lowered = getattr(self.store, "round_limit", None) is not None
+        lowered = self.store.round_limit is not None
         if not first and taken <= 0 and not lowered:
             return
         self._refit_pending = False
         self.store.release_transient()           # the generation is done: nothing in flight reads a bank
         MEM.trim()
-        if lowered:                              # the working set memory_guard lowered, back where there is room
-            w0, f = self.store.max_working_set, self._kept_plan()
-            if F.refit_free(F.with_working_set(f.inputs, w0), f.plan, self._private_bytes(), self._kv_bytes(),
-                            self.store.cache_cap, later=self._later_compile()) >= 0:
-                self._set_working_set(w0)
+        # the working set memory_guard lowered goes back to the opened one where that fits what is measured free
+        if lowered and self._free_bytes(0, self._later_compile(), self.store.max_working_set) >= 0:
+            self._set_working_set(self.store.max_working_set)
         free = self._free_bytes(0, self._later_compile())
         if not first:
             free = min(free, taken * self.store.sizing.get("per_cap_bytes", 0))
@@ -492,11 +490,13 @@ class Engine(Runner):
         self._fit.inputs = F.with_working_set(self._fit.inputs, w)
         self.store.limit_rounds(w)
 
-    def _free_bytes(self, grow: int, later: int) -> int:
+    def _free_bytes(self, grow: int, later: int, working_set: Optional[int] = None) -> int:
         """fit.refit_free as measured now, the KV cache about to grow by ``grow`` bytes and ``later`` kept free for
-        compiling: the one measurement of the refit, the guard and before_new_shapes."""
+        compiling: the one measurement of the refit, the guard and before_new_shapes.  ``working_set``: as if the
+        store fetched that many experts at a time (_set_working_set)."""
         f = self._kept_plan()
-        return F.refit_free(f.inputs, f.plan, self._private_bytes() + grow, self._kv_bytes() + grow,
+        inp = f.inputs if working_set is None else F.with_working_set(f.inputs, working_set)
+        return F.refit_free(inp, f.plan, self._private_bytes() + grow, self._kv_bytes() + grow,
                             self.store.cache_cap, later=later)
 
     def _private_bytes(self) -> int:
@@ -580,19 +580,21 @@ class Engine(Runner):
             self.store.release_transient()
             MEM.trim()
             free = self._free_bytes(grow, later) - transient
-        # a longer cache: the streamed programs compile again for it, at this request's prefill
-        short = -(free + later - max(later, F.LATER_COMPILE) + self.store.shrink_room()) if refuse else 0
-        if short > 0 and hasattr(self.store, "limit_rounds"):
+        # a longer cache: the streamed programs compile again for it, at this request's prefill; what the budget
+        # lacks for that with the cache at its floor (at a working set of w)
+        def lacking(free_now, w=None):
+            return -(free_now + later - max(later, F.LATER_COMPILE) + self.store.shrink_room(w))
+
+        short = lacking(free) if refuse else 0
+        if short > 0:
             # before a refusal: a smaller working set (a decode's experts fetched in rounds), halved down to one
             # expert, as the plan lowers it before refusing a load.  The f16 K/V cache's plan in the GLM-4.5-Air
             # slice's 0.3x box spends the bytes it saved on a working set of 8 (one round a decode) where f32's had
             # 4; without this its 2 rows refused a ~920-token request that f32's served (stop 48)
-            w, f = self._fit.inputs.working_set, self._kept_plan()
+            w = self._fit.inputs.working_set
             while short > 0 and w > 1:
                 w = max(1, w // 2)
-                free_w = F.refit_free(F.with_working_set(f.inputs, w), f.plan, self._private_bytes() + grow,
-                                      self._kv_bytes() + grow, self.store.cache_cap, later=later) - transient
-                short = -(free_w + later - max(later, F.LATER_COMPILE) + self.store.shrink_room(w))
+                short = lacking(self._free_bytes(grow, later, w) - transient, w)
             if short <= 0:
                 self._set_working_set(w)
                 free = self._free_bytes(grow, later) - transient
@@ -841,12 +843,12 @@ RUNTIME_RESERVE = 150 << 20   # compile workspace + the step's buffers beyond th
                               # 15-60 MB on the 1.9 GB synthetic model; tools/bench.py --mode=lowram)
 
 
-def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, dense_kernel: str, pack):
+def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, kv_dtype, dense_kernel: str, pack):
     """The memory plan of a streamed / store-backed load (glm_jax/fit.py), from headers, the manifest and the
     resident set now: the dense storage format, the KV reservation, direct I/O.  Raises RamBudgetError (one line)
     before anything large is read when not even one expert per layer fits."""
     item = jnp.dtype(dtype).itemsize
-    kv_item = jnp.dtype(pick_kv_dtype(opts["kv_cache_dtype"], dtype, cfg)).itemsize
+    kv_item = jnp.dtype(kv_dtype).itemsize
     tensors = F.header_tensors(path)
     fixed_dense = bool(opts.where("dense_format"))
     fmts = [opts["dense_format"]] if fixed_dense else ["native", *F.QUANT_STEPS]

@@ -986,17 +986,39 @@ ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 // ------------------------------------------------------------------------------------------------ MoE seam
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-// y += w x, one fma per element (AVX-512: 16 lanes at a time, AVX2: 8, the same fma each)
-inline void axpy(float w, const float* x, float* y, int64_t n) {
+// The cache's elements: f32, or f16 (--kv_cache_dtype; GQA models' default since stop 48), each converted exactly to
+// f32 before use, so an f16 cache gives bitwise the f32 kernel's numbers over the same values widened to f32.
+inline float kv_at(const float* p, int64_t i) { return p[i]; }
+inline float kv_at(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
+#if GLMJAX_VNNI
+inline __m512 kv16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 kv16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#elif GLMJAX_AVX2
+inline __m256 kv8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 kv8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  alignas(32) float f[8];
+  for (int l = 0; l < 8; ++l) f[l] = half_to_float(p[l]);
+  return _mm256_load_ps(f);
+#endif
+}
+#endif
+
+// y += w x, one fma per element (AVX-512: 16 lanes at a time, AVX2: 8, the same fma each); x f32, or f16 widened
+// exactly (kv_at / kv16 / kv8)
+template <typename KV>
+inline void axpy(float w, const KV* x, float* y, int64_t n) {
   int64_t i = 0;
 #if GLMJAX_VNNI
   const __m512 wv = _mm512_set1_ps(w);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, kv16(x + i), _mm512_loadu_ps(y + i)));
 #elif GLMJAX_AVX2
   const __m256 wv = _mm256_set1_ps(w);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, kv8(x + i), _mm256_loadu_ps(y + i)));
 #endif
-  for (; i < n; ++i) y[i] = std::fma(w, x[i], y[i]);
+  for (; i < n; ++i) y[i] = std::fma(w, kv_at(x, i), y[i]);
 }
 
 ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
@@ -1167,26 +1189,6 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 // added in order), m = max s, e_j = exp(s_j - m), out = (sum_j e_j v_j, j in order) / (sum_j e_j): the same operations
 // whatever B, T, the other rows or the thread, in every build (AVX-512: the 16 lanes as one vector, AVX2: as two
 // halves, bitwise the portable sums; the AVX-512 build had used the portable loops, 74 us a call at 50 positions on b).
-// The cache's elements: f32, or f16 (--kv_cache_dtype, float16 by default since stop 48), each converted exactly to
-// f32 before use, so an f16 cache gives bitwise the f32 kernel's numbers over the same values widened to f32.
-inline float kv_at(const float* p, int64_t i) { return p[i]; }
-inline float kv_at(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
-#if GLMJAX_VNNI
-inline __m512 kv16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 kv16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-#elif GLMJAX_AVX2
-inline __m256 kv8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 kv8(const uint16_t* p) {
-#if defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#else
-  alignas(32) float f[8];
-  for (int l = 0; l < 8; ++l) f[l] = half_to_float(p[l]);
-  return _mm256_load_ps(f);
-#endif
-}
-#endif
-
 template <typename KV>
 inline float dot16(const float* a, const KV* b, int64_t n) {
   alignas(64) float acc[16] = {0};
@@ -1208,19 +1210,6 @@ inline float dot16(const float* a, const KV* b, int64_t n) {
   float sum = 0.f;
   for (int l = 0; l < 16; ++l) sum += acc[l];
   return sum;
-}
-
-template <typename KV>
-inline void axpy_kv(float w, const KV* x, float* y, int64_t n) {     // axpy's operations, x widened to f32
-  int64_t i = 0;
-#if GLMJAX_VNNI
-  const __m512 wv = _mm512_set1_ps(w);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, kv16(x + i), _mm512_loadu_ps(y + i)));
-#elif GLMJAX_AVX2
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, kv8(x + i), _mm256_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] = std::fma(w, kv_at(x, i), y[i]);
 }
 
 template <typename KV>
@@ -1267,7 +1256,7 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
       for (int64_t j = 0; j < L; ++j) {
         const float e = std::exp(sc[j] - m);
         den += e;
-        axpy_kv(e, vp + ((b * S + j) * nkv + n) * hd, o, hd);
+        axpy(e, vp + ((b * S + j) * nkv + n) * hd, o, hd);
       }
       for (int64_t d = 0; d < hd; ++d) o[d] /= den;
     }
