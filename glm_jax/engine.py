@@ -609,6 +609,18 @@ class Engine(Runner):
                 f"shorter request, fewer rows ({self.opts.label('max_batch')}) or a larger budget "
                 f"({self.opts.label('ram_gb')})")
         if free < 0:
+            # the cap's steps below the working set free one expert of every layer less the fetched layer's
+            # transient slot, so with one streamed layer nothing: where they cannot cover what is short, the working
+            # set is halved first (the GLM-5.2 slice's server gave its whole cache, 32 -> 1, for 34 MB; stop 49)
+            w0 = w = self._fit.inputs.working_set
+            fw = free
+            while fw + self.store.shrink_room(w) < 0 and w > 1:
+                w = max(1, w // 2)
+                fw = self._free_bytes(grow, later, w) - transient
+            if w != w0:
+                self._set_working_set(w)
+                free = fw
+        if free < 0:
             self.store.shrink_cap(-free)
 
     @property

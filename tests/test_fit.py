@@ -883,3 +883,39 @@ def test_the_guard_lowers_the_working_set_before_it_refuses_a_growth_and_the_ref
     stub3.private = inp.budget - 20 * MB          # the opened working set's 4 more slots (40 MB) do not fit
     stub3._refit_memory()
     assert stub3.store.round_limit == 4 and stub3._fit.inputs.working_set == 4
+
+
+def test_where_the_caps_steps_free_too_little_the_guard_lowers_the_working_set(monkeypatch):
+    """Below the working set, a cap step frees one expert of every layer less the fetched layer's transient slot:
+    with one streamed layer, nothing.  glm-jax-serve on the GLM-5.2 slice (one MoE layer, cache 32 = working set
+    32) was 34 MB short before a compile and gave its whole cache for it (cap 32 -> 1), at half the decode speed
+    until the refits grew it back (stop 49).  The guard now halves the working set where the cap's steps cannot
+    cover the deficit, asks the cache only for what its steps free, and the refit puts the working set back."""
+    from glm_jax import memory as MEM
+
+    monkeypatch.setattr(MEM, "trim", lambda: None)
+    inp = inputs(budget=800 * MB, kv_tokens=256, kv_fixed=True, rec_sum=20 * MB, max_rec=20 * MB, working_set=8,
+                 buffers=160 * MB, num_experts=256, released=True, prefill_chunk=32, act_per_position=100_000,
+                 workspace=F.COMPILE_BYTES + F.COMPILE_TRANSIENT + 32 * 100_000)
+    later = F.LATER_COMPILE
+    plan = F.plan(inp)
+
+    def free(private, w):
+        return F.refit_free(F.with_working_set(inp, w), plan, private, 0, 8, later=later)
+
+    private = free(0, 8) + 30 * MB                   # 30 MB short at the opened working set, the cache at 8 = W
+    stub = _guard_stub(inp, private=private, cap=8, W=8)
+    assert stub.store.shrink_room() == 0             # every step below 8 frees nothing
+    stub._keep_free(0, later)
+    w = stub.store.round_limit
+    assert w is not None and w < 8 and stub._fit.inputs.working_set == w
+    assert free(private, w) + stub.store.shrink_room(w) >= 0
+    assert all(b <= stub.store.shrink_room(w) for b in stub.store.shrunk), stub.store.shrunk
+    # where the cap's own steps cover it, the working set stays and the cap gives what is short
+    stub2 = _guard_stub(inp, private=free(0, 8) + 30 * MB, cap=12, W=8)
+    stub2._keep_free(0, later)
+    assert stub2.store.round_limit is None and stub2.store.shrunk == [30 * MB]
+    # the refit after: the opened working set back where it fits
+    stub.private = private - 200 * MB
+    stub._refit_memory()
+    assert stub.store.round_limit is None and stub._fit.inputs == inp

@@ -643,6 +643,33 @@ def test_huge_pages_advises_only_the_whole_pages_inside_the_range():
     assert got in (0, 2 * M)                          # 0: a kernel without THP refuses
 
 
+def test_shrink_cap_takes_no_step_that_frees_nothing(tmp_path):
+    """Below the working set, a cap step frees one expert of every layer less the fetched layer's transient slot
+    (memory.cache_slots); with one streamed layer that is nothing.  glm-jax-serve on the GLM-5.2 slice (one MoE
+    layer, cache 32 = working set 32) was asked for 34 MB and went to one expert a layer: every cached expert
+    evicted for no byte, and decode at half speed until the refits grew it back (stop 49).  shrink_cap stops where
+    its steps stop freeing anything."""
+    d, cfg = _paged_container(tmp_path, layers=2)      # layer 0 dense: one streamed layer
+    st = ExpertStore.open(d, cfg, ram_gb=10.0, used_bytes=0, io_threads=1, max_working_set=4, headroom_bytes=0,
+                          state_dir="off")
+    try:
+        (L,) = st.layers
+        assert st.sizing["working_set_released"]
+        per = st.sizing["per_cap_bytes"]
+        assert per == st.sizing["max_record_bytes"]
+        st.index[L].cap = st.cache_cap = 6
+        st.fetch(L, np.array([0, 1, 2, 3]))
+        st.fetch(L, np.array([4, 5]))
+        assert st.shrink_room() == 2 * per              # 6 -> 5 -> 4 free an expert each; below 4, nothing
+        assert st.shrink_cap(per) == 5                  # what was asked, as before
+        assert st.shrink_cap(10 * per) == 4             # more than the room: down to the working set, no further
+        assert st.index[L].cap == 4 and len(st.index[L].cached) == 4
+        assert st.shrink_cap(per) == 4                  # nothing left to free: nothing evicted
+        assert len(st.index[L].cached) == 4 and st.sizing["shrunk_by"] == 2
+    finally:
+        st.close(save_usage=False)
+
+
 def test_shrink_cap_evicts_to_the_lower_cap_and_returns_the_slots_pages(tmp_path):
     """When a run outgrows its memory plan (a KV cache grown past its reservation, programs compiled since), the
     engine takes the room back from the expert cache: each layer's cap goes down by the bytes asked / one expert

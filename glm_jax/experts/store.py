@@ -826,6 +826,7 @@ class ExpertStore:
         their slots' pages returned to the OS now.  The engine calls it between forwards (no computation in flight
         reads a bank: module docstring) when the run outgrows its memory plan -- a KV cache grown past its
         reservation, programs compiled since -- and ``grow_cap`` hands the room back once it is measured free.
+        A step that frees nothing is not taken (Engine._keep_free lowers the working set for those).
         Returns the cache cap (experts per layer)."""
         if not self.sizing.get("per_cap_bytes", 0) or need_bytes <= 0:
             return self.cache_cap
@@ -833,6 +834,10 @@ class ExpertStore:
         while saved < need_bytes and c > 1:
             c -= 1
             saved += self._step_bytes(c)
+        # no step that frees nothing: below the working set of one streamed layer, the fetched layer's transient
+        # slots take every evicted expert's room again (GLM-5.2 slice: cache 32 -> 1 for 34 MB, stop 49)
+        while c < self.cache_cap and self._step_bytes(c) <= 0:
+            c += 1
         n = self.cache_cap - c
         if n <= 0:
             return self.cache_cap
