@@ -109,7 +109,7 @@ class Engine(Runner):
         self.tokenizer = tokenizer
         self.store = store
         self.dtype = params["norm"].dtype
-        self.kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], self.dtype, cfg)   # the K/V cache's storage
+        self.kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], self.dtype)   # the K/V cache's storage
         self.moe_layers = cfg.moe_layers
         self._init_runtime()
         self.plugin, self.plugin_names = _build_plugin(opts)
@@ -175,7 +175,7 @@ class Engine(Runner):
             fetch = "resident"
         opts["fetch"] = fetch
         dtype = _pick_dtype(opts["dtype"], path, cfg)
-        kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], dtype, cfg)
+        kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], dtype)
         kernel = _pick_kernel(opts["kernels"])
         plan = MESH.plan_for(opts, cfg, opts.label("mesh"))
         # a tensor-parallel mesh: dense weights unfused, on the XLA path (mesh.py); the experts keep ``kernel``
@@ -821,15 +821,15 @@ def _pick_dtype(name: str, path: str, cfg: ModelConfig):
     return jnp.bfloat16 if declared_dtype(path) in ("bfloat16", "float16") else jnp.float32
 
 
-def pick_kv_dtype(name: str, dtype, cfg: Optional[ModelConfig] = None):
+def pick_kv_dtype(name: str, dtype):
     """The K/V cache's storage dtype (--kv_cache_dtype).  auto: float16 where the compute dtype is float32 (half a
     float32 cache's bytes, llama.cpp's default; float16's 10-bit mantissa against bfloat16's 7, and K/V values sit
-    far inside its range) for GQA models; MLA (glm_moe_dsa) keeps float32 for now: its f16 decode measured 34-35
-    against 39-43 tok/s on the GLM-5.2 slice, and glm-jax-serve 4 / 6 / 9 against 8 / 13 / 20 tok/s at 0.3x (stop
-    48, not profiled yet).  Else the compute dtype."""
+    far inside its range), GQA and MLA models alike.  (Stop 48 kept float32 for MLA on a slower f16 decode; that
+    was the expert cache giving all its experts for a few MB, fixed in ExpertStore.shrink_cap, stop 49.)  Else the
+    compute dtype."""
     if name != "auto":
         return jnp.dtype(name).type
-    if jnp.dtype(dtype) != jnp.float32 or (cfg is not None and cfg.model_type == "glm_moe_dsa"):
+    if jnp.dtype(dtype) != jnp.float32:
         return jnp.dtype(dtype).type
     return jnp.float16
 

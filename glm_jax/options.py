@@ -102,9 +102,8 @@ OPTIONS = [
         ("auto", "float32", "bfloat16"), main=True),
     Opt("kv_cache_dtype", "auto", "enum", "Storage dtype of the K/V cache (MLA: the latent, rope and indexer keys). "
         "auto: float16 where the compute dtype is float32 (half the memory of a float32 cache, as llama.cpp's "
-        "default f16 cache; each value is widened to f32 exactly where attention reads it) for GQA models "
-        "(glm4_moe); MLA models (glm_moe_dsa) keep float32 (their f16 decode is slower, not yet profiled); else "
-        "the compute dtype. float32: the cache as transformers keeps it at float32 (the golden tests' bitwise parity).",
+        "default f16 cache; each value is widened to f32 exactly where attention reads it); else the compute dtype. "
+        "float32: the cache as transformers keeps it at float32 (the golden tests' bitwise parity).",
         ("auto", "float32", "float16", "bfloat16"), main=True),
     Opt("kernels", "auto", "enum", "Expert (and quantized dense) matrix products and decode attention: native (C++ kernels through jax.ffi, "
         "built on first use with the machine's C++ compiler into the per-user cache; int8 activations x int4/int8 "
