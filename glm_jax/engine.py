@@ -585,16 +585,25 @@ class Engine(Runner):
         def lacking(free_now, w=None):
             return -(free_now + later - max(later, F.LATER_COMPILE) + self.store.shrink_room(w))
 
-        short = lacking(free) if refuse else 0
-        if short > 0:
-            # before a refusal: a smaller working set (a decode's experts fetched in rounds), halved down to one
-            # expert, as the plan lowers it before refusing a load.  The f16 K/V cache's plan in the GLM-4.5-Air
-            # slice's 0.3x box spends the bytes it saved on a working set of 8 (one round a decode) where f32's had
-            # 4; without this its 2 rows refused a ~920-token request that f32's served (stop 48)
+        # what the cap's steps cannot give (at a working set of w)
+        def uncovered(free_now, w=None):
+            return -(free_now + self.store.shrink_room(w))
+
+        def lowered(short_at, short):
+            """The working set halved, down to one expert, while ``short_at(free at it, it)`` is still positive
+            (the store then fetches a decode's experts in rounds of it): (that working set, what is still short)."""
             w = self._fit.inputs.working_set
             while short > 0 and w > 1:
                 w = max(1, w // 2)
-                short = lacking(self._free_bytes(grow, later, w) - transient, w)
+                short = short_at(self._free_bytes(grow, later, w) - transient, w)
+            return w, short
+
+        short = lacking(free) if refuse else 0
+        if short > 0:
+            # before a refusal, as the plan lowers it before refusing a load.  The f16 K/V cache's plan in the
+            # GLM-4.5-Air slice's 0.3x box spends the bytes it saved on a working set of 8 (one round a decode) where
+            # f32's had 4; without this its 2 rows refused a ~920-token request that f32's served (stop 48)
+            w, short = lowered(lacking, short)
             if short <= 0:
                 self._set_working_set(w)
                 free = self._free_bytes(grow, later) - transient
@@ -608,18 +617,14 @@ class Engine(Runner):
                 f"fetched one at a time; a "
                 f"shorter request, fewer rows ({self.opts.label('max_batch')}) or a larger budget "
                 f"({self.opts.label('ram_gb')})")
-        if free < 0:
+        if free < 0 and uncovered(free) > 0:
             # the cap's steps below the working set free one expert of every layer less the fetched layer's
             # transient slot, so with one streamed layer nothing: where they cannot cover what is short, the working
-            # set is halved first (the GLM-5.2 slice's server gave its whole cache, 32 -> 1, for 34 MB; stop 49)
-            w0 = w = self._fit.inputs.working_set
-            fw = free
-            while fw + self.store.shrink_room(w) < 0 and w > 1:
-                w = max(1, w // 2)
-                fw = self._free_bytes(grow, later, w) - transient
-            if w != w0:
+            # set is lowered first (the GLM-5.2 slice's server gave its whole cache, 32 -> 1, for 34 MB; stop 49)
+            w, _ = lowered(uncovered, uncovered(free))
+            if w != self._fit.inputs.working_set:
                 self._set_working_set(w)
-                free = fw
+                free = self._free_bytes(grow, later) - transient
         if free < 0:
             self.store.shrink_cap(-free)
 
@@ -829,9 +834,7 @@ def pick_kv_dtype(name: str, dtype):
     compute dtype."""
     if name != "auto":
         return jnp.dtype(name).type
-    if jnp.dtype(dtype) != jnp.float32:
-        return jnp.dtype(dtype).type
-    return jnp.float16
+    return jnp.float16 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype).type
 
 
 def prefix_store_mb(opts, store) -> float:

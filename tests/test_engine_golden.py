@@ -56,9 +56,8 @@ def test_greedy_matches_transformers(case):
 def test_default_f16_kv_cache_stays_within_its_rounding_of_transformers(name):
     """The default K/V cache is float16 (--kv_cache_dtype=auto with f32 activations, llama.cpp's default), MLA
     models' included: half the bytes of the f32 cache transformers keeps.  Each stored K/V value is rounded to 11
-    significant bits, so the
-    logits move by a few 1e-3 (2-5e-3 measured on these fixtures against < 1e-4 with an f32 cache); every
-    position's top-1 and the 32 greedy tokens stay transformers'.  The cache really is f16 (the rows' arrays)."""
+    significant bits, so the logits move by a few 1e-3 (2-5e-3 measured on these fixtures against < 1e-4 with an
+    f32 cache); every position's top-1 and the 32 greedy tokens stay transformers'.  The cache really is f16 (the rows' arrays)."""
     path = os.path.join(GOLDEN, name)
     exp = dict(np.load(os.path.join(path, "expected.npz")))
     eng = glm_jax.Engine.load(path)
