@@ -40,6 +40,7 @@ from .runtime.runner import GenerationResult, Runner  # noqa: F401  (re-exported
 from .runtime.runner import bucket as _bucket  # noqa: F401  (tests, tools)
 from .runtime.scheduler import Request, Sampling, Scheduler
 from .runtime.speculative import draft_plan
+from .runtime.streaming import moe_call_bytes, segment_bytes, segment_width
 
 _COMPILE_S = [0.0]
 
@@ -90,6 +91,9 @@ class Tokenizer:
         """A chat prompt: text (one user message) or a list of {"role", "content"} messages (glm_jax/chat.py)."""
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         return chat.chat_ids(self, self.template, msgs)
+
+
+SEGMENT_MAX = 2048     # a long prompt's prefill segment (segment_tokens; llama.cpp's default -b)
 
 
 class Engine(Runner):
@@ -536,6 +540,44 @@ class Engine(Runner):
 
     def _kv_bytes(self) -> int:
         return _tree_bytes(self._cache) if self._cache is not None else 0
+
+    def segment_tokens(self, remaining: int, chunk: int):
+        """Runner.segment_tokens: a streamed prompt longer than two chunks, whose experts do not all stay in the
+        cache, is prefilled in segments of up to SEGMENT_MAX positions layer by layer (each expert read once a
+        segment a layer, streaming.segment_prefill).  Within a RAM budget a segment holds its buffers
+        (streaming.segment_bytes) in what the budget has free with the expert cache at its floor, and its MoE calls'
+        scratch (moe_call_bytes, their width lowered to fit) in what the plan keeps free for one prefill chunk's
+        activations (fit.chunk_acts: its attention blocks run at that chunk, never beside a MoE call).  The cache gives
+        that back first (``_keep_free``), and ``segment_done``'s refit returns it.  None (chunk by chunk) where that is
+        not two chunks, on a mesh, or with every expert resident."""
+        st = self.store
+        if (st is None or self.plan is not None or self.opts["fetch"] not in ("loop", "fused") or st.can_hold_all()
+                or remaining < 2 * chunk):
+            return None
+        item = jnp.dtype(self.dtype).itemsize
+        seg = min(int(remaining), SEGMENT_MAX)
+        kept = self._kept_plan()
+        if kept is None:
+            return seg, segment_width(self.cfg, chunk)
+        acts = F.chunk_acts(kept.inputs, kept.plan)
+        width = segment_width(self.cfg, chunk, acts)
+        beyond = max(0, moe_call_bytes(self.cfg, width) - acts)
+        # its attention blocks are the chunk's forward programs (Runner.forward's shapes): where those compile now,
+        # before_new_shapes keeps fit.LATER_COMPILE free for it, so the segment sizes itself beside that
+        viewed = self._cache_batch > 1
+        new = not {(1, chunk, self._cache_len, None, viewed, False), ("segment", chunk, width)} <= self._shapes_run
+        later = F.LATER_COMPILE if new else self._later_compile()
+        room = self._free_bytes(0, later) + st.shrink_room() - beyond
+        while seg >= 2 * chunk and segment_bytes(self.cfg, seg, width, item) > room:
+            seg //= 2
+        if seg < 2 * chunk:
+            return None
+        self._keep_free(0, later, transient=segment_bytes(self.cfg, seg, width, item) + beyond)
+        return seg, width
+
+    def segment_done(self):
+        if self._kept_plan() is not None and not self._refit_pending:
+            self._refit_memory()
 
     def memory_guard(self, kv_positions: int = 0, rows: int = 1):
         """Before a request's prefill (the scheduler's admission): keep the process inside its RAM budget when the

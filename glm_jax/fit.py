@@ -186,8 +186,12 @@ def refit_free(inp: FitInputs, plan: "FitPlan", private: int, kv_now: int, cache
     activations -- freed between forwards, so not in the measurement, but the next prefill allocates them again --
     and ``later`` for programs not compiled yet (LATER_COMPILE; Engine._later_compile)."""
     buffers = inp.buffers - (min(cache_cap, inp.working_set) * inp.max_rec if inp.released else 0)
-    acts = max(0, _workspace(inp, plan.prefill_chunk or inp.prefill_chunk) - COMPILE_BYTES - COMPILE_TRANSIENT)
-    return int(inp.budget - private - max(0, plan.kv_bytes - kv_now) - buffers - acts - later)
+    return int(inp.budget - private - max(0, plan.kv_bytes - kv_now) - buffers - chunk_acts(inp, plan) - later)
+
+
+def chunk_acts(inp: FitInputs, plan: "FitPlan") -> int:
+    """One prefill chunk's activations, as the plan reserves them (kept free by refit_free)."""
+    return max(0, _workspace(inp, plan.prefill_chunk or inp.prefill_chunk) - COMPILE_BYTES - COMPILE_TRANSIENT)
 
 
 def with_working_set(inp: FitInputs, w: int) -> FitInputs:

@@ -919,3 +919,51 @@ def test_where_the_caps_steps_free_too_little_the_guard_lowers_the_working_set(m
     stub.private = private - 200 * MB
     stub._refit_memory()
     assert stub.store.round_limit is None and stub._fit.inputs == inp
+
+
+def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkeypatch):
+    """Engine.segment_tokens in a RAM budget: the segment (streaming.segment_bytes: two [S, H] buffers and the
+    routing) is sized to what is measured free plus what the cache's steps can give (halved from the prompt or
+    SEGMENT_MAX), its MoE calls' width to the chunk's activation reserve (fit.chunk_acts), and the cache is asked
+    for exactly what the segment lacks; where not even two chunks fit, the prompt goes chunk by chunk and nothing is
+    taken."""
+    import types
+
+    from glm_jax import memory as MEM
+    from glm_jax.engine import SEGMENT_MAX, Engine
+    from glm_jax.runtime import streaming as ST
+
+    monkeypatch.setattr(MEM, "trim", lambda: None)
+    inp = inputs(budget=800 * MB, kv_tokens=1024, kv_fixed=True, rec_sum=20 * MB, max_rec=10 * MB, working_set=8,
+                 buffers=80 * MB, num_experts=128, released=True, prefill_chunk=32, act_per_position=700_000,
+                 workspace=F.COMPILE_BYTES + F.COMPILE_TRANSIENT + 32 * 700_000)
+    cfg = types.SimpleNamespace(hidden_size=4096, moe_intermediate_size=1408, num_experts_per_tok=8)
+
+    def stub_at(free_now):
+        stub = _guard_stub(inp, private=0, cap=12, W=8)
+        stub.private = stub._free_bytes(0, F.LATER_COMPILE) - free_now
+        stub.store.can_hold_all = lambda: False
+        stub.cfg, stub.dtype, stub.plan, stub._cache_len, stub._cache_batch = cfg, np.float32, None, 2048, 2
+        stub._shapes_run = set()
+        stub.opts = glm_jax.options.resolve({"fetch": "loop"})
+        stub.segment_tokens = Engine.segment_tokens.__get__(stub)
+        return stub
+
+    acts = F.chunk_acts(inp, F.plan(inp))
+    width = ST.segment_width(cfg, 32, acts)
+    assert width == 128 and ST.moe_call_bytes(cfg, width) <= acts < ST.moe_call_bytes(cfg, 2 * width)
+    room = stub_at(0).store.shrink_room()
+    assert room == 4 * 20 * MB + 7 * 10 * MB        # 12 -> 8 an expert a layer each, below 8 less the transient slot
+    for free_now in (20 * MB, -140 * MB):
+        stub = stub_at(free_now)
+        got = stub.segment_tokens(1900, 32)
+        want = min(1900, SEGMENT_MAX)
+        while ST.segment_bytes(cfg, want, width) > free_now + room:
+            want //= 2
+        assert got == (want, width) and want >= 64, (free_now, got)
+        need = ST.segment_bytes(cfg, want, width) - free_now
+        assert stub.store.shrunk == ([need] if need > 0 else []), (stub.store.shrunk, need)
+    assert stub_at(-140 * MB).segment_tokens(1900, 32)[0] == 237         # 1900 halved three times
+    none = stub_at(-148 * MB)                                             # 2 MB: not two chunks' 8.4 MB
+    assert none.segment_tokens(1900, 32) is None and none.store.shrunk == []
+    assert stub_at(20 * MB).segment_tokens(63, 32) is None                # shorter than two chunks

@@ -349,3 +349,72 @@ def test_a_working_set_below_top_k_decodes_in_rounds_with_oracle_parity(exp, mon
     res = _gen(eng, exp, 32)
     assert res.tokens == exp["greedy_tokens"].tolist()
     assert sizes and max(sizes) == 1                 # one expert a fetch: the rounds ran
+
+
+@pytest.mark.parametrize("src,working_set", [(SRC, None), (SRC, 2), (os.path.join(GOLDEN, "dsa_sparse"), None)])
+def test_a_long_prompt_prefills_layer_by_layer_reading_each_expert_once(monkeypatch, src, working_set):
+    """streaming.segment_prefill: a prompt's attention in blocks (here 4 blocks of 4), then each layer's routed
+    experts over every position at once, so no expert is fetched twice in a layer (chunk by chunk fetched a chunk's
+    misses again for every chunk: 9x the experts for a ~1900-token prompt in the GLM-4.5-Air slice's 0.3x box,
+    stop 49).  The last position's logits are transformers' (GLM-4.5's GQA; GLM-5's MLA + DSA, whose blocks pass
+    the indexer's selection on), with the union fetched in rounds of a working set of 2 as well."""
+    exp = dict(np.load(os.path.join(src, "expected.npz")))
+    if working_set:
+        monkeypatch.setattr(glm_jax.engine, "working_set", lambda cfg, opts=None: working_set)
+    eng = glm_jax.Engine.load(src, fetch="loop", cache_cap=1, kv_cache_dtype="float32")
+    try:
+        fetched, fetch = [], eng.store.fetch
+        monkeypatch.setattr(eng.store, "fetch",
+                            lambda L, ids, *a, **k: fetched.append((L, list(ids))) or fetch(L, ids, *a, **k))
+        ids = exp["input_ids"][0].tolist()
+        eng._ensure_cache(1, len(ids) + 1)
+        lg, li = eng.prefill_segment(np.asarray(ids), 0, 4, 8)
+        assert li == 3
+        assert np.abs(np.asarray(lg)[0, li] - exp["logits"][0][-1]).max() < 1e-4
+        for L in eng.cfg.moe_layers:
+            got = [e for l, part in fetched if l == L for e in part]
+            assert got and len(got) == len(set(got)), (L, got)       # each expert of the layer fetched once
+            assert max(len(p) for l, p in fetched if l == L) <= eng.store.call_limit(L)
+        assert len(fetched) > len(eng.cfg.moe_layers) or not working_set
+    finally:
+        eng.close()
+
+
+def test_the_scheduler_prefills_a_long_streamed_prompt_in_segments(int4_dir):
+    """A streamed prompt longer than two prefill chunks goes through segment_prefill (Engine.segment_tokens), reads
+    fewer experts than chunk by chunk and gives the same greedy tokens; one of two chunks or less, or every expert
+    resident, stays chunk by chunk."""
+    ids = np.random.default_rng(0).integers(1, 300, 100).tolist()
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=2, prefill_chunk=16, prefix_cache=False)
+    try:
+        assert eng.segment_tokens(100, 16) == (100, 512) and eng.segment_tokens(31, 16) is None
+        seg = eng.generate(ids, max_new_tokens=12, stop_on_eos=False)
+        assert eng._route_acc.get("segment_layers") == len(eng.cfg.moe_layers)
+        eng.segment_tokens = lambda *a: None
+        chunked = eng.generate(ids, max_new_tokens=12, stop_on_eos=False)
+        assert "segment_layers" not in eng._route_acc
+        assert seg.tokens == chunked.tokens
+        assert seg.stats["expert_loads"] < chunked.stats["expert_loads"]
+    finally:
+        eng.close()
+    whole = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=64, prefill_chunk=16)
+    try:
+        assert whole.store.can_hold_all() and whole.segment_tokens(100, 16) is None
+    finally:
+        whole.close()
+
+
+def test_a_segments_last_round_holds_the_last_positions_experts():
+    """The decode after a segment starts from the experts its last positions routed to, as after a chunk: they are
+    fetched last (and stay cached); before them the cached experts come first, so none is evicted before its round."""
+    from glm_jax.runtime.streaming import _round_order
+
+    ids = np.array([[[0, 1]], [[2, 3]], [[4, 5]], [[6, 1]]])          # 4 groups of one position, top-2
+    m = np.ones_like(ids, bool)
+    resident = np.zeros(8, bool)
+    resident[[2, 4]] = True
+    got = _round_order(np.arange(7), ids, m, resident, 2)
+    assert sorted(got.tolist()) == list(range(7))
+    assert set(got[-2:].tolist()) == {6, 1}                          # the last position's experts: the last round
+    assert set(got[:2].tolist()) == {2, 4}                           # the cached ones first
+    assert _round_order(np.arange(2), ids, m, resident, 2).tolist() == [0, 1]

@@ -28,7 +28,7 @@ from ..errors import GlmJaxError, NonFiniteError, PluginError
 from ..fit import KV_DEFAULT_TOKENS
 from ..model.modules import GlmModel, Split
 from .stats import routing_summary
-from .streaming import stream_step
+from .streaming import segment_prefill, stream_step
 
 BIG_POS = 1 << 30     # start of a row that takes no part in a forward: its K/V writes fall outside the cache
 
@@ -144,6 +144,34 @@ class Runner:
         """Called by a streamed ``forward`` whose shapes (rows, positions, the cache's length, ...) have not run
         since its programs were last dropped: they compile now.  Where the run keeps a RAM budget the engine makes
         room for the compile first (``Engine.before_new_shapes``)."""
+
+    def segment_tokens(self, remaining: int, chunk: int):
+        """(positions, MoE width) of a prompt's ``remaining`` ones that the scheduler's next prefill step may take
+        at once, layer by layer (``prefill_segment``); None: chunk by chunk.  The engine decides
+        (``Engine.segment_tokens``)."""
+        return None
+
+    def prefill_segment(self, tokens: np.ndarray, start: int, chunk: int, width: int, row: Optional[int] = None):
+        """A streamed prefill of ``tokens`` (one prompt's, at positions start..) layer by layer, attention in blocks
+        of ``chunk``, the routed experts ``width`` positions a call (streaming.segment_prefill).  Returns (logits
+        [1, chunk, V] of the last block, the last token's index in it)."""
+        self._check_open()
+        viewed = row is not None and self._cache_batch > 1
+        # its attention blocks run the programs of a prefill chunk's forward (``forward``'s shapes), its MoE calls
+        # their own at ``width``
+        shapes = [(1, int(chunk), self._cache_len, None, viewed, False), ("segment", int(chunk), int(width))]
+        if not all(s in self._shapes_run for s in shapes):
+            self.before_new_shapes()
+        logits, li = segment_prefill(self, np.asarray(tokens, np.int32), int(start), int(chunk), int(width),
+                                     row if viewed else None)
+        self._shapes_run.update(shapes)
+        if not bool(all_finite(logits, jnp.asarray([li + 1], jnp.int32))):
+            raise nonfinite_error(self, int(start), int(start) + len(tokens) - 1)
+        return logits, li
+
+    def segment_done(self):
+        """After a request's last prefill segment: the engine may hand what the segment took back to the expert
+        cache."""
 
     def memory_guard(self, kv_positions: int = 0, rows: int = 1):
         """Called by the scheduler before a request's prefill, with the positions the KV cache is about to grow by

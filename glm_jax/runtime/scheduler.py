@@ -548,28 +548,40 @@ class Scheduler:
     def _prefill_chunk(self, req: Request):
         rt = self.rt
         P = len(req.prompt)
-        n = min(self.chunk, P - req.pf_done)
-        T = min(SHORT_PREFILL if n <= SHORT_PREFILL and self._short_prefill() else bucket(n), max(self.chunk, n))
-        last = req.pf_done + n == P
-        toks = np.zeros((1, T), np.int32)
-        toks[0, :n] = req.prompt[req.pf_done:req.pf_done + n]
-        lr = np.zeros((1, T), bool)
-        if last:
-            lr[0, n - 1] = True
+        mtp = req.plan is not None and req.plan.source == "mtp"      # keeps every position's hidden state
+        seg = None if mtp else rt.segment_tokens(P - req.pf_done, self.chunk)
         c0, t0 = rt.compile_s, time.perf_counter()
-        logits, hidden = rt.forward(toks, np.array([req.pf_done], np.int32), np.array([n], np.int32), logit_rows=lr,
-                                    row=req.row if self.B > 1 else None,
-                                    window=self._window(max(req.pf_done + T, PREFILL_MIN_WINDOW)))
-        if req.plan is not None and req.plan.source == "mtp":
-            req.hidden.append(hidden[0, :n])
+        if seg:
+            # a long streamed prompt: up to seg[0] positions layer by layer (each expert read once a layer)
+            n = seg[0]
+            last = req.pf_done + n == P
+            logits, li = rt.prefill_segment(req.prompt[req.pf_done:req.pf_done + n], req.pf_done, self.chunk, seg[1],
+                                            row=req.row if self.B > 1 else None)
+            if last:
+                rt.segment_done()
+        else:
+            n = min(self.chunk, P - req.pf_done)
+            T = min(SHORT_PREFILL if n <= SHORT_PREFILL and self._short_prefill() else bucket(n), max(self.chunk, n))
+            last = req.pf_done + n == P
+            toks = np.zeros((1, T), np.int32)
+            toks[0, :n] = req.prompt[req.pf_done:req.pf_done + n]
+            lr = np.zeros((1, T), bool)
+            if last:
+                lr[0, n - 1] = True
+            logits, hidden = rt.forward(toks, np.array([req.pf_done], np.int32), np.array([n], np.int32),
+                                        logit_rows=lr, row=req.row if self.B > 1 else None,
+                                        window=self._window(max(req.pf_done + T, PREFILL_MIN_WINDOW)))
+            li = n - 1
+            if mtp:
+                req.hidden.append(hidden[0, :n])
         req.pf_done += n
         if last:
             i = req.row
             if req.processor is not None:
-                tok, key = self._sample_hosted(logits[0, n - 1][None], self.keys[i][None], [req], [0])
+                tok, key = self._sample_hosted(logits[0, li][None], self.keys[i][None], [req], [0])
                 tok, key = int(tok[0]), key[0]
             else:
-                tok, key = _sample_one(rt, logits, n - 1, self.keys[i], req.sampling)
+                tok, key = _sample_one(rt, logits, li, self.keys[i], req.sampling)
             self.keys[i] = key
             req.prefill_s += time.perf_counter() - t0 - (rt.compile_s - c0)
             req.store_prefill = rt.store.stats() if rt.store is not None else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -620,3 +621,189 @@ def _fused_step(engine, tokens, start, lengths, logit_rows=None):
     fused_finish(engine, st, 1)
     engine._accumulate(summ)
     return logits, hidden, engine._cache
+
+
+# ----------------------------------------------------------------------------- a long prompt, layer by layer
+SEGMENT_MOE_TOKENS = 512     # a segment's routed experts run over at most this many positions a call (llama.cpp's -ub)
+SEGMENT_PAIR_CAP = 2         # ... at most this many (t, k) pairs a position a call: the kernel's scratch (rows split)
+
+
+def segment_bytes(cfg, tokens: int, width: int, dtype_bytes: int = 4) -> int:
+    """What ``segment_prefill`` holds through a segment of ``tokens`` positions: the layer's input / output and its
+    normed copy (two [S, H] buffers, S padded to the MoE calls' ``width``) and the routing of every position."""
+    S = -(-int(tokens) // int(width)) * int(width)
+    return 2 * S * cfg.hidden_size * dtype_bytes + S * cfg.num_experts_per_tok * 9
+
+
+def moe_call_bytes(cfg, width: int) -> int:
+    """One of a segment's MoE calls beside that: glmjax_moe's scratch ([pairs, 2I + I + H] f32 at SEGMENT_PAIR_CAP
+    pairs a position) and XLA's [width, H] f32 output and sum."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    return int(width) * (SEGMENT_PAIR_CAP * (3 * I + H) * 4 + 3 * H * 4)
+
+
+def segment_width(cfg, chunk: int, room: Optional[int] = None) -> int:
+    """Positions a segment's MoE call covers: ``chunk`` x a power of two, up to SEGMENT_MOE_TOKENS, and where
+    ``room`` is given no more than its moe_call_bytes fit (at least one chunk).  Each call streams its experts'
+    weights from RAM once, so wider is faster where memory allows."""
+    c = max(1, int(chunk))
+    w = c
+    while 2 * w <= SEGMENT_MOE_TOKENS and (room is None or moe_call_bytes(cfg, 2 * w) <= room):
+        w *= 2
+    return w
+
+
+def _seg_fns(engine, c: int, G: int):
+    key = ("segment", c, G)
+    fns = engine._jits.get(key)
+    if fns is not None:
+        return fns
+    cfg = engine.cfg
+
+    @jax.jit
+    def take(buf, off):
+        return jax.lax.dynamic_slice_in_dim(buf, off, c, axis=0)[None]
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def put(buf, x, off):
+        return jax.lax.dynamic_update_slice_in_dim(buf, x[0].astype(buf.dtype), off, axis=0)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def shared(acc, hn, real, mp):
+        """acc (the attention's output h) + the shared expert of hn, at the real positions."""
+        return acc + M.mlp(mp["shared"], hn[None], real)[0].astype(acc.dtype)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def routed(acc, hn, ids, w, m, bank, slot_of):
+        """acc + the routed experts ``m`` marks (one round's fetch), every position of the buffer in one call."""
+        return acc + M.moe_routed(hn, ids, w, m, bank, slot_of).astype(acc.dtype)
+
+    fns = engine._jits[key] = dict(take=take, put=put, shared=shared, routed=routed)
+    return fns
+
+
+def _pair_splits(m: np.ndarray, cap: int):
+    """Row ranges of the mask ``m`` [N, K] whose (t, k) pairs stay <= cap each (a range is at least one row)."""
+    per = m.sum(-1)
+    out, r0, acc = [], 0, 0
+    for r, p in enumerate(per):
+        if acc + p > cap and r > r0:
+            out.append((r0, r))
+            r0, acc = r, 0
+        acc += int(p)
+    if acc:
+        out.append((r0, len(per)))
+    return out
+
+
+def _round_order(union, ids, m, resident, lim):
+    """The order a segment fetches a layer's union in: the experts the last positions route to last (the last round
+    stays in the cache for the decode that follows, as a chunk's last experts do), before them the cached ones
+    first (none evicted before its round)."""
+    if union.size <= lim:
+        return union
+    flat, mf = ids.reshape(-1, ids.shape[-1]), m.reshape(-1, m.shape[-1])
+    last = np.full(int(union.max()) + 1, -1)
+    t, k = np.nonzero(mf)
+    np.maximum.at(last, flat[t, k], t)
+    order = union[np.argsort(last[union], kind="stable")]
+    head, tail = order[:-lim], order[-lim:]
+    return np.concatenate([head[resident[head]], head[~resident[head]], tail])
+
+
+def segment_prefill(engine, tokens: np.ndarray, start: int, chunk: int, width: int, row=None):
+    """A prompt's ``n`` tokens (positions start..start+n-1) prefilled layer by layer: each layer runs its attention
+    over the segment in blocks of ``chunk`` positions (the cache written in order, so a block attends to the ones
+    before it), then its routed experts over every position, ``width`` positions a call (segment_width): each expert
+    the segment routes to is fetched once a layer (in rounds of ``store.call_limit``), where chunk-by-chunk prefill
+    fetches a chunk's misses again for every chunk (a ~1900-token prompt in the GLM-4.5-Air slice's 0.3x box read
+    9x its experts, stop 49).  A round's call is split by rows where its (t, k) pairs pass SEGMENT_PAIR_CAP a
+    position (the kernel's scratch).  Returns (logits [1, chunk, V] of the last block, the last token's index in
+    it).  The routed sum is taken round by round, not in routing order: the chunked forward's within rounding."""
+    cfg, params, store = engine.cfg, engine.params, engine.store
+    f = _fns(engine)
+    c = int(chunk)
+    G = max(1, int(width) // c)
+    g = _seg_fns(engine, c, G)
+    n = int(len(tokens))
+    nb = -(-n // c)
+    ng = -(-nb // G)
+    W = G * c
+    rw = None if row is None else jnp.int32(row)
+    starts = [jnp.asarray([start + j * c], jnp.int32) for j in range(nb)]
+    lens = [min(c, n - j * c) for j in range(nb)]
+    valid = [jnp.asarray(np.arange(c)[None, :] < lens[j]) for j in range(nb)]
+    emb = {"embed": params["embed"], "norm": params["norm"]}
+    bufs = None
+    for j in range(nb):
+        toks = np.zeros((1, c), np.int32)
+        toks[0, :lens[j]] = tokens[j * c:j * c + lens[j]]
+        x = f["embed"](emb, jnp.asarray(toks))
+        if bufs is None:       # (host zeros: no op-by-op program compiled and kept for these shapes)
+            bufs = [jnp.asarray(np.zeros((W, x.shape[-1]), x.dtype)) for _ in range(ng)]
+            hns = [jnp.asarray(np.zeros((W, x.shape[-1]), x.dtype)) for _ in range(ng)]
+        bufs[j // G] = g["put"](bufs[j // G], x, np.int32((j % G) * c))
+    K = cfg.num_experts_per_tok
+    real = [np.zeros((W,), bool) for _ in range(ng)]
+    for j in range(nb):
+        real[j // G][(j % G) * c:(j % G) * c + lens[j]] = True
+    real_d = [jnp.asarray(r.reshape(1, W)) for r in real]
+    cache = engine._cache
+    sels = [None] * nb
+    trace = [] if engine.opts["route_trace"] else None
+    for i, lp in enumerate(params["layers"]):
+        k = _layer_key(cfg, i)
+        if "moe" not in lp:
+            for j in range(nb):
+                off = np.int32((j % G) * c)
+                x, cache[i], sels[j] = f["dense"](k, lp, g["take"](bufs[j // G], off), cache[i], starts[j], sels[j],
+                                                  valid[j], rw)
+                bufs[j // G] = g["put"](bufs[j // G], x, off)
+            continue
+        ids_np = np.zeros((ng, W, K), np.int32)
+        w_np = np.zeros((ng, W, K), np.float32)
+        m_np = np.zeros((ng, W, K), bool)
+        res = jnp.asarray(engine.resident_for(i))
+        for j in range(nb):
+            gi, off = j // G, np.int32((j % G) * c)
+            h, hn, cache[i], sels[j], ids, w, vm, _, summ = f["attn_route"](
+                k, lp, g["take"](bufs[gi], off), cache[i], starts[j], sels[j], valid[j], res, None, np.int32(i), rw)
+            engine._accumulate(summ)
+            bufs[gi] = g["put"](bufs[gi], h, off)
+            hns[gi] = g["put"](hns[gi], hn, off)
+            o = (j % G) * c
+            ids_np[gi, o:o + c] = np.asarray(ids)
+            m_np[gi, o:o + c] = np.asarray(vm)
+            w_np[gi, o:o + c] = np.asarray(w, np.float32)
+        for gi in range(ng):
+            bufs[gi] = g["shared"](bufs[gi], hns[gi], real_d[gi], lp["moe"])
+        union = np.unique(ids_np[m_np])
+        if trace is not None:
+            trace.append([i, union.tolist()])
+        _acc(engine, "union_experts", len(union))
+        _acc(engine, "moe_layer_forwards", 1)
+        _acc(engine, "segment_layers", 1)
+        lim = store.call_limit(i)
+        union = _round_order(union, ids_np, m_np, store.resident_mask(i), lim)
+        ids_d, w_all = [jnp.asarray(a) for a in ids_np], [jnp.asarray(a) for a in w_np]
+        cap = W * SEGMENT_PAIR_CAP
+        for r0 in range(0, len(union), lim):
+            part = union[r0:r0 + lim]
+            bank, slot_of = store.fetch(i, part)
+            so = jnp.asarray(slot_of)
+            for gi in range(ng):
+                mg = m_np[gi] & np.isin(ids_np[gi], part)
+                for a, b in _pair_splits(mg, cap):
+                    mm = np.zeros_like(mg)
+                    mm[a:b] = mg[a:b]
+                    bufs[gi] = g["routed"](bufs[gi], hns[gi], ids_d[gi], w_all[gi], jnp.asarray(mm), bank, so)
+            jax.block_until_ready(bufs)           # the next round's fetch may take these slots
+    last = nb - 1
+    x = g["take"](bufs[last // G], np.int32((last % G) * c))
+    lr = np.zeros((1, c), bool)
+    lr[0, lens[last] - 1] = True
+    logits, _ = f["head"](params["norm"], params["lm_head"], x, jnp.asarray(lr))
+    engine._cache = cache
+    if trace:
+        write_route_trace(engine, trace)
+    return logits, lens[last] - 1
