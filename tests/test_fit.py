@@ -944,7 +944,7 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
         stub.private = stub._free_bytes(0, F.LATER_COMPILE) - free_now
         stub.store.can_hold_all = lambda: False
         stub.cfg, stub.dtype, stub.plan, stub._cache_len, stub._cache_batch = cfg, np.float32, None, 2048, 2
-        stub._shapes_run = set()
+        stub._shapes_run = {(1, 32, 2048, None, True, False)}            # the chunk's programs ran at this length
         stub.opts = glm_jax.options.resolve({"fetch": "loop"})
         stub.segment_tokens = Engine.segment_tokens.__get__(stub)
         return stub
@@ -967,3 +967,6 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
     none = stub_at(-148 * MB)                                             # 2 MB: not two chunks' 8.4 MB
     assert none.segment_tokens(1900, 32) is None and none.store.shrunk == []
     assert stub_at(20 * MB).segment_tokens(63, 32) is None                # shorter than two chunks
+    first = stub_at(20 * MB)
+    first._shapes_run = set()          # the chunk's programs not compiled at this length: one chunk goes first
+    assert first.segment_tokens(1900, 32) is None and first.store.shrunk == []
