@@ -941,7 +941,7 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
 
     def stub_at(free_now):
         stub = _guard_stub(inp, private=0, cap=12, W=8)
-        stub.private = stub._free_bytes(0, F.LATER_COMPILE) - free_now
+        stub.private = stub._free_bytes(0, F.LATER_COMPILE_WARM) - free_now
         stub.store.can_hold_all = lambda: False
         stub.cfg, stub.dtype, stub.plan, stub._cache_len, stub._cache_batch = cfg, np.float32, None, 2048, 2
         stub._shapes_run = {(1, 32, 2048, None, True, False)}            # the chunk's programs ran at this length

@@ -419,19 +419,3 @@ def test_a_segments_last_round_holds_the_last_positions_experts():
     assert set(got[:2].tolist()) == {2, 4}                           # the cached ones first
     assert _round_order(np.arange(2), ids, m, resident, 2).tolist() == [0, 1]
 
-
-def test_a_streamed_servers_warmup_compiles_its_first_prefill_segment(int4_dir):
-    """Scheduler.warmup runs a prompt of two chunks: a streamed run's first segment compiles its own programs there
-    (counted by the refit after the warm-up), not at the first long prompt, where they would need the compile
-    reserve beside the segment's buffers (the GLM-4.5-Air slice's 0.3x box then prefilled 1900 tokens chunk by
-    chunk, stop 50).  A long prompt after it runs in segments and compiles nothing."""
-    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=2, prefill_chunk=16, max_batch=1)
-    try:
-        eng.scheduler.warmup(lengths=(8,))
-        c0 = eng.compile_s
-        res = eng.generate(np.random.default_rng(1).integers(1, 300, 40).tolist(), max_new_tokens=2,
-                           stop_on_eos=False)
-        assert eng._route_acc.get("segment_layers") == len(eng.cfg.moe_layers)
-        assert len(res.tokens) == 2 and eng.compile_s == c0
-    finally:
-        eng.close()

@@ -299,8 +299,7 @@ class Scheduler:
         (its replies decode into the next window after ~56 tokens); then a prefix-cache hit's prefill, and the
         prefill of every other bucket from 32 tokens up to ``--prefill_chunk`` that fits the K/V cache as the rest
         left it (a server's: the planned length, ``kv_reserve``; else 256 positions, where a longer prompt would
-        grow the cache, and with it every program), and a prompt of two chunks (a streamed run's first prefill
-        segment, Runner.segment_tokens).  Longer windows still
+        grow the cache, and with it every program).  Longer windows still
         compile on first use, and so does each real length of a prompt shorter than 16 tokens (its prefill
         computes the real rows' experts only); the persistent compile cache keeps all of them for the next start
         (but for programs holding a Python host callback: --fetch=callback / fused, meshes).  Everything it wrote
@@ -358,13 +357,6 @@ class Scheduler:
                                      1, streamed=False, new_tokens=1, raise_error=False) is not None:
                 break                                    # (e.g. no room for its K/V: later requests will say so)
             T *= 2
-        # a long streamed prompt's first segment (streaming.segment_prefill's own programs), where the runtime takes
-        # one: compiled here, and counted by the refit after the warm-up, rather than at the first long prompt,
-        # where they would need fit.LATER_COMPILE beside the segment
-        n = 2 * self.chunk
-        if n + 2 <= min(lim, self.rt._cache_len):
-            batch([2 + (3 * i) % max(1, vocab - 2) for i in range(n)], 1, streamed=False, new_tokens=1,
-                  raise_error=False)
         self.forget()
         self.counters.clear()
         return self.rt.compile_s - c0, time.perf_counter() - t0
