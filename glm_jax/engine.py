@@ -562,7 +562,7 @@ class Engine(Runner):
         # its attention blocks run a prefill chunk's programs (Runner.forward's shapes): where those have not run
         # at this cache length, one chunk goes first and compiles them beside no segment (the GLM-5.2 slice's first
         # segment compiling them in its 0.3x box took 9.8 s where the chunk's compile takes ~3 s)
-        if (1, chunk, self._cache_len, None, self._cache_batch > 1, False) not in self._shapes_run:
+        if self._stream_shapes(1, chunk, None, self._cache_batch > 1, False) not in self._shapes_run:
             return None
         acts = F.chunk_acts(kept.inputs, kept.plan)
         width = segment_width(self.cfg, chunk, acts)

@@ -947,6 +947,7 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
         stub._shapes_run = {(1, 32, 2048, None, True, False)}            # the chunk's programs ran at this length
         stub.opts = glm_jax.options.resolve({"fetch": "loop"})
         stub.segment_tokens = Engine.segment_tokens.__get__(stub)
+        stub._stream_shapes = Engine._stream_shapes.__get__(stub)
         return stub
 
     acts = F.chunk_acts(inp, F.plan(inp))

@@ -419,3 +419,19 @@ def test_a_segments_last_round_holds_the_last_positions_experts():
     assert set(got[:2].tolist()) == {2, 4}                           # the cached ones first
     assert _round_order(np.arange(2), ids, m, resident, 2).tolist() == [0, 1]
 
+
+
+def test_a_segments_kernel_call_is_split_by_rows_where_its_pairs_pass_the_cap():
+    """streaming._pair_splits: row ranges whose (t, k) pairs stay within the cap (one range where they all do, none
+    where there is none, and a row over the cap alone)."""
+    from glm_jax.runtime.streaming import _pair_splits
+
+    m = np.zeros((6, 4), bool)
+    assert _pair_splits(m, 4) == []
+    m[[0, 2, 5], 0] = True
+    assert _pair_splits(m, 4) == [(0, 6)]
+    m[1] = True                                  # 4 pairs in row 1
+    m[3, :3] = True                              # 3 in row 3
+    got = _pair_splits(m, 4)
+    assert got == [(0, 1), (1, 2), (2, 5), (5, 6)]          # greedy: a range closes where the next row passes
+    assert all(m[a:b].sum() <= 4 for a, b in got) and got[0][0] == 0 and got[-1][1] == 6

@@ -145,6 +145,11 @@ class Runner:
         since its programs were last dropped: they compile now.  Where the run keeps a RAM budget the engine makes
         room for the compile first (``Engine.before_new_shapes``)."""
 
+    def _stream_shapes(self, B: int, T: int, moe_rows, viewed: bool, all_logits: bool) -> tuple:
+        """What a streamed forward's programs are compiled for (``_shapes_run``'s entries): rows, positions, the
+        cache's length, padded rows, a row view, all positions' logits or some."""
+        return (B, T, self._cache_len, moe_rows, viewed, all_logits)
+
     def segment_tokens(self, remaining: int, chunk: int):
         """(positions, MoE width) of a prompt's ``remaining`` ones that the scheduler's next prefill step may take
         at once, layer by layer (``prefill_segment``); None: chunk by chunk.  The engine decides
@@ -159,7 +164,7 @@ class Runner:
         viewed = row is not None and self._cache_batch > 1
         # its attention blocks run the programs of a prefill chunk's forward (``forward``'s shapes), its MoE calls
         # their own at ``width``
-        shapes = [(1, int(chunk), self._cache_len, None, viewed, False), ("segment", int(chunk), int(width))]
+        shapes = [self._stream_shapes(1, int(chunk), None, viewed, False), ("segment", int(chunk), int(width))]
         if not all(s in self._shapes_run for s in shapes):
             self.before_new_shapes()
         logits, li = segment_prefill(self, np.asarray(tokens, np.int32), int(start), int(chunk), int(width),
@@ -326,7 +331,7 @@ class Runner:
             self._accumulate(summ)
         else:
             viewed = row is not None and self._cache_batch > 1
-            shapes = (B, T, self._cache_len, moe_rows, viewed, lr is None)
+            shapes = self._stream_shapes(B, T, moe_rows, viewed, lr is None)
             if shapes not in self._shapes_run:
                 self.before_new_shapes()          # this forward's programs compile now (Engine: room for it)
             logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr, row if viewed else None)

@@ -658,7 +658,6 @@ def _seg_fns(engine, c: int, G: int):
     fns = engine._jits.get(key)
     if fns is not None:
         return fns
-    cfg = engine.cfg
 
     @jax.jit
     def take(buf, off):
@@ -685,6 +684,9 @@ def _seg_fns(engine, c: int, G: int):
 def _pair_splits(m: np.ndarray, cap: int):
     """Row ranges of the mask ``m`` [N, K] whose (t, k) pairs stay <= cap each (a range is at least one row)."""
     per = m.sum(-1)
+    total = int(per.sum())
+    if total <= cap:                 # (the common case: no walk over the rows)
+        return [(0, len(per))] if total else []
     out, r0, acc = [], 0, 0
     for r, p in enumerate(per):
         if acc + p > cap and r > r0:
