@@ -353,7 +353,7 @@ def test_a_working_set_below_top_k_decodes_in_rounds_with_oracle_parity(exp, mon
 
 @pytest.mark.parametrize("src,working_set", [(SRC, None), (SRC, 2), (os.path.join(GOLDEN, "dsa_sparse"), None)])
 def test_a_long_prompt_prefills_layer_by_layer_reading_each_expert_once(monkeypatch, src, working_set):
-    """streaming.segment_prefill: a prompt's attention in blocks (here 4 blocks of 4), then each layer's routed
+    """streaming.segment_steps: a prompt's attention in blocks (here 4 blocks of 4), then each layer's routed
     experts over every position at once, so no expert is fetched twice in a layer (chunk by chunk fetched a chunk's
     misses again for every chunk: 9x the experts for a ~1900-token prompt in the GLM-4.5-Air slice's 0.3x box,
     stop 49).  The last position's logits are transformers' (GLM-4.5's GQA; GLM-5's MLA + DSA, whose blocks pass
@@ -381,7 +381,7 @@ def test_a_long_prompt_prefills_layer_by_layer_reading_each_expert_once(monkeypa
 
 
 def test_the_scheduler_prefills_a_long_streamed_prompt_in_segments(int4_dir):
-    """A streamed prompt longer than two prefill chunks goes through segment_prefill (Engine.segment_tokens), reads
+    """A streamed prompt longer than two prefill chunks goes through segment_steps (Engine.segment_tokens), reads
     fewer experts than chunk by chunk and gives the same greedy tokens; one of two chunks or less, or every expert
     resident, stays chunk by chunk."""
     ids = np.random.default_rng(0).integers(1, 300, 100).tolist()
@@ -402,6 +402,70 @@ def test_the_scheduler_prefills_a_long_streamed_prompt_in_segments(int4_dir):
         assert whole.store.can_hold_all() and whole.segment_tokens(100, 16) is None
     finally:
         whole.close()
+
+
+def test_other_rows_keep_decoding_while_a_segment_prefills(int4_dir, monkeypatch):
+    """While one row's long streamed prompt is prefilled in a segment, the other rows go on decoding: the segment
+    pauses every SEGMENT_SLICE_S of its work (here at every point it can) where nothing it dispatched is in flight,
+    and they take a step in between.  Before, the whole segment ran first: the other rows' next token waited
+    1-1.5 s in the GLM-4.5-Air slice's 0.3x box (stop 50).  Both requests give the tokens each gives alone, and the
+    segment still reads each expert once a layer."""
+    from glm_jax.runtime import scheduler as S
+
+    monkeypatch.setattr(S, "SEGMENT_SLICE_S", 0.0)
+    rng = np.random.default_rng(1)
+    short, long_ = rng.integers(1, 300, 10).tolist(), rng.integers(1, 300, 100).tolist()
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=2, prefill_chunk=16, prefix_cache=False, max_batch=2)
+    try:
+        alone = [eng.generate(p, max_new_tokens=n, stop_on_eos=False).tokens for p, n in ((short, 40), (long_, 6))]
+        sched = eng.scheduler
+        a = S.Request(short, S.Sampling(max_new_tokens=40, stop_on_eos=False))
+        sched.submit(a)
+        while a.state != "decode":
+            sched.step()
+        b = S.Request(long_, S.Sampling(max_new_tokens=6, stop_on_eos=False))
+        sched.submit(b)
+        during, decode = [], sched._decode
+        monkeypatch.setattr(sched, "_decode", lambda rows, n: during.append(b.seg_run is not None) or decode(rows, n))
+        loads0 = eng.store.stats()["expert_loads"]
+        sched.run([a, b])
+        assert sum(during) >= 3, during                 # a's steps while b's segment was under way
+        assert b.seg_run is None and b.pf_done == len(long_)
+        assert a.out == alone[0] and b.out == alone[1]
+        assert eng.store.stats()["expert_loads"] > loads0
+    finally:
+        eng.close()
+
+
+def test_a_request_cancelled_inside_a_segment_ends_it(int4_dir, monkeypatch):
+    """A request cancelled while its segment is paused: the segment is closed (its buffers go), the engine's
+    segment_done hands its room back, and the row serves the next request as new."""
+    from glm_jax.runtime import scheduler as S
+
+    monkeypatch.setattr(S, "SEGMENT_SLICE_S", 0.0)
+    rng = np.random.default_rng(2)
+    short, long_ = rng.integers(1, 300, 10).tolist(), rng.integers(1, 300, 100).tolist()
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=2, prefill_chunk=16, prefix_cache=False, max_batch=2)
+    try:
+        want = eng.generate(long_, max_new_tokens=4, stop_on_eos=False).tokens
+        sched = eng.scheduler
+        a = S.Request(short, S.Sampling(max_new_tokens=30, stop_on_eos=False))
+        b = S.Request(long_, S.Sampling(max_new_tokens=4, stop_on_eos=False))
+        sched.submit(a)
+        while a.state != "decode":
+            sched.step()
+        sched.submit(b)
+        while b.seg_run is None:
+            sched.step()
+        done = []
+        monkeypatch.setattr(eng, "segment_done", lambda: done.append(1))
+        sched.cancel(b)
+        sched.run([a, b])
+        assert b.finish_reason == "cancelled" and b.seg_run is None and done == [1]
+        monkeypatch.undo()
+        assert eng.generate(long_, max_new_tokens=4, stop_on_eos=False).tokens == want
+    finally:
+        eng.close()
 
 
 def test_a_segments_last_round_holds_the_last_positions_experts():

@@ -28,7 +28,7 @@ from ..errors import GlmJaxError, NonFiniteError, PluginError
 from ..fit import KV_DEFAULT_TOKENS
 from ..model.modules import GlmModel, Split
 from .stats import routing_summary
-from .streaming import segment_prefill, stream_step
+from .streaming import segment_steps, stream_step
 
 BIG_POS = 1 << 30     # start of a row that takes no part in a forward: its K/V writes fall outside the cache
 
@@ -158,8 +158,20 @@ class Runner:
 
     def prefill_segment(self, tokens: np.ndarray, start: int, chunk: int, width: int, row: Optional[int] = None):
         """A streamed prefill of ``tokens`` (one prompt's, at positions start..) layer by layer, attention in blocks
-        of ``chunk``, the routed experts ``width`` positions a call (streaming.segment_prefill).  Returns (logits
+        of ``chunk``, the routed experts ``width`` positions a call (streaming.segment_steps).  Returns (logits
         [1, chunk, V] of the last block, the last token's index in it)."""
+        run = self.segment_steps(tokens, start, chunk, width, row)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    def segment_steps(self, tokens: np.ndarray, start: int, chunk: int, width: int, row: Optional[int] = None,
+                      slice_s: Optional[float] = None):
+        """``prefill_segment`` as a generator that yields every ``slice_s`` seconds of its work, where nothing it
+        dispatched is in flight (streaming.segment_steps): the scheduler decodes its other rows in between.  Its
+        return value is ``prefill_segment``'s."""
         self._check_open()
         viewed = row is not None and self._cache_batch > 1
         # its attention blocks run the programs of a prefill chunk's forward (``forward``'s shapes), its MoE calls
@@ -167,8 +179,8 @@ class Runner:
         shapes = [self._stream_shapes(1, int(chunk), None, viewed, False), ("segment", int(chunk), int(width))]
         if not all(s in self._shapes_run for s in shapes):
             self.before_new_shapes()
-        logits, li = segment_prefill(self, np.asarray(tokens, np.int32), int(start), int(chunk), int(width),
-                                     row if viewed else None)
+        logits, li = yield from segment_steps(self, np.asarray(tokens, np.int32), int(start), int(chunk), int(width),
+                                              row if viewed else None, slice_s)
         self._shapes_run.update(shapes)
         if not bool(all_finite(logits, jnp.asarray([li + 1], jnp.int32))):
             raise nonfinite_error(self, int(start), int(start) + len(tokens) - 1)

@@ -81,6 +81,10 @@ PREFILL_MIN_WINDOW = 128
 # a prefill chunk of at most this many tokens (a prefix hit's new turn, a 1-token suffix) runs at this many rows, not
 # the 16-row bucket: the padding rows' attention and dense products are most of a 1-token prefill
 SHORT_PREFILL = 4
+# a long streamed prompt's prefill segment (Runner.segment_steps) pauses after about this much of its work where other
+# rows are decoding, and they take a decode step: one segment of a ~1900-token prompt's ~20 s in the GLM-4.5-Air
+# slice's 0.3x box otherwise held every other row's next token for 1-1.5 s (stop 50)
+SEGMENT_SLICE_S = 0.5
 
 
 class QueueFull(GlmJaxError):
@@ -180,6 +184,8 @@ class Request:
         self.prefill_s = self.decode_s = 0.0
         self.forwards = 0
         self.pf_done = 0
+        self.seg_run = None          # a prefill segment under way (Runner.segment_steps) and its positions
+        self.seg_n = 0
         self.cached_tokens = 0       # prompt tokens whose KV a finished row still held (the prefix cache)
         self.done_event = threading.Event()
         self.spec = None
@@ -549,14 +555,30 @@ class Scheduler:
         rt = self.rt
         P = len(req.prompt)
         mtp = req.plan is not None and req.plan.source == "mtp"      # keeps every position's hidden state
-        seg = None if mtp else rt.segment_tokens(P - req.pf_done, self.chunk)
+        seg = None if mtp or req.seg_run is not None else rt.segment_tokens(P - req.pf_done, self.chunk)
         c0, t0 = rt.compile_s, time.perf_counter()
-        if seg:
-            # a long streamed prompt: up to seg[0] positions layer by layer (each expert read once a layer)
-            n = seg[0]
+        if seg or req.seg_run is not None:
+            # a long streamed prompt: up to seg[0] positions layer by layer (each expert read once a layer), paused
+            # every SEGMENT_SLICE_S while other rows decode (they take a step in between: _step)
+            if req.seg_run is None:
+                req.seg_n = seg[0]
+                req.seg_run = rt.segment_steps(req.prompt[req.pf_done:req.pf_done + seg[0]], req.pf_done, self.chunk,
+                                               seg[1], row=req.row if self.B > 1 else None, slice_s=SEGMENT_SLICE_S)
+            while True:
+                try:
+                    next(req.seg_run)
+                except StopIteration as done:
+                    logits, li = done.value
+                    break
+                except BaseException:
+                    self._end_segment(req)
+                    raise
+                if any(r is not None and r.state == "decode" for r in self.rows):
+                    req.prefill_s += time.perf_counter() - t0 - (rt.compile_s - c0)
+                    return
+            req.seg_run = None
+            n = req.seg_n
             last = req.pf_done + n == P
-            logits, li = rt.prefill_segment(req.prompt[req.pf_done:req.pf_done + n], req.pf_done, self.chunk, seg[1],
-                                            row=req.row if self.B > 1 else None)
             if last:
                 rt.segment_done()
         else:
@@ -631,6 +653,7 @@ class Scheduler:
         if req.done:
             return
         req.finish_reason = reason
+        self._end_segment(req)
         prev, req.state = req.state, "done"
         req.t_done = time.perf_counter()
         if req.row is not None and self.rows[req.row] is req:
@@ -653,6 +676,14 @@ class Scheduler:
             except Exception:
                 pass
         req.done_event.set()
+
+    def _end_segment(self, req: Request):
+        """A request that ends (cancelled, failed) inside a prefill segment: the segment's buffers go, and the engine
+        may hand what the segment took back to the expert cache.  The row's K/V holds only what ``pf_done`` says."""
+        if req.seg_run is not None:
+            run, req.seg_run = req.seg_run, None
+            run.close()
+            self.rt.segment_done()
 
     def _fail(self, req: Request, e: Exception):
         req.error = e

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from typing import Optional
 
 import jax
@@ -629,7 +630,7 @@ SEGMENT_PAIR_CAP = 2         # ... at most this many (t, k) pairs a position a c
 
 
 def segment_bytes(cfg, tokens: int, width: int, dtype_bytes: int = 4) -> int:
-    """What ``segment_prefill`` holds through a segment of ``tokens`` positions: the layer's input / output and its
+    """What ``segment_steps`` holds through a segment of ``tokens`` positions: the layer's input / output and its
     normed copy (two [S, H] buffers, S padded to the MoE calls' ``width``) and the routing of every position."""
     S = -(-int(tokens) // int(width)) * int(width)
     return 2 * S * cfg.hidden_size * dtype_bytes + S * cfg.num_experts_per_tok * 9
@@ -713,20 +714,26 @@ def _round_order(union, ids, m, resident, lim):
     return np.concatenate([head[resident[head]], head[~resident[head]], tail])
 
 
-def segment_prefill(engine, tokens: np.ndarray, start: int, chunk: int, width: int, row=None):
+def segment_steps(engine, tokens: np.ndarray, start: int, chunk: int, width: int, row=None,
+                  slice_s: Optional[float] = None):
     """A prompt's ``n`` tokens (positions start..start+n-1) prefilled layer by layer: each layer runs its attention
     over the segment in blocks of ``chunk`` positions (the cache written in order, so a block attends to the ones
     before it), then its routed experts over every position, ``width`` positions a call (segment_width): each expert
     the segment routes to is fetched once a layer (in rounds of ``store.call_limit``), where chunk-by-chunk prefill
     fetches a chunk's misses again for every chunk (a ~1900-token prompt in the GLM-4.5-Air slice's 0.3x box read
     9x its experts, stop 49).  A round's call is split by rows where its (t, k) pairs pass SEGMENT_PAIR_CAP a
-    position (the kernel's scratch).  Returns (logits [1, chunk, V] of the last block, the last token's index in
-    it).  The routed sum is taken round by round, not in routing order: the chunked forward's within rounding."""
+    position (the kernel's scratch).  The routed sum is taken round by round, not in routing order: the chunked
+    forward's within rounding.
+
+    A generator: with ``slice_s``, it yields (None) once that many seconds have passed since it last yielded, at a
+    point where nothing it dispatched is in flight, so the caller (the scheduler) can run a decode step of its other
+    rows meanwhile.  Such a step may fetch into any layer's slots and replace the K/V cache's arrays: every block
+    and round therefore takes ``engine._cache`` and the store's slots afresh after a yield (a round fetches its
+    experts when it starts).  Its return value (StopIteration's) is (logits [1, chunk, V] of the last block, the
+    last token's index in it)."""
     cfg, params, store = engine.cfg, engine.params, engine.store
-    f = _fns(engine)
     c = int(chunk)
     G = max(1, int(width) // c)
-    g = _seg_fns(engine, c, G)
     n = int(len(tokens))
     nb = -(-n // c)
     ng = -(-nb // G)
@@ -736,6 +743,7 @@ def segment_prefill(engine, tokens: np.ndarray, start: int, chunk: int, width: i
     lens = [min(c, n - j * c) for j in range(nb)]
     valid = [jnp.asarray(np.arange(c)[None, :] < lens[j]) for j in range(nb)]
     emb = {"embed": params["embed"], "norm": params["norm"]}
+    f, g = _fns(engine), _seg_fns(engine, c, G)
     bufs = None
     for j in range(nb):
         toks = np.zeros((1, c), np.int32)
@@ -750,26 +758,38 @@ def segment_prefill(engine, tokens: np.ndarray, start: int, chunk: int, width: i
     for j in range(nb):
         real[j // G][(j % G) * c:(j % G) * c + lens[j]] = True
     real_d = [jnp.asarray(r.reshape(1, W)) for r in real]
-    cache = engine._cache
     sels = [None] * nb
     trace = [] if engine.opts["route_trace"] else None
+    t_last = [time.perf_counter()]
+
+    def due() -> bool:
+        return slice_s is not None and time.perf_counter() - t_last[0] >= slice_s
+
+    def paused():              # after the yield: the caller's step may have dropped / recompiled the programs
+        t_last[0] = time.perf_counter()
+        return _fns(engine), _seg_fns(engine, c, G)
+
     for i, lp in enumerate(params["layers"]):
         k = _layer_key(cfg, i)
         if "moe" not in lp:
             for j in range(nb):
                 off = np.int32((j % G) * c)
-                x, cache[i], sels[j] = f["dense"](k, lp, g["take"](bufs[j // G], off), cache[i], starts[j], sels[j],
-                                                  valid[j], rw)
+                x, engine._cache[i], sels[j] = f["dense"](k, lp, g["take"](bufs[j // G], off), engine._cache[i],
+                                                          starts[j], sels[j], valid[j], rw)
                 bufs[j // G] = g["put"](bufs[j // G], x, off)
+                if due():
+                    jax.block_until_ready(bufs)
+                    yield
+                    f, g = paused()
             continue
         ids_np = np.zeros((ng, W, K), np.int32)
         w_np = np.zeros((ng, W, K), np.float32)
         m_np = np.zeros((ng, W, K), bool)
-        res = jnp.asarray(engine.resident_for(i))
         for j in range(nb):
             gi, off = j // G, np.int32((j % G) * c)
-            h, hn, cache[i], sels[j], ids, w, vm, _, summ = f["attn_route"](
-                k, lp, g["take"](bufs[gi], off), cache[i], starts[j], sels[j], valid[j], res, None, np.int32(i), rw)
+            h, hn, engine._cache[i], sels[j], ids, w, vm, _, summ = f["attn_route"](
+                k, lp, g["take"](bufs[gi], off), engine._cache[i], starts[j], sels[j], valid[j],
+                jnp.asarray(engine.resident_for(i)), None, np.int32(i), rw)
             engine._accumulate(summ)
             bufs[gi] = g["put"](bufs[gi], h, off)
             hns[gi] = g["put"](hns[gi], hn, off)
@@ -777,6 +797,10 @@ def segment_prefill(engine, tokens: np.ndarray, start: int, chunk: int, width: i
             ids_np[gi, o:o + c] = np.asarray(ids)
             m_np[gi, o:o + c] = np.asarray(vm)
             w_np[gi, o:o + c] = np.asarray(w, np.float32)
+            if due():
+                jax.block_until_ready((bufs, hns))
+                yield
+                f, g = paused()
         for gi in range(ng):
             bufs[gi] = g["shared"](bufs[gi], hns[gi], real_d[gi], lp["moe"])
         union = np.unique(ids_np[m_np])
@@ -785,12 +809,14 @@ def segment_prefill(engine, tokens: np.ndarray, start: int, chunk: int, width: i
         _acc(engine, "union_experts", len(union))
         _acc(engine, "moe_layer_forwards", 1)
         _acc(engine, "segment_layers", 1)
-        lim = store.call_limit(i)
-        union = _round_order(union, ids_np, m_np, store.resident_mask(i), lim)
+        union = _round_order(union, ids_np, m_np, store.resident_mask(i), store.call_limit(i))
         ids_d, w_all = [jnp.asarray(a) for a in ids_np], [jnp.asarray(a) for a in w_np]
         cap = W * SEGMENT_PAIR_CAP
-        for r0 in range(0, len(union), lim):
+        r0 = 0
+        while r0 < len(union):
+            lim = store.call_limit(i)          # (a step between rounds may have lowered the working set)
             part = union[r0:r0 + lim]
+            r0 += len(part)
             bank, slot_of = store.fetch(i, part)
             so = jnp.asarray(slot_of)
             for gi in range(ng):
@@ -800,12 +826,17 @@ def segment_prefill(engine, tokens: np.ndarray, start: int, chunk: int, width: i
                     mm[a:b] = mg[a:b]
                     bufs[gi] = g["routed"](bufs[gi], hns[gi], ids_d[gi], w_all[gi], jnp.asarray(mm), bank, so)
             jax.block_until_ready(bufs)           # the next round's fetch may take these slots
+            if due() and r0 < len(union):
+                yield
+                f, g = paused()
+        if due() and i + 1 < len(params["layers"]):
+            yield
+            f, g = paused()
     last = nb - 1
     x = g["take"](bufs[last // G], np.int32((last % G) * c))
     lr = np.zeros((1, c), bool)
     lr[0, lens[last] - 1] = True
     logits, _ = f["head"](params["norm"], params["lm_head"], x, jnp.asarray(lr))
-    engine._cache = cache
     if trace:
         write_route_trace(engine, trace)
     return logits, lens[last] - 1
