@@ -35,3 +35,14 @@ def test_the_engines_default_policy_is_the_one_that_hits_more():
         h = {p: cache_sim.simulate(trace, p, cap, 64, working_set=8, warmup=50)["hit_rate"] for p in ("lru", "lfu")}
         assert h["lfu"] > h["lru"], (cap, h)
     assert O.resolve({})["cache_policy"] == "lfu"
+
+
+def test_a_union_larger_than_the_working_set_is_replayed_in_the_stores_rounds():
+    """A prefill chunk's union within a RAM budget is larger than one fetch holds: the engine fetches it in rounds of
+    the working set (_chunked_moe, a segment's rounds), and the replay does the same (before: StoreError, so a trace
+    from the GLM-4.5-Air slice's 0.3x box could not be replayed).  Rounds A = 0-3, B = 4-7, C = 8-9 twice, cap 4: LRU
+    never hits; Belady keeps A for its second use (4 hits of 20)."""
+    trace = [[(0, list(range(10)))], [(0, list(range(10)))]]
+    rows = cache_sim.compare(trace, [4], ["lru", "belady"], 16, 4, 0)
+    assert rows == [(4, [0.0, pytest.approx(0.2)])]
+    assert cache_sim.in_rounds(trace, 4)[0] == [(0, [0, 1, 2, 3]), (0, [4, 5, 6, 7]), (0, [8, 9])]

@@ -99,10 +99,25 @@ def simulate(trace: list, policy: str, cap: int, E: int, working_set: int = 8, w
     return {"hit_rate": hits / max(req, 1), "requests": req}
 
 
+def in_rounds(trace: list, room: int) -> list:
+    """The trace as the store sees it: a layer's union larger than the ``room`` one fetch can hold (a prefill chunk
+    or segment within a RAM budget) is fetched in rounds of ``room`` experts, in the order given (the engine's
+    _chunked_moe and segment rounds), each round one access."""
+    out = []
+    for fwd in trace:
+        row = []
+        for L, ids in fwd:
+            u = list(dict.fromkeys(ids))
+            row += [(L, u[i:i + room]) for i in range(0, len(u), room)] if len(u) > room else [(L, u)]
+        out.append(row)
+    return out
+
+
 def compare(trace, caps, policies, E, working_set, warmup) -> list:
     rows = []
     for cap in caps:
-        rows.append((cap, [simulate(trace, p, cap, E, working_set, warmup)["hit_rate"] for p in policies]))
+        t = in_rounds(trace, max(min(cap, E), working_set))
+        rows.append((cap, [simulate(t, p, cap, E, working_set, warmup)["hit_rate"] for p in policies]))
     return rows
 
 
