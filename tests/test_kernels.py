@@ -394,6 +394,27 @@ def test_native_attention_reads_an_f16_cache_as_its_values_widened():
         assert call and all(f"{B}x{S}x{nkv}x{hd}xf16>" in ln for ln in call), call     # the cache passed as f16
 
 
+def test_native_attention_rows_of_a_prefill_block_are_each_bitwise_as_alone():
+    """A prefill block's rows share each task's widened K/V rows (a task: one KV head, every head of its group, up to
+    4 rows): 9 rows of one sequence over an f16 cache (3 tasks, the last one partial, padding rows among them) give
+    each row bitwise what it gives alone, in the native and the portable build."""
+    rng = np.random.default_rng(14)
+    B, T, nh, nkv, hd, S = 1, 9, 12, 2, 64, 40
+    q = rng.normal(size=(B, T, nh, hd)).astype(np.float32)
+    k = rng.normal(size=(B, S, nkv, hd)).astype(np.float16)
+    v = rng.normal(size=(B, S, nkv, hd)).astype(np.float16)
+    pos = (20 + np.arange(T)[None, :]).astype(np.int32)
+    rows = np.ones((B, T), bool)
+    rows[0, [3, 8]] = False
+    for variant in ("", kernels.load_portable()):
+        f = jax.jit(lambda q, k, v, p, r: kernels.attention(q, k, v, p, r, hd ** -0.5, variant=variant))
+        got = np.asarray(f(q, k, v, pos, rows))
+        for t in range(T):
+            one = np.asarray(f(q[:, t:t + 1], k, v, pos[:, t:t + 1], rows[:, t:t + 1]))
+            assert np.array_equal(one[0, 0], got[0, t]), (variant, t)
+        assert not got[0, 3].any() and not got[0, 8].any()
+
+
 def test_a_quantized_mlp_is_one_seam_call_with_padding_rows_skipped():
     """model.layers.mlp on native int4 / int8 gate_up + down: one glmjax_moe call on a one-slot bank (it was two
     glmjax_qlinear calls and XLA's silu between them), = the kernels' emulation row by row, padding rows 0."""

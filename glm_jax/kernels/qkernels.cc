@@ -1021,6 +1021,18 @@ inline void axpy(float w, const KV* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = std::fma(w, kv_at(x, i), y[i]);
 }
 
+// y = x widened to f32, exactly (the values kv_at / kv16 / kv8 give)
+template <typename KV>
+inline void widen(const KV* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if GLMJAX_VNNI
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, kv16(x + i));
+#elif GLMJAX_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, kv8(x + i));
+#endif
+  for (; i < n; ++i) y[i] = kv_at(x, i);
+}
+
 ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
                    ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::AnyBuffer gus, ffi::AnyBuffer dn,
                    ffi::AnyBuffer dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
@@ -1212,6 +1224,8 @@ inline float dot16(const float* a, const KV* b, int64_t n) {
   return sum;
 }
 
+constexpr int64_t kAttnRows = 4;     // glmjax_attn: rows of one batch entry a task (with every head of a KV group)
+
 template <typename KV>
 ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t T,
@@ -1230,35 +1244,76 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   const int32_t* rm = rows.typed_data();
   float* op = out->typed_data();
   std::memset(op, 0, sizeof(float) * N * nh * hd);
-  std::vector<int64_t> tasks;                      // (row, head) pairs of the real rows
+  // A task: one batch entry's KV head and up to kAttnRows of its rows, every query head of the group (g x rows
+  // pairs).  Each cached key / value row is widened to f32 once per task and used by all of its pairs (a prefill
+  // block's 32 rows x 12 heads of GLM-4.5-Air had read and widened it 384 times); each pair's sums are the ones above,
+  // in the same order, so the result does not depend on which pairs share a task.
+  struct Task { int64_t b, n, t0, t1; };
+  std::vector<Task> tasks;
   double work = 0;
-  for (int64_t r = 0; r < N; ++r)
-    if (rm[r] && ps[r] >= 0) {
-      for (int64_t h = 0; h < nh; ++h) tasks.push_back(r * nh + h);
-      work += (double)nh * std::min<int64_t>(S, (int64_t)ps[r] + 1) * hd * 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < T; t0 += kAttnRows) {
+      const int64_t t1 = std::min<int64_t>(T, t0 + kAttnRows);
+      bool any = false;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = b * T + t;
+        if (rm[r] && ps[r] >= 0) {
+          any = true;
+          work += (double)nh * std::min<int64_t>(S, (int64_t)ps[r] + 1) * hd * 2;
+        }
+      }
+      if (any)
+        for (int64_t n = 0; n < nkv; ++n) tasks.push_back({b, n, t0, t1});
     }
   const int threads = work >= kParallelMacs ? pool_threads(pool) : 1;
   const int64_t per = std::max<int64_t>(1, (int64_t)tasks.size() / (4 * threads));
   parallel_for(&pool, threads, ((int64_t)tasks.size() + per - 1) / per, [&](int64_t c) {
-    std::vector<float> sc;
+    std::vector<float> sc, mx, den, kf(hd + 16), vf(hd + 16);
+    std::vector<int64_t> pr, len;                  // the task's pairs: row x nh + head, and positions attended
     for (int64_t ti = c * per; ti < std::min<int64_t>((int64_t)tasks.size(), (c + 1) * per); ++ti) {
-      const int64_t r = tasks[ti] / nh, h = tasks[ti] % nh, b = r / T, n = h / g;
-      const int64_t L = std::min<int64_t>(S, (int64_t)ps[r] + 1);
-      const float* qv = qp + (r * nh + h) * hd;
-      sc.resize(L);
-      float m = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        sc[j] = dot16(qv, kp + ((b * S + j) * nkv + n) * hd, hd) * scale;
-        m = std::max(m, sc[j]);
+      const Task& tk = tasks[ti];
+      const int64_t b = tk.b, n = tk.n;
+      pr.clear();
+      len.clear();
+      int64_t Lmax = 0;
+      for (int64_t t = tk.t0; t < tk.t1; ++t) {
+        const int64_t r = b * T + t;
+        if (!rm[r] || ps[r] < 0) continue;
+        const int64_t L = std::min<int64_t>(S, (int64_t)ps[r] + 1);
+        for (int64_t h = n * g; h < (n + 1) * g; ++h) {
+          pr.push_back(r * nh + h);
+          len.push_back(L);
+        }
+        Lmax = std::max(Lmax, L);
       }
-      float den = 0.f;
-      float* o = op + (r * nh + h) * hd;
-      for (int64_t j = 0; j < L; ++j) {
-        const float e = std::exp(sc[j] - m);
-        den += e;
-        axpy(e, vp + ((b * S + j) * nkv + n) * hd, o, hd);
+      const int64_t P = (int64_t)pr.size();
+      sc.resize(P * Lmax);
+      mx.assign(P, -INFINITY);
+      den.assign(P, 0.f);
+      for (int64_t j = 0; j < Lmax; ++j) {
+        const KV* kj = kp + ((b * S + j) * nkv + n) * hd;
+        widen(kj, kf.data(), hd);                     // (exact: f16 widened, f32 as it is)
+        for (int64_t p = 0; p < P; ++p) {
+          if (j >= len[p]) continue;
+          const float sj = dot16(qp + pr[p] * hd, kf.data(), hd) * scale;
+          sc[p * Lmax + j] = sj;
+          mx[p] = std::max(mx[p], sj);
+        }
       }
-      for (int64_t d = 0; d < hd; ++d) o[d] /= den;
+      for (int64_t j = 0; j < Lmax; ++j) {
+        const KV* vj = vp + ((b * S + j) * nkv + n) * hd;
+        widen(vj, vf.data(), hd);
+        for (int64_t p = 0; p < P; ++p) {
+          if (j >= len[p]) continue;
+          const float e = std::exp(sc[p * Lmax + j] - mx[p]);
+          den[p] += e;
+          axpy(e, vf.data(), op + pr[p] * hd, hd);
+        }
+      }
+      for (int64_t p = 0; p < P; ++p) {
+        float* o = op + pr[p] * hd;
+        for (int64_t d = 0; d < hd; ++d) o[d] /= den[p];
+      }
     }
   });
   return ffi::Error::Success();
