@@ -1224,6 +1224,50 @@ inline float dot16(const float* a, const KV* b, int64_t n) {
   return sum;
 }
 
+#if GLMJAX_VNNI
+// r[j][l] -> r[l][j] (16 x 16 floats in 16 registers)
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// One pair's scores at 16 positions: lane j = dot16(q, k_j, hd) x scale, bitwise (each position's 16 lanes as
+// dot16 accumulates them, then added in lane order as one column of the transposed accumulators).
+inline __m512 scores16(const float* q, const float* kb, int64_t hd, float scale) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hd; i += 16) {
+    const __m512 qi = _mm512_loadu_ps(q + i);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(kb + j * hd + i), a[j]);
+  }
+  transpose16(a);
+  __m512 sum = _mm512_setzero_ps();
+  for (int l = 0; l < 16; ++l) sum = _mm512_add_ps(sum, a[l]);
+  return _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+}
+#endif
+
 constexpr int64_t kAttnRows = 4;     // glmjax_attn: rows of one batch entry a task (with every head of a KV group)
 
 template <typename KV>
@@ -1268,7 +1312,7 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   const int threads = work >= kParallelMacs ? pool_threads(pool) : 1;
   const int64_t per = std::max<int64_t>(1, (int64_t)tasks.size() / (4 * threads));
   parallel_for(&pool, threads, ((int64_t)tasks.size() + per - 1) / per, [&](int64_t c) {
-    std::vector<float> sc, mx, den, kf(hd + 16), vf(hd + 16);
+    std::vector<float> sc, mx, den, kf(hd + 16), vf(hd + 16), kb;
     std::vector<int64_t> pr, len;                  // the task's pairs: row x nh + head, and positions attended
     for (int64_t ti = c * per; ti < std::min<int64_t>((int64_t)tasks.size(), (c + 1) * per); ++ti) {
       const Task& tk = tasks[ti];
@@ -1287,6 +1331,55 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
         Lmax = std::max(Lmax, L);
       }
       const int64_t P = (int64_t)pr.size();
+#if GLMJAX_VNNI
+      if (hd % 16 == 0) {
+        // 16 positions at a time: their K (then V) rows widened once, every pair's 16 scores from one register
+        // block; each pair's operations are the loop's below, in the same order
+        const int64_t Lp = (Lmax + 15) / 16 * 16;
+        sc.resize(P * Lp);
+        mx.assign(P, -INFINITY);
+        den.assign(P, 0.f);
+        kb.resize(16 * hd);
+        for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+          const int64_t nj = std::min<int64_t>(16, Lmax - j0);
+          for (int64_t j = 0; j < 16; ++j)
+            if (j < nj) widen(kp + ((b * S + j0 + j) * nkv + n) * hd, kb.data() + j * hd, hd);
+            else std::memset(kb.data() + j * hd, 0, sizeof(float) * hd);
+          for (int64_t p = 0; p < P; ++p) {
+            if (j0 >= len[p]) continue;
+            float* sp = sc.data() + p * Lp + j0;
+            _mm512_storeu_ps(sp, scores16(qp + pr[p] * hd, kb.data(), hd, scale));
+            for (int64_t j = 0; j < std::min<int64_t>(16, len[p] - j0); ++j) mx[p] = std::max(mx[p], sp[j]);
+          }
+        }
+        alignas(64) float e[16];
+        for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+          const int64_t nj = std::min<int64_t>(16, Lmax - j0);
+          for (int64_t j = 0; j < nj; ++j) widen(vp + ((b * S + j0 + j) * nkv + n) * hd, kb.data() + j * hd, hd);
+          for (int64_t p = 0; p < P; ++p) {
+            const int64_t m = std::min<int64_t>(16, len[p] - j0);
+            if (m <= 0) continue;
+            const float* sp = sc.data() + p * Lp + j0;
+            for (int64_t j = 0; j < m; ++j) {
+              e[j] = std::exp(sp[j] - mx[p]);
+              den[p] += e[j];
+            }
+            float* o = op + pr[p] * hd;
+            for (int64_t i = 0; i < hd; i += 16) {
+              __m512 oi = _mm512_loadu_ps(o + i);
+              for (int64_t j = 0; j < m; ++j)
+                oi = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_loadu_ps(kb.data() + j * hd + i), oi);
+              _mm512_storeu_ps(o + i, oi);
+            }
+          }
+        }
+        for (int64_t p = 0; p < P; ++p) {
+          float* o = op + pr[p] * hd;
+          for (int64_t d = 0; d < hd; ++d) o[d] /= den[p];
+        }
+        continue;
+      }
+#endif
       sc.resize(P * Lmax);
       mx.assign(P, -INFINITY);
       den.assign(P, 0.f);
