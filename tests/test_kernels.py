@@ -415,6 +415,30 @@ def test_native_attention_rows_of_a_prefill_block_are_each_bitwise_as_alone():
         assert not got[0, 3].any() and not got[0, 8].any()
 
 
+def test_native_attention_softmax_over_a_wide_range_of_scores_matches_numpy():
+    """The kernel's softmax exp (Cephes' expf, the same operations in every build and lane) over scores spread from
+    about -200 to 0 below the row's maximum, some of them past f32's exp range: the output is numpy's softmax
+    attention to 2e-6, in the native and the portable build, and bitwise the same in both."""
+    rng = np.random.default_rng(15)
+    B, T, nh, nkv, hd, S = 1, 2, 4, 1, 32, 37
+    q = np.zeros((B, T, nh, hd), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((B, S, nkv, hd), np.float32)
+    k[0, :, 0, 0] = -rng.uniform(0, 200 * hd ** 0.5, S)         # scores -200..0
+    k[0, 5, 0, 0] = 0.0
+    v = rng.normal(size=(B, S, nkv, hd)).astype(np.float32)
+    pos = np.full((B, T), S - 1, np.int32)
+    rows = np.ones((B, T), bool)
+    outs = []
+    for variant in ("", kernels.load_portable()):
+        f = jax.jit(lambda q, k, v, p, r: kernels.attention(q, k, v, p, r, hd ** -0.5, variant=variant))
+        outs.append(np.asarray(f(q, k, v, pos, rows)))
+    s = (k[0, :, 0] @ q[0, 0, 0]).astype(np.float64) * hd ** -0.5
+    ref = np.exp(s - s.max()) / np.exp(s - s.max()).sum() @ v[0, :, 0]
+    assert np.abs(outs[0][0, 0, 0] - ref).max() <= 2e-6 * np.abs(ref).max()
+    assert np.array_equal(outs[0], outs[1])
+
+
 def test_a_quantized_mlp_is_one_seam_call_with_padding_rows_skipped():
     """model.layers.mlp on native int4 / int8 gate_up + down: one glmjax_moe call on a one-slot bank (it was two
     glmjax_qlinear calls and XLA's silu between them), = the kernels' emulation row by row, padding rows 0."""

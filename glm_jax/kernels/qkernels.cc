@@ -1224,6 +1224,45 @@ inline float dot16(const float* a, const KV* b, int64_t n) {
   return sum;
 }
 
+// exp(x) of a softmax (x = a score minus the row's maximum, <= 0): Cephes' expf (range reduction by ln 2 in two
+// parts, a degree-5 polynomial, 2^n from the exponent bits; ~1 ulp), the same operations in every build and lane, so
+// the vector form gives bitwise the scalar one.  Below -88.37 it is 0 (std::exp: a subnormal).
+constexpr float kExpLo = -88.3762626647949f, kLog2e = 1.44269504088896341f, kExpC1 = 0.693359375f,
+                kExpC2 = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f,
+                            1.6666665459E-1f, 5.0000001201E-1f};
+inline float exp_sm(float x) {
+  x = std::max(x, kExpLo);
+  const float fx = std::floor(std::fma(x, kLog2e, 0.5f));
+  const float nfx = 0.f - fx;                     // (as the vector form: 0 - fx)
+  x = std::fma(nfx, kExpC1, x);
+  x = std::fma(nfx, kExpC2, x);
+  const float z = x * x;
+  float y = kExpP[0];
+  for (int i = 1; i < 6; ++i) y = std::fma(y, x, kExpP[i]);
+  y = std::fma(y, z, x) + 1.f;
+  const uint32_t bits = (uint32_t)((int32_t)fx + 127) << 23;
+  float p2;
+  std::memcpy(&p2, &bits, 4);
+  return y * p2;
+}
+#if GLMJAX_VNNI
+inline __m512 exp_sm16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(kExpLo), x);      // (lo > x ? lo : x: std::max(x, lo), NaN kept)
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 nfx = _mm512_sub_ps(_mm512_setzero_ps(), fx);
+  x = _mm512_fmadd_ps(nfx, _mm512_set1_ps(kExpC1), x);
+  x = _mm512_fmadd_ps(nfx, _mm512_set1_ps(kExpC2), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP[i]));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+#endif
+
 #if GLMJAX_VNNI
 // r[j][l] -> r[l][j] (16 x 16 floats in 16 registers)
 inline void transpose16(__m512 r[16]) {
@@ -1360,10 +1399,8 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
             const int64_t m = std::min<int64_t>(16, len[p] - j0);
             if (m <= 0) continue;
             const float* sp = sc.data() + p * Lp + j0;
-            for (int64_t j = 0; j < m; ++j) {
-              e[j] = std::exp(sp[j] - mx[p]);
-              den[p] += e[j];
-            }
+            _mm512_store_ps(e, exp_sm16(_mm512_sub_ps(_mm512_loadu_ps(sp), _mm512_set1_ps(mx[p]))));
+            for (int64_t j = 0; j < m; ++j) den[p] += e[j];
             float* o = op + pr[p] * hd;
             for (int64_t i = 0; i < hd; i += 16) {
               __m512 oi = _mm512_loadu_ps(o + i);
@@ -1398,7 +1435,7 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
         widen(vj, vf.data(), hd);
         for (int64_t p = 0; p < P; ++p) {
           if (j >= len[p]) continue;
-          const float e = std::exp(sc[p * Lmax + j] - mx[p]);
+          const float e = exp_sm(sc[p * Lmax + j] - mx[p]);
           den[p] += e;
           axpy(e, vf.data(), op + pr[p] * hd, hd);
         }
