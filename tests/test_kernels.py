@@ -394,12 +394,14 @@ def test_native_attention_reads_an_f16_cache_as_its_values_widened():
         assert call and all(f"{B}x{S}x{nkv}x{hd}xf16>" in ln for ln in call), call     # the cache passed as f16
 
 
-def test_native_attention_rows_of_a_prefill_block_are_each_bitwise_as_alone():
+@pytest.mark.parametrize("hd", [64, 72])
+def test_native_attention_rows_of_a_prefill_block_are_each_bitwise_as_alone(hd):
     """A prefill block's rows share each task's widened K/V rows (a task: one KV head, every head of its group, up to
     4 rows): 9 rows of one sequence over an f16 cache (3 tasks, the last one partial, padding rows among them) give
-    each row bitwise what it gives alone, in the native and the portable build."""
+    each row bitwise what it gives alone, in the native and the portable build; hd 72 (not a multiple of 16) takes
+    the native build's path without register blocks."""
     rng = np.random.default_rng(14)
-    B, T, nh, nkv, hd, S = 1, 9, 12, 2, 64, 40
+    B, T, nh, nkv, S = 1, 9, 12, 2, 40
     q = rng.normal(size=(B, T, nh, hd)).astype(np.float32)
     k = rng.normal(size=(B, S, nkv, hd)).astype(np.float16)
     v = rng.normal(size=(B, S, nkv, hd)).astype(np.float16)

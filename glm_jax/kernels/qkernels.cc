@@ -1351,7 +1351,7 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   const int threads = work >= kParallelMacs ? pool_threads(pool) : 1;
   const int64_t per = std::max<int64_t>(1, (int64_t)tasks.size() / (4 * threads));
   parallel_for(&pool, threads, ((int64_t)tasks.size() + per - 1) / per, [&](int64_t c) {
-    std::vector<float> sc, mx, den, kf(hd + 16), vf(hd + 16), kb;
+    std::vector<float> sc, mx, den, kb;
     std::vector<int64_t> pr, len;                  // the task's pairs: row x nh + head, and positions attended
     for (int64_t ti = c * per; ti < std::min<int64_t>((int64_t)tasks.size(), (c + 1) * per); ++ti) {
       const Task& tk = tasks[ti];
@@ -1370,74 +1370,60 @@ ffi::Error AttnTyped(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
         Lmax = std::max(Lmax, L);
       }
       const int64_t P = (int64_t)pr.size();
+      const int64_t Lp = (Lmax + 15) / 16 * 16;
+      sc.resize(P * Lp);
+      mx.assign(P, -INFINITY);
+      den.assign(P, 0.f);
+      kb.resize(16 * hd);
 #if GLMJAX_VNNI
-      if (hd % 16 == 0) {
-        // 16 positions at a time: their K (then V) rows widened once, every pair's 16 scores from one register
-        // block; each pair's operations are the loop's below, in the same order
-        const int64_t Lp = (Lmax + 15) / 16 * 16;
-        sc.resize(P * Lp);
-        mx.assign(P, -INFINITY);
-        den.assign(P, 0.f);
-        kb.resize(16 * hd);
-        for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
-          const int64_t nj = std::min<int64_t>(16, Lmax - j0);
-          for (int64_t j = 0; j < 16; ++j)
-            if (j < nj) widen(kp + ((b * S + j0 + j) * nkv + n) * hd, kb.data() + j * hd, hd);
-            else std::memset(kb.data() + j * hd, 0, sizeof(float) * hd);
-          for (int64_t p = 0; p < P; ++p) {
-            if (j0 >= len[p]) continue;
-            float* sp = sc.data() + p * Lp + j0;
-            _mm512_storeu_ps(sp, scores16(qp + pr[p] * hd, kb.data(), hd, scale));
-            for (int64_t j = 0; j < std::min<int64_t>(16, len[p] - j0); ++j) mx[p] = std::max(mx[p], sp[j]);
-          }
+      const bool blocks = hd % 16 == 0;           // one pair's 16 scores / outputs from one register block
+#endif
+      // 16 positions at a time: their K (then V) rows widened once (exact: f16 widened, f32 as it is) and used by
+      // every pair; each pair's operations are the same in every build and path, in the same order
+      for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+        const int64_t nj = std::min<int64_t>(16, Lmax - j0);
+        for (int64_t j = 0; j < 16; ++j)
+          if (j < nj) widen(kp + ((b * S + j0 + j) * nkv + n) * hd, kb.data() + j * hd, hd);
+          else std::memset(kb.data() + j * hd, 0, sizeof(float) * hd);
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t m = std::min<int64_t>(nj, len[p] - j0);
+          if (m <= 0) continue;
+          float* sp = sc.data() + p * Lp + j0;
+#if GLMJAX_VNNI
+          if (blocks) _mm512_storeu_ps(sp, scores16(qp + pr[p] * hd, kb.data(), hd, scale));
+          else
+#endif
+            for (int64_t j = 0; j < m; ++j) sp[j] = dot16(qp + pr[p] * hd, kb.data() + j * hd, hd) * scale;
+          for (int64_t j = 0; j < m; ++j) mx[p] = std::max(mx[p], sp[j]);
         }
-        alignas(64) float e[16];
-        for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
-          const int64_t nj = std::min<int64_t>(16, Lmax - j0);
-          for (int64_t j = 0; j < nj; ++j) widen(vp + ((b * S + j0 + j) * nkv + n) * hd, kb.data() + j * hd, hd);
-          for (int64_t p = 0; p < P; ++p) {
-            const int64_t m = std::min<int64_t>(16, len[p] - j0);
-            if (m <= 0) continue;
-            const float* sp = sc.data() + p * Lp + j0;
-            _mm512_store_ps(e, exp_sm16(_mm512_sub_ps(_mm512_loadu_ps(sp), _mm512_set1_ps(mx[p]))));
-            for (int64_t j = 0; j < m; ++j) den[p] += e[j];
-            float* o = op + pr[p] * hd;
+      }
+      alignas(64) float e[16];
+      for (int64_t j0 = 0; j0 < Lmax; j0 += 16) {
+        const int64_t nj = std::min<int64_t>(16, Lmax - j0);
+        for (int64_t j = 0; j < nj; ++j) widen(vp + ((b * S + j0 + j) * nkv + n) * hd, kb.data() + j * hd, hd);
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t m = std::min<int64_t>(nj, len[p] - j0);
+          if (m <= 0) continue;
+          const float* sp = sc.data() + p * Lp + j0;
+#if GLMJAX_VNNI
+          _mm512_store_ps(e, exp_sm16(_mm512_sub_ps(_mm512_loadu_ps(sp), _mm512_set1_ps(mx[p]))));
+#else
+          for (int64_t j = 0; j < m; ++j) e[j] = exp_sm(sp[j] - mx[p]);
+#endif
+          for (int64_t j = 0; j < m; ++j) den[p] += e[j];
+          float* o = op + pr[p] * hd;
+#if GLMJAX_VNNI
+          if (blocks) {          // the output row in registers: axpy's fma per element, in the order of j
             for (int64_t i = 0; i < hd; i += 16) {
               __m512 oi = _mm512_loadu_ps(o + i);
               for (int64_t j = 0; j < m; ++j)
                 oi = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_loadu_ps(kb.data() + j * hd + i), oi);
               _mm512_storeu_ps(o + i, oi);
             }
+            continue;
           }
-        }
-        for (int64_t p = 0; p < P; ++p) {
-          float* o = op + pr[p] * hd;
-          for (int64_t d = 0; d < hd; ++d) o[d] /= den[p];
-        }
-        continue;
-      }
 #endif
-      sc.resize(P * Lmax);
-      mx.assign(P, -INFINITY);
-      den.assign(P, 0.f);
-      for (int64_t j = 0; j < Lmax; ++j) {
-        const KV* kj = kp + ((b * S + j) * nkv + n) * hd;
-        widen(kj, kf.data(), hd);                     // (exact: f16 widened, f32 as it is)
-        for (int64_t p = 0; p < P; ++p) {
-          if (j >= len[p]) continue;
-          const float sj = dot16(qp + pr[p] * hd, kf.data(), hd) * scale;
-          sc[p * Lmax + j] = sj;
-          mx[p] = std::max(mx[p], sj);
-        }
-      }
-      for (int64_t j = 0; j < Lmax; ++j) {
-        const KV* vj = vp + ((b * S + j) * nkv + n) * hd;
-        widen(vj, vf.data(), hd);
-        for (int64_t p = 0; p < P; ++p) {
-          if (j >= len[p]) continue;
-          const float e = exp_sm(sc[p * Lmax + j] - mx[p]);
-          den[p] += e;
-          axpy(e, vf.data(), op + pr[p] * hd, hd);
+          for (int64_t j = 0; j < m; ++j) axpy(e[j], kb.data() + j * hd, o, hd);
         }
       }
       for (int64_t p = 0; p < P; ++p) {
