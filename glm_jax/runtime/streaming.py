@@ -785,11 +785,12 @@ def segment_steps(engine, tokens: np.ndarray, start: int, chunk: int, width: int
         ids_np = np.zeros((ng, W, K), np.int32)
         w_np = np.zeros((ng, W, K), np.float32)
         m_np = np.zeros((ng, W, K), bool)
+        res = jnp.asarray(engine.resident_for(i))
         for j in range(nb):
             gi, off = j // G, np.int32((j % G) * c)
             h, hn, engine._cache[i], sels[j], ids, w, vm, _, summ = f["attn_route"](
-                k, lp, g["take"](bufs[gi], off), engine._cache[i], starts[j], sels[j], valid[j],
-                jnp.asarray(engine.resident_for(i)), None, np.int32(i), rw)
+                k, lp, g["take"](bufs[gi], off), engine._cache[i], starts[j], sels[j], valid[j], res, None,
+                np.int32(i), rw)
             engine._accumulate(summ)
             bufs[gi] = g["put"](bufs[gi], h, off)
             hns[gi] = g["put"](hns[gi], hn, off)
@@ -801,6 +802,7 @@ def segment_steps(engine, tokens: np.ndarray, start: int, chunk: int, width: int
                 jax.block_until_ready((bufs, hns))
                 yield
                 f, g = paused()
+                res = jnp.asarray(engine.resident_for(i))      # (the step may have changed the layer's cache)
         for gi in range(ng):
             bufs[gi] = g["shared"](bufs[gi], hns[gi], real_d[gi], lp["moe"])
         union = np.unique(ids_np[m_np])
