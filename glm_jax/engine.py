@@ -544,7 +544,7 @@ class Engine(Runner):
     def segment_tokens(self, remaining: int, chunk: int):
         """Runner.segment_tokens: a streamed prompt longer than two chunks, whose experts do not all stay in the
         cache, is prefilled in segments of up to SEGMENT_MAX positions layer by layer (each expert read once a
-        segment a layer, streaming.segment_prefill).  Within a RAM budget a segment holds its buffers
+        segment a layer, streaming.segment_steps).  Within a RAM budget a segment holds its buffers
         (streaming.segment_bytes) in what the budget has free with the expert cache at its floor, and its MoE calls'
         scratch (moe_call_bytes, their width lowered to fit) in what the plan keeps free for one prefill chunk's
         activations (fit.chunk_acts: its attention blocks run at that chunk, never beside a MoE call).  The cache gives
