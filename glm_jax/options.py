@@ -169,10 +169,10 @@ OPTIONS = [
         "experts do not all fit the RAM budget (the page cache would hold a second copy inside the same limit), "
         "where the file system supports it.", env=("DIRECT",)),
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",), lo=1, hi=256),
-    Opt("overlap", False, "bool", "fetch=loop: start the layer's resident (hit) experts and the shared expert before "
-        "reading its misses, so the reads overlap that compute (decode-sized forwards; exact). Off by default: with "
-        "static shapes the routed terms are computed twice, which cost more than it hid on a 2-core CPU "
-        "(measured; see README).", env=("PIPE",)),
+    Opt("overlap", True, "bool", "The loop's layers (fetch=loop; fused programs have no host step between layers): "
+        "compute the layer's resident (hit) experts and the shared expert while its misses are read (decode-sized "
+        "forwards; bitwise the same output). Decode 1.10-1.13x in the GLM-4.5-Air slice's 0.3x box "
+        "(docs/real-scale.md, stop 52).", env=("PIPE",)),
     Opt("read_chunk_mb", 1.0, "float", "Split each expert read into a multiple of io_threads near-equal byte "
         "ranges of at most this many MB, so a layer's few large misses keep every I/O thread busy to the end "
         "(0: one read per expert).", lo=0.0),

@@ -579,21 +579,36 @@ class ExpertStore:
             futs += [self._pool.submit(j) for j in _then(jobs, fin)]
         return futs
 
-    def _read_many(self, L: int, experts: list, slots: list) -> int:
+    def _read_many(self, L: int, experts: list, slots: list, during=None) -> int:
         t = time.perf_counter()
         lc = self.layers[L]
         if self.io_threads <= 1 and len(experts) == 1:     # no thread hop for a single read on one thread
+            if during is not None:
+                t = self._during(during, t)
             jobs, fin = self.source.read_jobs(L, experts[0], lc.dests(slots[0]), 0)
             n = sum(j() for j in jobs)
             fin()
         else:
-            n = sum(f.result() for f in self._submit(L, experts, slots))
+            futs = self._submit(L, experts, slots)
+            if during is not None:
+                t = self._during(during, t)
+            n = sum(f.result() for f in futs)
         if self.sim_disk_gbps > 0:
             time.sleep(self._sim_disk(len(experts)))
         self._stats["bytes_read"] += n
         self._stats["read_s"] += time.perf_counter() - t
         lc.touched.update(slots)
         return n
+
+    def _during(self, during, t: float) -> float:
+        """Run a fetch's ``during`` with its misses' reads issued; its time is counted apart (overlap_s), not as
+        waiting for the reads.  Returns ``t`` moved on by that time."""
+        t0 = time.perf_counter()
+        during()
+        dt = time.perf_counter() - t0
+        self._stats["overlapped"] += 1
+        self._stats["overlap_s"] += dt
+        return t + dt
 
     def _sim_disk(self, n_experts: int) -> float:
         """Benchmark aid (--sim_disk_gbps): seconds that ``n_experts`` loads of ``sim_expert_mb`` MB would take on a
@@ -668,8 +683,13 @@ class ExpertStore:
         with self._lock:
             return lc.bank, lc.slot_of.copy()
 
-    def fetch(self, layer: int, expert_ids):
-        """Make every id in ``expert_ids`` resident; returns (ExpertBank, slot_of int32 [E])."""
+    def fetch(self, layer: int, expert_ids, during=None):
+        """Make every id in ``expert_ids`` resident; returns (ExpertBank, slot_of int32 [E]).  ``during`` (no
+        arguments) is called once the misses' reads have been issued, before they are waited for (at once where there
+        are none): the caller dispatches work on the experts already resident there, so that it runs beside the reads
+        even where XLA:CPU runs a program inline on the calling thread (it does for one it costs under 1000 flops --
+        a program of native kernels alone).  It must not call the store; the slots it reads are those of experts in
+        ``expert_ids`` that were resident, which this fetch does not write."""
         t0 = time.perf_counter()
         lc = self._layer(layer)
         ids = np.asarray(expert_ids).reshape(-1)
@@ -696,8 +716,13 @@ class ExpertStore:
             # earlier computations are finished (module docstring): the transient pages nobody took go to the OS
             self._release_transient()
             t1 = time.perf_counter()
+            o0 = self._stats["overlap_s"]
             if miss:
-                self._read_many(layer, miss, slots)
+                self._read_many(layer, miss, slots, during)
+            elif during is not None:
+                during()
+            ov = self._stats["overlap_s"] - o0     # the caller's work beside the reads: neither waiting nor the store's
+            t1 += ov
             t2 = time.perf_counter()
             for e, s in zip(miss, slots):
                 lc.slot_of[e] = s
@@ -715,7 +740,7 @@ class ExpertStore:
             st["evictions"] += len(ev_now) + len(ev_after)
             st["loads_per_layer"][layer] = st["loads_per_layer"].get(layer, 0) + len(miss)
             st["io_wait_s"] += t2 - t1
-            st["fetch_s"] += time.perf_counter() - t0 - wait_pf
+            st["fetch_s"] += time.perf_counter() - t0 - wait_pf - ov
             return lc.bank, out_slot_of
 
     def replay_hits(self, layer: int, unions: list) -> bool:
@@ -988,7 +1013,7 @@ class ExpertStore:
                            pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0,
                            preload_bytes_read=getattr(self, "_stats", {}).get("preload_bytes_read", 0),
                            preload_s=getattr(self, "_stats", {}).get("preload_s", 0.0),
-                           sim_io_s=0.0, sim_bytes=0, pages_moved=0)
+                           sim_io_s=0.0, sim_bytes=0, pages_moved=0, overlapped=0, overlap_s=0.0)
 
     def save_usage(self, decay: float = 1.0):
         """Merge this session's routing counts into the usage-history file (best effort, never raises).  The
@@ -1109,7 +1134,9 @@ class ShardedStore:
             rows[d] = slot_of
         return self.plan.bank_from_devices(per_dev, self._layer(layer).bank), self.plan.slot_map(rows, self.E)
 
-    def fetch(self, layer: int, expert_ids):
+    def fetch(self, layer: int, expert_ids, during=None):
+        if during is not None:      # the shards read one after another: nothing to overlap with
+            during()
         parts = {d: (self.stores[d].fetch(layer, p) if len(p) else self.stores[d].peek(layer))
                  for d, p in self._split(expert_ids).items()}
         return self._global(layer, parts)

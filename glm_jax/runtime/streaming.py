@@ -100,8 +100,9 @@ def _fns(engine):
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def moe_early(rows, mp, hn, ids, hit, bank, slot_of):
-        """--overlap, dispatched before the misses are read: the resident (hit) experts' per-(t, k) terms and the
-        shared expert."""
+        """--overlap, dispatched once the misses' reads are issued (store.fetch's ``during``): the resident (hit)
+        experts' per-(t, k) terms and the shared expert.  Its work is native kernels, so XLA:CPU deems it cheap
+        (< 1000 flops) and runs it inline on the calling thread: dispatched before the reads, it ran before them."""
         B, T, H = hn.shape
         r = B * T if rows is None else rows
         flat = hn.reshape(B * T, H)[:r]
@@ -219,17 +220,20 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
             engine._accumulate(summ)
             x = _chunked_moe(engine, f, i, lp["moe"], h, hn, ids, ids_np, w, valid, union)
             continue
-        rows = n_real if short and ids_np.size <= store._layer(i).S else None
-        early = None
-        if engine.opts["overlap"] and ids_np.size <= store._layer(i).S:   # the gather path reads only its slots
+        entries = (n_real if short else B * T) * ids_np.shape[-1]     # the (position, k) pairs the seam computes
+        rows = n_real if short and entries <= store._layer(i).S else None
+        early, during = [], None
+        if engine.opts["overlap"] and entries <= store._layer(i).S:   # the gather path reads only its slots
             res_now = store.resident_mask(i)
-            hit = res_now[union]
-            if hit.any() and not hit.all():
-                # dispatch the hits (+ shared expert) now; XLA runs it while the misses are read below
+            if res_now[union].any() and not res_now[union].all():
+                # the hits (+ shared expert), dispatched once the misses' reads are issued: they run beside them
                 b0, s0 = store.peek(i)
-                hit = valid & jnp.asarray(res_now)[ids]
-                early = (hit,) + f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, jnp.asarray(s0))
-        bank, slot_of = store.fetch(i, union)
+                hit = jnp.asarray(valid_np_k & res_now[ids_np])
+
+                def during():
+                    early.append((hit,) + f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, jnp.asarray(s0)))
+        bank, slot_of = store.fetch(i, union, during=during)
+        early = early[0] if early else None
         if trace is not None:
             trace.append([i, union.tolist()])
         if pred is not None:
@@ -405,13 +409,13 @@ FUSED_MAX_T = 16     # forwards of fewer positions per row run fused: decode and
 
 def fused_applies(engine, B: int, T: int, lengths) -> bool:
     """Whether a forward of tokens [B, T] runs as one fused program (else the loop's path): a decode or verify
-    (T < FUSED_MAX_T), no --overlap, and the union of every MoE layer fits one fetch.  A prefill runs the loop's
+    (T < FUSED_MAX_T) and the union of every MoE layer fits one fetch (--overlap is the loop's alone).  A prefill runs the loop's
     way: its round trip per layer is shared by all its tokens, a union beyond one fetch is fetched in chunks there,
     and its logits stay bitwise the loop's (a 16-token prefill compiled as one program differed from the loop's in
     the last bits on the 333 M model: XLA fuses the larger program's dense ops differently).  (A store whose banks
     do not alias its arenas runs --fetch=fused as the callback program.)"""
     store, cfg = engine.store, engine.cfg
-    if engine.opts["overlap"] or T >= FUSED_MAX_T:
+    if T >= FUSED_MAX_T:
         return False
     n_pos = B * T if engine.plugin is not None else int(np.minimum(np.asarray(lengths), T).sum())
     need = min(cfg.n_routed_experts, cfg.num_experts_per_tok * n_pos)
