@@ -505,3 +505,34 @@ def test_a_segments_kernel_call_is_split_by_rows_where_its_pairs_pass_the_cap():
     got = _pair_splits(m, 4)
     assert got == [(0, 1), (1, 2), (2, 5), (5, 6)]          # greedy: a range closes where the next row passes
     assert all(m[a:b].sum() <= 4 for a, b in got) and got[0][0] == 0 and got[-1][1] == 6
+
+
+def test_a_batched_decode_overlaps_its_hits_with_its_misses(int4_dir, monkeypatch):
+    """Two rows decoding in one padded forward (max_batch 2, DECODE_WIDTH positions a row) also compute their
+    layers' hits while the misses are read (the native kernel takes any (t, k) pairs): each request's greedy tokens
+    are the ones it gives alone."""
+    rng = np.random.default_rng(3)
+    p1, p2 = rng.integers(1, 300, 12).tolist(), rng.integers(1, 300, 9).tolist()
+    eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=2, prefix_cache=False, max_batch=2, draft=0)
+    try:
+        from glm_jax.runtime import scheduler as S
+
+        alone = [eng.generate(p, max_new_tokens=16, stop_on_eos=False).tokens for p in (p1, p2)]
+        sched, seen = eng.scheduler, []
+        decode = sched._decode
+
+        def counted(rows, n):
+            o0 = eng.store.stats()["overlapped"]
+            out = decode(rows, n)
+            seen.append((len(rows), eng.store.stats()["overlapped"] - o0))
+            return out
+        monkeypatch.setattr(sched, "_decode", counted)
+        a = S.Request(p1, S.Sampling(max_new_tokens=16, stop_on_eos=False))
+        b = S.Request(p2, S.Sampling(max_new_tokens=16, stop_on_eos=False))
+        sched.submit(a)
+        sched.submit(b)
+        sched.run([a, b])
+        assert a.out == alone[0] and b.out == alone[1]
+        assert sum(d for n, d in seen if n == 2) >= 4, seen
+    finally:
+        eng.close()

@@ -32,6 +32,8 @@ from .. import model as M
 from ..kernels.formats import ExpertBank
 from .stats import routing_summary as _routing_summary
 
+OVERLAP_MAX_PAIRS = 512    # --overlap with the native kernel: the most (position, k) pairs a forward splits (16 rows' decode)
+
 
 def _layer_key(cfg, i):
     # GQA layers are interchangeable (one compile); DSA layers differ by indexer type only (one compile per type)
@@ -223,7 +225,10 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
         entries = (n_real if short else B * T) * ids_np.shape[-1]     # the (position, k) pairs the seam computes
         rows = n_real if short and entries <= store._layer(i).S else None
         early, during = [], None
-        if engine.opts["overlap"] and entries <= store._layer(i).S:   # the gather path reads only its slots
+        # the XLA gather path reads only its slots; the native kernel computes any pairs, its per-(t, k) terms kept
+        # to decode-sized forwards (a 512-token chunk's would be 64 MB at H 4096)
+        if engine.opts["overlap"] and (entries <= store._layer(i).S or (
+                store._layer(i).bank.kernel == "native" and entries <= OVERLAP_MAX_PAIRS)):
             res_now = store.resident_mask(i)
             if res_now[union].any() and not res_now[union].all():
                 # the hits (+ shared expert), dispatched once the misses' reads are issued: they run beside them
