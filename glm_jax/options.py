@@ -171,7 +171,7 @@ OPTIONS = [
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",), lo=1, hi=256),
     Opt("overlap", True, "bool", "The loop's layers (fetch=loop; fused programs have no host step between layers): "
         "compute the layer's resident (hit) experts and the shared expert while its misses are read (decode-sized "
-        "forwards; bitwise the same output). Decode 1.10-1.13x in the GLM-4.5-Air slice's 0.3x box "
+        "forwards; bitwise the same output). Decode 1.07-1.14x in the GLM-4.5-Air slice's 0.3x box "
         "(docs/real-scale.md, stop 52).", env=("PIPE",)),
     Opt("read_chunk_mb", 1.0, "float", "Split each expert read into a multiple of io_threads near-equal byte "
         "ranges of at most this many MB, so a layer's few large misses keep every I/O thread busy to the end "
