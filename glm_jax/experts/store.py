@@ -590,9 +590,11 @@ class ExpertStore:
             fin()
         else:
             futs = self._submit(L, experts, slots)
-            if during is not None:
-                t = self._during(during, t)
-            n = sum(f.result() for f in futs)
+            try:
+                if during is not None:
+                    t = self._during(during, t)
+            finally:                # (a failed ``during`` raises once no read is writing into the slots)
+                n = sum(f.result() for f in futs)
         if self.sim_disk_gbps > 0:
             time.sleep(self._sim_disk(len(experts)))
         self._stats["bytes_read"] += n
