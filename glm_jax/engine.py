@@ -479,6 +479,24 @@ class Engine(Runner):
     def memory_settled(self):
         self._refit_memory()
 
+    def warmed_up(self):
+        """Runner.warmed_up (the end of glm-jax-serve's warm-up): where a RAM budget streams the experts through
+        the Python layer loop and the persistent compilation cache holds every program the warm-up compiled, those
+        programs leave memory, and the refit hands what they held to the expert cache.  A program comes back from the
+        cache on disk at its first use (0.6-0.7 s of the first request in the GLM-4.5-Air slice's 0.3x box), and only
+        the ones the requests use come back.  There, kept, the warm-up's programs held ~130 MB and left the cache at
+        1-2 experts a layer (decode 12-14 tok/s); dropped, 8 after the warm-up (22-23 tok/s), and glm-jax-serve's
+        time a token at one client fell from 64-75 to 40 ms (docs/real-scale.md, stop 52).  Programs holding a Python host callback (fetch=callback / fused, meshes) cannot come back from
+        the cache and stay, and so do all where the cache holds every expert."""
+        if self._kept_plan() is None:
+            return
+        if (self.opts["fetch"] == "loop" and self.plan is None and jax.config.jax_compilation_cache_dir
+                and not self.store.can_hold_all()):
+            jax.clear_caches()
+            self._shapes_run.clear()
+            MEM.trim()
+        self._refit_memory()
+
     def _kept_plan(self):
         """The memory plan this run keeps to (a fitted store without an explicit --cache_cap), else None."""
         f = getattr(self, "_fit", None)

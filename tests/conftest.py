@@ -80,10 +80,10 @@ def over_budget_container(tmp_path):
     from tools.fixtures.synth_model import tiny_config, write_hf_checkpoint
 
     def make(**over):
-        cfg = tiny_config(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
-                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                          n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0,
-                          torch_dtype="bfloat16", **over)
+        kw = dict(vocab_size=256, hidden_size=512, intermediate_size=512, moe_intermediate_size=512,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  n_routed_experts=64, num_experts_per_tok=8, num_nextn_predict_layers=0, torch_dtype="bfloat16")
+        cfg = tiny_config(**{**kw, **over})
         write_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=1, dtype="bfloat16", keep_reference=False)
         convert(str(tmp_path / "hf"), str(tmp_path / "c"), expert_format="bf16", progress=False)
         return str(tmp_path / "c")

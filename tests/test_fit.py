@@ -971,3 +971,46 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
     first = stub_at(20 * MB)
     first._shapes_run = set()          # the chunk's programs not compiled at this length: one chunk goes first
     assert first.segment_tokens(1900, 32) is None and first.store.shrunk == []
+
+
+def test_the_warmup_hands_its_programs_memory_to_the_expert_cache(over_budget_container, monkeypatch):
+    """glm-jax-serve's warm-up compiles what the first requests would; where a RAM budget streams the experts through
+    fetch=loop and the compilation cache on disk holds those programs, Engine.warmed_up drops them from memory and
+    the (first) refit hands what they held to the expert cache.  Kept, in the GLM-4.5-Air slice's 0.3x box, they
+    left the cache at 1-2 experts a layer (docs/real-scale.md, stop 52).  Without the compile cache they stay (they
+    would compile again in the box), and a run whose experts all fit has nothing to give them to."""
+    import jax
+    import glm_jax
+    from glm_jax import memory as MEM
+
+    path = over_budget_container(n_routed_experts=128)    # 768 MB of experts: never all cached beside the test's heap
+    cleared = []
+    real_clear = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1) or real_clear())
+
+    def warm(**kw):
+        eng = glm_jax.Engine.load(path, fetch="loop", max_batch=2, state_dir="off", **kw)
+        refits, real_refit = [], eng._refit_memory
+        monkeypatch.setattr(eng, "_refit_memory", lambda: refits.append(eng._refit_pending) or real_refit())
+        del cleared[:]
+        eng.scheduler.warmup()
+        return eng, refits
+
+    eng, refits = warm(ram_gb=(MEM.private_bytes() + 300e6) / 1e9)
+    try:
+        assert eng._kept_plan() is not None
+        assert cleared == [1] and not eng._shapes_run and refits == [True]
+        want = eng.generate([5, 6, 7, 8, 9], max_new_tokens=6, stop_on_eos=False)      # programs come back
+        assert len(want.tokens) == 6 and eng._shapes_run
+    finally:
+        eng.close()
+    eng, refits = warm(ram_gb=(MEM.private_bytes() + 300e6) / 1e9, compile_cache="off")
+    try:
+        assert cleared == [] and eng._shapes_run and refits == [True]
+    finally:
+        eng.close()
+    eng, refits = warm(ram_gb=100.0)
+    try:
+        assert eng.store.can_hold_all() and cleared == []
+    finally:
+        eng.close()

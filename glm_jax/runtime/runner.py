@@ -198,6 +198,10 @@ class Runner:
         """Called by a server's scheduler when it goes idle after work: the engine may hand what is measured free
         back to the expert cache (``Engine._refit_memory``)."""
 
+    def warmed_up(self):
+        """Called at the end of ``Scheduler.warmup``: the engine may drop the programs it compiled and hand the
+        memory to the expert cache (``Engine.warmed_up``)."""
+
     def kv_give_back(self) -> bool:
         """Whether the scheduler returns the KV cache to the memory plan's reservation once no running row needs
         the positions a longer request grew it by (``shrink_cache``): a run with a RAM budget (``Engine``)."""

@@ -309,7 +309,9 @@ class Scheduler:
         compile on first use, and so does each real length of a prompt shorter than 16 tokens (its prefill
         computes the real rows' experts only); the persistent compile cache keeps all of them for the next start
         (but for programs holding a Python host callback: --fetch=callback / fused, meshes).  Everything it wrote
-        is then forgotten (the rows' prefix knowledge, the counters).  Returns (seconds compiling, seconds)."""
+        is then forgotten (the rows' prefix knowledge, the counters), and the runner's ``warmed_up`` may drop the
+        programs from memory again (a RAM budget streaming the experts: they come back from the compile cache on
+        disk).  Returns (seconds compiling, seconds)."""
         t0, c0 = time.perf_counter(), self.rt.compile_s
         vocab = self.rt.cfg.vocab_size
         lim = self.rt.context_limit
@@ -365,6 +367,7 @@ class Scheduler:
             T *= 2
         self.forget()
         self.counters.clear()
+        self.rt.warmed_up()
         return self.rt.compile_s - c0, time.perf_counter() - t0
 
     def serve_forever(self, stop: threading.Event):
