@@ -486,16 +486,23 @@ class Engine(Runner):
         cache on disk at its first use (0.6-0.7 s of the first request in the GLM-4.5-Air slice's 0.3x box), and only
         the ones the requests use come back.  There, kept, the warm-up's programs held ~130 MB and left the cache at
         1-2 experts a layer (decode 12-14 tok/s); dropped, 8 after the warm-up (22-23 tok/s), and glm-jax-serve's
-        time a token at one client fell from 64-75 to 40 ms (docs/real-scale.md, stop 52).  Programs holding a Python host callback (fetch=callback / fused, meshes) cannot come back from
-        the cache and stay, and so do all where the cache holds every expert."""
+        time a token at one client fell from 64-75 to 40 ms (docs/real-scale.md, stop 52).  Programs holding a
+        Python host callback (fetch=callback / fused, meshes) cannot come back from the cache and stay, and so do
+        all where the cache holds every expert."""
         if self._kept_plan() is None:
             return
         if (self.opts["fetch"] == "loop" and self.plan is None and jax.config.jax_compilation_cache_dir
                 and not self.store.can_hold_all()):
-            jax.clear_caches()
-            self._shapes_run.clear()
-            MEM.trim()
+            self._drop_programs()
         self._refit_memory()
+
+    def _drop_programs(self):
+        """Every compiled program out of memory (each compiles again, or comes back from the compile cache on disk,
+        at its next use), the streamed forwards' shapes forgotten with them (before_new_shapes makes room again),
+        and the freed heap handed back to the OS."""
+        jax.clear_caches()
+        self._shapes_run.clear()
+        MEM.trim()
 
     def _kept_plan(self):
         """The memory plan this run keeps to (a fitted store without an explicit --cache_cap), else None."""
@@ -552,9 +559,7 @@ class Engine(Runner):
         before = self._cache_len
         super().shrink_cache(batch, cap)
         if self._cache_len < before:
-            jax.clear_caches()
-            self._shapes_run.clear()
-            MEM.trim()
+            self._drop_programs()
 
     def _kv_bytes(self) -> int:
         return _tree_bytes(self._cache) if self._cache is not None else 0

@@ -32,7 +32,7 @@ from .. import model as M
 from ..kernels.formats import ExpertBank
 from .stats import routing_summary as _routing_summary
 
-OVERLAP_MAX_PAIRS = 512    # --overlap with the native kernel: the most (position, k) pairs a forward splits (16 rows' decode)
+OVERLAP_MAX_PAIRS = 512    # --overlap, native kernel: the most (position, k) pairs a forward splits (16 rows' decode)
 
 
 def _layer_key(cfg, i):
@@ -224,21 +224,22 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
             continue
         entries = (n_real if short else B * T) * ids_np.shape[-1]     # the (position, k) pairs the seam computes
         rows = n_real if short and entries <= store._layer(i).S else None
-        early, during = [], None
+        dispatched, during = [], None
         # the XLA gather path reads only its slots; the native kernel computes any pairs, its per-(t, k) terms kept
         # to decode-sized forwards (a 512-token chunk's would be 64 MB at H 4096)
         if engine.opts["overlap"] and (entries <= store._layer(i).S or (
                 store._layer(i).bank.kernel == "native" and entries <= OVERLAP_MAX_PAIRS)):
             res_now = store.resident_mask(i)
-            if res_now[union].any() and not res_now[union].all():
+            resident = res_now[union]
+            if resident.any() and not resident.all():
                 # the hits (+ shared expert), dispatched once the misses' reads are issued: they run beside them
                 b0, s0 = store.peek(i)
                 hit = jnp.asarray(valid_np_k & res_now[ids_np])
 
                 def during():
-                    early.append((hit,) + f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, jnp.asarray(s0)))
+                    dispatched.append((hit,) + f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, jnp.asarray(s0)))
         bank, slot_of = store.fetch(i, union, during=during)
-        early = early[0] if early else None
+        early = dispatched[0] if dispatched else None
         if trace is not None:
             trace.append([i, union.tolist()])
         if pred is not None:
@@ -414,11 +415,11 @@ FUSED_MAX_T = 16     # forwards of fewer positions per row run fused: decode and
 
 def fused_applies(engine, B: int, T: int, lengths) -> bool:
     """Whether a forward of tokens [B, T] runs as one fused program (else the loop's path): a decode or verify
-    (T < FUSED_MAX_T) and the union of every MoE layer fits one fetch (--overlap is the loop's alone).  A prefill runs the loop's
-    way: its round trip per layer is shared by all its tokens, a union beyond one fetch is fetched in chunks there,
-    and its logits stay bitwise the loop's (a 16-token prefill compiled as one program differed from the loop's in
-    the last bits on the 333 M model: XLA fuses the larger program's dense ops differently).  (A store whose banks
-    do not alias its arenas runs --fetch=fused as the callback program.)"""
+    (T < FUSED_MAX_T) and the union of every MoE layer fits one fetch (--overlap is the loop's alone).  A prefill
+    runs the loop's way: its round trip per layer is shared by all its tokens, a union beyond one fetch is fetched
+    in chunks there, and its logits stay bitwise the loop's (a 16-token prefill compiled as one program differed
+    from the loop's in the last bits on the 333 M model: XLA fuses the larger program's dense ops differently).  (A
+    store whose banks do not alias its arenas runs --fetch=fused as the callback program.)"""
     store, cfg = engine.store, engine.cfg
     if T >= FUSED_MAX_T:
         return False
