@@ -220,7 +220,11 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
     A cancel or a stop string seen by the host stops the row inside the running dispatch, and no token after it is
     delivered."""
     sched = eng.scheduler
-    ref = eng.generate(ROMEO, max_new_tokens=48, stop_on_eos=False)     # the step time is measured
+    # the step time is measured: a dispatch is timed only where its program had compiled before, so a second run
+    # (run alone, with -k, the first one's windows compiled there; the file's earlier tests had hidden that)
+    ref = eng.generate(ROMEO, max_new_tokens=48, stop_on_eos=False)
+    assert eng.generate(ROMEO, max_new_tokens=48, stop_on_eos=False).tokens == ref.tokens
+    assert sched.step_s is not None
     try:
         sched.dispatch_s = 60.0                                           # dispatches of 32 steps, whatever the load
         assert sched.steps_per_dispatch() == 32
@@ -252,8 +256,9 @@ def test_tokens_stream_one_by_one_from_inside_a_dispatch(eng):
         sched.submit(req)
         sched.run([req])
         # (the chunk that reached 5 may hold more than one token: the host can be steps behind the loop); stopped
-        # inside the first 32-step dispatch, nothing delivered after the cancel
-        assert req.finish_reason == "cancelled" and req.out == seen and 5 <= len(seen) <= 32, seen
+        # by the end of the first 32-step dispatch at the latest (the prefill's token + 32: a host thread that saw
+        # nothing until that dispatch ended), nothing delivered after the cancel
+        assert req.finish_reason == "cancelled" and req.out == seen and 5 <= len(seen) <= 1 + 32, seen
         stop = eng.decode(ref.tokens[:12])[-3:]
         req = eng.request(ROMEO, max_new_tokens=48, stop_on_eos=False, stop=[stop],
                           on_event=lambda r, text, toks, done: None)
