@@ -59,8 +59,10 @@ def round_up(n: int, m: int) -> int:
 
 
 @jax.jit
+@jax.jit
 def all_finite(logits, lengths):
-    """True when every real position's logits (t < lengths[b]) are finite."""
+    """True when every real position's logits (t < lengths[b]) are finite (one program: eagerly, its five
+    operations were a dispatch each, every forward)."""
     real = jnp.arange(logits.shape[1])[None, :] < lengths[:, None]
     return jnp.all(jnp.where(real[..., None], jnp.isfinite(logits), True))
 
@@ -329,17 +331,18 @@ class Runner:
         # a short padded forward (decode / MTP verify at a fixed width, speculative.py) runs the routed experts on
         # its real rows only
         moe_rows = int(np.max(lengths)) if B == 1 and T <= 16 and int(np.max(lengths)) < T else None
-        tokens = jnp.asarray(tokens, jnp.int32)
-        start = jnp.asarray(start, jnp.int32)
-        lengths = jnp.asarray(lengths, jnp.int32)
+        # numpy arrays: each program call transfers them (a jnp.asarray is an eager dispatch of its own)
+        tokens = np.asarray(tokens, np.int32)
+        start = np.asarray(start, np.int32)
+        lengths = np.asarray(lengths, np.int32)
         self._check_open()
-        lr = None if logit_rows is None else jnp.asarray(logit_rows, bool)
+        lr = None if logit_rows is None else np.asarray(logit_rows, bool)
         if self.opts["fetch"] == "resident":
             if window is not None and (window >= self._cache_len or self.cfg.model_type == "glm_moe_dsa"):
                 window = None      # DSA's top-k selection runs over every cache position: never windowed
             kw = {"moe_rows": moe_rows}
             if row is not None:
-                kw["row"] = jnp.int32(row)
+                kw["row"] = np.int32(row)
             if window is not None:
                 kw["window"] = window
             logits, hidden, self._cache, summ = self._step_resident()(

@@ -945,9 +945,10 @@ class Scheduler:
         if any(r.processor is not None for r in rows):
             nxt, keys = self._sample_hosted(logits[:, 0], self.keys, rows, [r.row for r in rows])
         else:
-            samp = rt._jit("sample_rows", sample_rows)
-            nxt, keys = samp(logits[:, 0], jnp.asarray(self.keys), jnp.asarray(temp), jnp.asarray(topk),
-                             jnp.asarray(topp))
+            # the first position's logits taken inside the program, the host's arrays handed over as numpy: an
+            # eager slice and four jnp.asarray were a dispatch each, every step of a streamed decode
+            samp = rt._jit("sample_rows_first", lambda lg, *a: sample_rows(lg[:, 0], *a))
+            nxt, keys = samp(logits, self.keys, temp, topk, topp)
         nxt = np.asarray(nxt)
         keys = np.array(keys, np.uint32)
         self.keys[active] = keys[active]
