@@ -183,7 +183,7 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
     if fused:
         return _fused_step(engine, tokens, start, lengths, logit_rows)
     # the host's arrays go to the programs as numpy arrays (the call transfers them): a jnp.asarray / jnp op here
-    # is an eager dispatch of its own, ~0.1 ms each, ~9% of a 0.3x-box token (py-spy, stop 53)
+    # is an eager dispatch of its own: ~9% of a 0.3x-box token (py-spy, stop 53)
     rw = None if row is None else np.int32(row)
     cfg, params, store = engine.cfg, engine.params, engine.store
     f = _fns(engine)
