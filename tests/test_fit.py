@@ -744,6 +744,8 @@ MEM.trim()
 f, kw = eng._fit, dict(kv_now=eng._kv_bytes(), cache_cap=eng.store.cache_cap)
 out["free_warm"] = F.refit_free(f.inputs, f.plan, eng._private_bytes(), later=F.LATER_COMPILE_WARM, **kw)
 out["unfilled"] = eng.store.unfilled_bytes()
+# grow_cap stops at the slots the arenas were opened with (the plan's headroom): every layer there
+out["at_slots"] = all(ix.cap >= eng.store.layers[L].S - int(ix.pinned.sum()) for L, ix in eng.store.index.items())
 hooks.clear()
 eng.generate(list(range(2, 18)), max_new_tokens=4, stop_on_eos=False)     # the same shapes: nothing to compile
 out["same"] = list(hooks)
@@ -775,9 +777,11 @@ def test_the_cache_holds_the_compile_reserve_between_requests_whose_programs_are
     per = out["per"]
     assert 4 < out["cap0"] < 64 and out["first"] >= 2, out      # the first request: its prefill's and decode's
     # the refit left the cache what was free beyond the warm reserve: the LATER_COMPILE it used to keep is not left
-    # over (a measurement a moment later moves by a few MB on a loaded machine); the grown slots, not read into
-    # yet, are counted as full
-    assert -per <= out["free_warm"] < (F.LATER_COMPILE - F.LATER_COMPILE_WARM) // 2 and out["unfilled"] >= 0, out
+    # over (a measurement a moment later moves by a few MB on a loaded machine) -- unless the cache already fills
+    # the slots its arenas have (grow_cap's limit: the process measured less than the plan counted; 31 MB over on
+    # the AVX-512 EPYC, stop 53); the grown slots, not read into yet, are counted as full
+    assert -per <= out["free_warm"] and out["unfilled"] >= 0, out
+    assert out["free_warm"] < (F.LATER_COMPILE - F.LATER_COMPILE_WARM) // 2 or out["at_slots"], out
     # the same shapes again (another 16-token prompt): no forward compiles, the cache keeps its room
     assert out["same"] == [] and out["cap1"] >= out["cap0"] - 1, out
     # a 64-position prefill never ran: before it LATER_COMPILE is taken back from the cache (at least half of the
