@@ -59,10 +59,8 @@ def round_up(n: int, m: int) -> int:
 
 
 @jax.jit
-@jax.jit
 def all_finite(logits, lengths):
-    """True when every real position's logits (t < lengths[b]) are finite (one program: eagerly, its five
-    operations were a dispatch each, every forward)."""
+    """True when every real position's logits (t < lengths[b]) are finite."""
     real = jnp.arange(logits.shape[1])[None, :] < lengths[:, None]
     return jnp.all(jnp.where(real[..., None], jnp.isfinite(logits), True))
 

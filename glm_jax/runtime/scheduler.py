@@ -975,7 +975,7 @@ class Scheduler:
             if r.processor is not None:
                 lg[i] = r.processor.process(lg[i])
         samp = self.rt._jit("sample_rows", sample_rows)
-        nxt, nkeys = samp(jnp.asarray(lg), jnp.asarray(keys), jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp))
+        nxt, nkeys = samp(lg, np.asarray(keys, np.uint32), temp, topk, topp)     # numpy: transferred by the call
         nxt = np.asarray(nxt)
         for r, i in zip(reqs, idx):
             if r.processor is not None:
