@@ -40,6 +40,7 @@
 #include <functional>
 #include <string>
 #include <map>
+#include <thread>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -779,6 +780,25 @@ void claim_tasks(std::atomic<int64_t>& next, std::atomic<int64_t>& done, int64_t
 
 void run_tasks(ParState* st) { claim_tasks(st->next, st->done, st->n, st->fn); }
 
+// A wait on another thread's progress: pause-spin for the first kYieldAfterNs, then yield the CPU at every poll.
+// With as many runnable threads as cores or more (2 vCPUs: a kernel's caller, its helper, the Python thread of the
+// streamed layer loop, XLA's own threads), a pure spin can hold the very CPU that the thread it waits for was preempted
+// from, until the scheduler's time slice ends: 8-12 ms stalls of a 1.5 ms MoE call, 13-17 of them in 64 tokens of the
+// GLM-4.5-Air slice's fetch=loop decode (jax.profiler trace, stop 54).  A yield returns at once where nothing else is
+// runnable, so a free machine loses nothing.
+constexpr int64_t kYieldAfterNs = 20000;
+struct Backoff {
+  int64_t t0 = 0;
+  int polls = 0;
+  void wait() {
+    if ((++polls & 15) != 0) { _mm_pause(); return; }
+    const int64_t t = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+    if (t0 == 0) t0 = t;
+    if (t - t0 < kYieldAfterNs) _mm_pause(); else std::this_thread::yield();
+  }
+};
+
 // The pool path: fn(0..n) on the calling thread plus up to threads-1 helpers scheduled on XLA's pool for this call.
 // Helpers that start late find no task left and return; the caller waits only for tasks that were taken (never for a
 // helper to start).
@@ -788,7 +808,8 @@ void parallel_for_pool(ffi::ThreadPool* pool, int helpers, int64_t n, std::funct
   st->fn = std::move(fn);
   for (int h = 0; h < helpers; ++h) pool->Schedule([st]() { run_tasks(st.get()); });
   run_tasks(st.get());
-  while (st->done.load(std::memory_order_acquire) < n) _mm_pause();
+  Backoff b;
+  while (st->done.load(std::memory_order_acquire) < n) b.wait();
 }
 
 // Sticky helpers.  A decode step makes ~25 native calls of 20-600 us with a few us of XLA ops between them; a helper
@@ -829,7 +850,7 @@ void sticky_helper(Sticky* S, uint64_t s) {
   sticky_join(S, s);
   uint64_t last = s;
   S->waiting.fetch_add(1, std::memory_order_seq_cst);
-  int64_t deadline = now_ns() + g_spin_ns.load(std::memory_order_relaxed);
+  int64_t start = now_ns(), deadline = start + g_spin_ns.load(std::memory_order_relaxed);
   for (;;) {
     uint64_t c = S->state.load(std::memory_order_acquire);
     if ((c & 1) && c != last) {
@@ -837,11 +858,14 @@ void sticky_helper(Sticky* S, uint64_t s) {
       sticky_join(S, c);
       last = c;
       S->waiting.fetch_add(1, std::memory_order_seq_cst);
-      deadline = now_ns() + g_spin_ns.load(std::memory_order_relaxed);
+      start = now_ns();
+      deadline = start + g_spin_ns.load(std::memory_order_relaxed);
       continue;
     }
-    for (int k = 0; k < 16; ++k) _mm_pause();
-    if (now_ns() > deadline) break;
+    const int64_t t = now_ns();
+    if (t - start < kYieldAfterNs) { for (int k = 0; k < 16; ++k) _mm_pause(); }
+    else std::this_thread::yield();      // waiting: the CPU goes to whatever else is runnable (Backoff)
+    if (t > deadline) break;
   }
   S->waiting.fetch_sub(1, std::memory_order_seq_cst);
   uint64_t c = S->state.load(std::memory_order_seq_cst);   // a call opened as this helper stopped waiting
@@ -871,9 +895,11 @@ void parallel_for(ffi::ThreadPool* pool, int threads, int64_t n, std::function<v
   for (int h = S->waiting.load(std::memory_order_seq_cst); h < helpers; ++h)
     pool->Schedule([S, s]() { sticky_helper(S, s); });
   sticky_run(S);
-  while (S->done.load(std::memory_order_acquire) < n) _mm_pause();
+  Backoff b;
+  while (S->done.load(std::memory_order_acquire) < n) b.wait();
   S->state.store(s & ~(uint64_t)1, std::memory_order_seq_cst);
-  while (S->active.load(std::memory_order_seq_cst) > 0) _mm_pause();
+  Backoff b2;
+  while (S->active.load(std::memory_order_seq_cst) > 0) b2.wait();
 }
 
 int pool_threads(ffi::ThreadPool& pool) {
@@ -1167,7 +1193,8 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
         return;
       }
       const int64_t g = tc[i - NA][0];
-      while (!ready[g].load(std::memory_order_acquire)) _mm_pause();
+      Backoff b;
+      while (!ready[g].load(std::memory_order_acquire)) b.wait();
       task_c(i - NA);
     });
   } else {
