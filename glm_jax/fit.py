@@ -62,7 +62,12 @@ LATER_COMPILE_WARM = 16 << 20                 # ... where the next request's for
 RESIDENT_CODE_PER_LAYER = {"glm_moe_dsa": 14 << 20, "glm4_moe": 8 << 20}
 ROW_TOKENS = 1024                             # rows the run did not ask for (glm-jax-serve's --max_batch): fewer
                                               # rows of this many positions before more rows of fewer (plan_rows)
-FUSED_CODE_SHARE = 0.1                        # fetch=fused where its code costs at most this share of the cache
+FUSED_CODE_SHARE = 0.15                       # fetch=fused where its code costs at most this share of the cache:
+                                              # measured at the boundary (stop 54, docs/real-scale.md), fused
+                                              # against loop where the plan gave fused 2 of 19 / 3 of 28 slots
+                                              # a layer (the GLM-5.2 slice's 24 GB box, hit 1.00; the streaming
+                                              # model at 1400 MB): +14-23% / +29-39%; where 3 of 16 (1000 MB, hit
+                                              # 0.97 -> 0.93): -17-23%.  Was 0.1, a guess (stop 32)
 LOAD_OVERHEAD = 32 << 20                      # what loading adds besides the weights (measured on the shipped model:
                                               # NNX model, tokenizer, device copies' bookkeeping: 25 MB private)
 

@@ -383,6 +383,19 @@ def test_streamed_runs_fused_only_where_its_programs_cost_little_of_the_cache():
     assert (p.all_fit, p.fused, p.workspace) == (True, True, 151 * MB)
 
 
+def test_fused_where_its_programs_take_up_to_15_percent_of_the_cache_slots():
+    """Stop 54 measured the boundary: fused beat loop by 14-39% where its programs took 2 of 19 (the GLM-5.2 slice's
+    24 GB box) and 3 of 28 slots a layer (the streaming model at 1400 MB), and lost 17-23% at 3 of 16 (1000 MB).  The
+    old share (0.1) streamed the first two with loop."""
+    # int8 dense at 605 MB: 194 MB -> 19 experts a layer (64 of them)
+    p = F.plan(inputs(budget=605 * MB, num_experts=64, resident_code=20 * MB))      # 174 MB -> 17: 2 of 19 taken
+    assert (p.cap_fits, p.fused, p.workspace) == (19, True, 170 * MB)
+    assert not any("fetch=loop" in n for n in p.notes)
+    p = F.plan(inputs(budget=605 * MB, num_experts=64, resident_code=30 * MB))      # 164 MB -> 16: 3 of 19 taken
+    assert (p.cap_fits, p.fused, p.workspace) == (19, False, 150 * MB)
+    assert any("would take 3 of 19 cached experts" in n for n in p.notes)
+
+
 def test_an_asked_fetch_decides_whether_the_unrolled_programs_are_reserved():
     # --fetch=loop shares one program per layer kind: no whole-model code is taken from the cache (stop 32 reserved
     # it whatever --fetch said); --fetch=fused / callback reserve it even where auto would stream with loop
