@@ -153,7 +153,7 @@ OPTIONS = [
         "miss; the multi-step decode loop runs it too; prefills and --overlap the loop's way; bitwise loop's output). "
         "auto: resident for plain HF dirs, and for containers whose experts all fit the RAM budget (all loaded at "
         "start); otherwise fused (its decode runs without a host call while every expert it meets is cached), or "
-        "loop where fused's compiled programs would cost the expert cache over a tenth of its slots, on a mesh, "
+        "loop where fused's compiled programs would cost the expert cache over 15% of its slots, on a mesh, "
         "or where the store's banks are copies.", ("auto", "resident", "loop", "callback", "fused"), main=True),
     Opt("expert_format", "native", "str", "Storage format of resident experts: native (checkpoint dtype), f32, bf16, "
         "int8_row, int4_row, int4_g<N> (N even, e.g. int4_g64).", check=_expert_format),
