@@ -780,7 +780,13 @@ void claim_tasks(std::atomic<int64_t>& next, std::atomic<int64_t>& done, int64_t
 
 void run_tasks(ParState* st) { claim_tasks(st->next, st->done, st->n, st->fn); }
 
-// A wait on another thread's progress: pause-spin for the first kYieldAfterNs, then yield the CPU at every poll.
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A wait on another thread's progress: a poll is a pause; every 16th poll reads the clock (``t``) and, past the first
+// kYieldAfterNs, yields the CPU instead.
 // With as many runnable threads as cores or more (2 vCPUs: a kernel's caller, its helper, the Python thread of the
 // streamed layer loop, XLA's own threads), a pure spin can hold the very CPU that the thread it waits for was preempted
 // from, until the scheduler's time slice ends: 8-12 ms stalls of a 1.5 ms MoE call, 13-17 of them in 64 tokens of the
@@ -788,13 +794,11 @@ void run_tasks(ParState* st) { claim_tasks(st->next, st->done, st->n, st->fn); }
 // runnable, so a free machine loses nothing.
 constexpr int64_t kYieldAfterNs = 20000;
 struct Backoff {
-  int64_t t0 = 0;
+  int64_t t0 = now_ns(), t = t0;        // the wait's start, the clock's last reading
   int polls = 0;
   void wait() {
     if ((++polls & 15) != 0) { _mm_pause(); return; }
-    const int64_t t = std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::chrono::steady_clock::now().time_since_epoch()).count();
-    if (t0 == 0) t0 = t;
+    t = now_ns();
     if (t - t0 < kYieldAfterNs) _mm_pause(); else std::this_thread::yield();
   }
 };
@@ -831,11 +835,6 @@ struct Sticky {
 Sticky g_sticky;
 std::atomic<int64_t> g_spin_ns{100000};
 
-inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 void sticky_run(Sticky* S) { claim_tasks(S->next, S->done, S->n, *S->fn); }
 
 // Join call `s` if it is still open: registered in `active` first, so the caller (which closes, then waits for
@@ -850,7 +849,7 @@ void sticky_helper(Sticky* S, uint64_t s) {
   sticky_join(S, s);
   uint64_t last = s;
   S->waiting.fetch_add(1, std::memory_order_seq_cst);
-  int64_t start = now_ns(), deadline = start + g_spin_ns.load(std::memory_order_relaxed);
+  Backoff b;                            // waiting: past 20 us the CPU goes to whatever else is runnable
   for (;;) {
     uint64_t c = S->state.load(std::memory_order_acquire);
     if ((c & 1) && c != last) {
@@ -858,14 +857,11 @@ void sticky_helper(Sticky* S, uint64_t s) {
       sticky_join(S, c);
       last = c;
       S->waiting.fetch_add(1, std::memory_order_seq_cst);
-      start = now_ns();
-      deadline = start + g_spin_ns.load(std::memory_order_relaxed);
+      b = Backoff();
       continue;
     }
-    const int64_t t = now_ns();
-    if (t - start < kYieldAfterNs) { for (int k = 0; k < 16; ++k) _mm_pause(); }
-    else std::this_thread::yield();      // waiting: the CPU goes to whatever else is runnable (Backoff)
-    if (t > deadline) break;
+    b.wait();
+    if (b.t - b.t0 > g_spin_ns.load(std::memory_order_relaxed)) break;
   }
   S->waiting.fetch_sub(1, std::memory_order_seq_cst);
   uint64_t c = S->state.load(std::memory_order_seq_cst);   // a call opened as this helper stopped waiting
