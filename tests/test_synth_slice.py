@@ -180,3 +180,37 @@ def test_slice_bench_rounds_are_medians_with_failures_named():
     # round-by-round ratios: only rounds where both ran
     assert bs.pair_ratios([ok(30.0), ok(20.0), failed], [ok(20.0), ok(25.0), ok(10.0)]) == "0.80-1.50"
     assert bs.pair_ratios([failed], [ok(1.0)]) == "-"
+
+
+def test_reskew_writes_the_same_container_with_another_router_skew(tmp_path):
+    """tools/fixtures/reskew.py: the experts hard-linked, only the routers' biases rewritten (to what the generator
+    writes at that --zipf), the manifest's dense checksum kept true (the container opens and verifies); at the
+    generator's own skew it writes the dense file byte for byte; an existing destination is refused."""
+    import filecmp
+
+    from glm_jax.experts import container as C
+    from tools.fixtures import reskew as R
+    d = str(tmp_path / "hf")
+    over = dict(SMALL, **SMALL_ARCH["glm45air"])
+    synth_slice.write_slice(d, "glm45air", 3, vocab=256, log=lambda *a: None, **over)
+    src = str(tmp_path / "c")
+    convert(d, src, progress=False)
+    same = str(tmp_path / "same")
+    R.reskew(src, same, 1.1)
+    assert filecmp.cmp(os.path.join(src, C.DENSE_NAME), os.path.join(same, C.DENSE_NAME), shallow=False)
+    flat = str(tmp_path / "flat")
+    changed = R.reskew(src, flat, 0.3)
+    assert sorted(changed) == [1, 2]
+    C.verify_dense(flat)
+    C.open_container(flat, verify="all").close()
+    for L in (1, 2):
+        rec = os.path.join(C.EXPERT_DIR, f"layer_{L:03d}.bin")
+        assert os.stat(os.path.join(src, rec)).st_ino == os.stat(os.path.join(flat, rec)).st_ino
+    from safetensors.numpy import load_file
+    a, b = load_file(os.path.join(src, C.DENSE_NAME)), load_file(os.path.join(flat, C.DENSE_NAME))
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    np.testing.assert_allclose(np.sort(b[key])[::-1], -0.3 * 0.3 * np.log(np.arange(1, 9)), rtol=1e-5, atol=1e-6)
+    assert np.argmax(a[key]) == np.argmax(b[key])              # the same experts' order, a flatter skew
+    assert all(np.array_equal(a[k], b[k]) for k in a if not k.endswith(R.BIAS))
+    with pytest.raises(FileExistsError, match="--dst="):
+        R.reskew(src, flat, 0.2)
