@@ -134,7 +134,8 @@ def test_glm5_dsa_layout_converts_and_streams(tmp_path):
 
 
 def test_overlapped_hits_and_misses_give_the_same_output(int4_dir, exp):
-    """--overlap dispatches the resident experts once the misses' reads are issued; same tokens, same bytes, and the
+    """--overlap dispatches the resident experts once the misses' reads are issued, and each group of the misses but
+    the last once it has landed; same tokens, same bytes, and the
     split really happened in the decode forwards (padded to DECODE_WIDTH positions, one of them real: until stop 52
     the padded rows' (t, k) pairs were counted against the slots and no decode forward ever overlapped)."""
     runs = {}
@@ -150,6 +151,8 @@ def test_overlapped_hits_and_misses_give_the_same_output(int4_dir, exp):
     # most decode forwards' layers had hits and misses (cache 2, top-k 2): the hits ran beside the reads there
     assert runs[True].stats["overlapped"] >= 8, runs[True].stats["overlapped"]
     assert runs[True].stats["overlap_s"] > 0
+    # where both of a layer's experts missed, the first was computed as soon as it landed, beside the second's read
+    assert runs[True].stats["landed"] > 0 and runs[False].stats["landed"] == 0
 
 
 def test_prefetch_loads_ahead_and_keeps_tokens(int4_dir, exp):

@@ -58,6 +58,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import fcntl
+import functools
 import json
 import mmap
 import os
@@ -250,6 +251,20 @@ def choose_pins(usage: dict, rec_bytes: dict, pin_bytes: float) -> dict:
         used += rec_bytes[L]
         out.setdefault(L, []).append(e)
     return out
+
+
+LANDED_GROUPS = 3     # a fetch's misses in this many groups at most: all but the last computed as soon as they land
+
+
+def landed_groups(n: int) -> list:
+    """[(start, end)] of ``n`` misses (in the order their reads were issued) in up to ``LANDED_GROUPS`` groups: the
+    last is the last miss alone, the others split the rest near-equally.  ``fetch``'s ``landed`` is called for each
+    but the last, whose compute is left to the caller once every read is done: one expert's compute after the last
+    read instead of every miss's, at one more dispatch a group."""
+    if n < 2:
+        return [(0, n)] if n else []
+    g = min(n - 1, LANDED_GROUPS - 1)
+    return [((n - 1) * i // g, (n - 1) * (i + 1) // g) for i in range(g)] + [(n - 1, n)]
 
 
 def _then(jobs: list, fin) -> list:
@@ -568,18 +583,22 @@ class ExpertStore:
                    owns_source=owns_source, slot_limit=slot_limit, extra_slots=extra)
 
     # ------------------------------------------------------------------ I/O
-    def _submit(self, L: int, experts: list, slots: list):
-        """Issue every read of these records at once (records split into ``read_chunk`` byte ranges; a record's
-        checksum runs on the thread that completes its last range); returns the futures (bytes each)."""
+    def _submit(self, L: int, experts: list, slots: list) -> list:
+        """Issue every read of these records at once, in their order (records split into ``read_chunk`` byte
+        ranges; a record's checksum runs on the thread that completes its last range); returns each record's
+        futures (bytes each)."""
         lc = self.layers[L]
         chunk = balanced_chunk(lc.layout.record_len, self.io_threads, self.read_chunk)
-        futs = []
+        recs = []
         for e, s in zip(experts, slots):
             jobs, fin = self.source.read_jobs(L, e, lc.dests(s), chunk)
-            futs += [self._pool.submit(j) for j in _then(jobs, fin)]
-        return futs
+            recs.append([self._pool.submit(j) for j in _then(jobs, fin)])
+        return recs
 
-    def _read_many(self, L: int, experts: list, slots: list, during=None) -> int:
+    def _read_many(self, L: int, experts: list, slots: list, during=None, landed=None) -> int:
+        """Read the records into the slots.  ``during()`` runs once every read is issued; ``landed(experts,
+        slots)`` (fetch's) for each group of ``landed_groups`` but the last, in order, as soon as its records have
+        been read and checked, while the later ones are still being read."""
         t = time.perf_counter()
         lc = self.layers[L]
         if self.io_threads <= 1 and len(experts) == 1:     # no thread hop for a single read on one thread
@@ -589,12 +608,18 @@ class ExpertStore:
             n = sum(j() for j in jobs)
             fin()
         else:
-            futs = self._submit(L, experts, slots)
+            recs = self._submit(L, experts, slots)
+            n, done = 0, 0
             try:
                 if during is not None:
                     t = self._during(during, t)
-            finally:                # (a failed ``during`` raises once no read is writing into the slots)
-                n = sum(f.result() for f in futs)
+                for a, b in (landed_groups(len(experts))[:-1] if landed is not None else ()):
+                    n += sum(f.result() for fs in recs[a:b] for f in fs)
+                    done = b
+                    t = self._during(functools.partial(landed, experts[a:b], slots[a:b]), t)
+                    self._stats["landed"] += 1
+            finally:                # (a failure raises once no read is writing into the slots)
+                n += sum(f.result() for fs in recs[done:] for f in fs)
         if self.sim_disk_gbps > 0:
             time.sleep(self._sim_disk(len(experts)))
         self._stats["bytes_read"] += n
@@ -685,13 +710,16 @@ class ExpertStore:
         with self._lock:
             return lc.bank, lc.slot_of.copy()
 
-    def fetch(self, layer: int, expert_ids, during=None):
+    def fetch(self, layer: int, expert_ids, during=None, landed=None):
         """Make every id in ``expert_ids`` resident; returns (ExpertBank, slot_of int32 [E]).  ``during`` (no
         arguments) is called once the misses' reads have been issued, before they are waited for (at once where there
         are none): the caller dispatches work on the experts already resident there, so that it runs beside the reads
         even where XLA:CPU runs a program inline on the calling thread (it does for one it costs under 1000 flops --
         a program of native kernels alone).  It must not call the store; the slots it reads are those of experts in
-        ``expert_ids`` that were resident, which this fetch does not write."""
+        ``expert_ids`` that were resident, which this fetch does not write.  ``landed(experts, bank, slot_of)``
+        (aliased banks, two misses or more) is called for each group of the misses but the last (``landed_groups``)
+        once its records are read and checked, while the later ones are still being read: the caller computes on
+        them beside those reads (``slot_of``: those experts' slots; the same rule as ``during``)."""
         t0 = time.perf_counter()
         lc = self._layer(layer)
         ids = np.asarray(expert_ids).reshape(-1)
@@ -719,8 +747,14 @@ class ExpertStore:
             self._release_transient()
             t1 = time.perf_counter()
             o0 = self._stats["overlap_s"]
+            land = None
+            if landed is not None and lc.aliased and len(miss) > 1:
+                def land(es, ss):           # the bank aliases the arenas: the landed slots hold their experts now
+                    so = lc.slot_of.copy()
+                    so[es] = ss
+                    landed(es, lc.bank, so)
             if miss:
-                self._read_many(layer, miss, slots, during)
+                self._read_many(layer, miss, slots, during, land)
             elif during is not None:
                 during()
             ov = self._stats["overlap_s"] - o0     # the caller's work beside the reads: neither waiting nor the store's
@@ -988,7 +1022,7 @@ class ExpertStore:
                 lc.slot_of[e] = s
                 idx.cached.add(e)
             lc.prefetched.update(todo)
-            futs = self._submit(layer, todo, slots)
+            futs = [f for fs in self._submit(layer, todo, slots) for f in fs]
             if self.sim_disk_gbps > 0:      # the simulated disk time runs in the background too
                 futs.append(self._pool.submit(lambda t=self._sim_disk(len(todo)): time.sleep(t) or 0))
             lc.pending.append(futs)
@@ -1015,7 +1049,8 @@ class ExpertStore:
                            pinned_experts=getattr(self, "_stats", {}).get("pinned_experts", 0), pin_load_s=0.0,
                            preload_bytes_read=getattr(self, "_stats", {}).get("preload_bytes_read", 0),
                            preload_s=getattr(self, "_stats", {}).get("preload_s", 0.0),
-                           sim_io_s=0.0, sim_bytes=0, pages_moved=0, overlapped=0, overlap_s=0.0)
+                           sim_io_s=0.0, sim_bytes=0, pages_moved=0, overlapped=0, overlap_s=0.0,
+                           landed=0)
 
     def save_usage(self, decay: float = 1.0):
         """Merge this session's routing counts into the usage-history file (best effort, never raises).  The
@@ -1136,8 +1171,8 @@ class ShardedStore:
             rows[d] = slot_of
         return self.plan.bank_from_devices(per_dev, self._layer(layer).bank), self.plan.slot_map(rows, self.E)
 
-    def fetch(self, layer: int, expert_ids, during=None):
-        if during is not None:      # the shards read one after another: nothing to overlap with
+    def fetch(self, layer: int, expert_ids, during=None, landed=None):
+        if during is not None:      # the shards read one after another: nothing to overlap with (nor ``landed``)
             during()
         parts = {d: (self.stores[d].fetch(layer, p) if len(p) else self.stores[d].peek(layer))
                  for d, p in self._split(expert_ids).items()}

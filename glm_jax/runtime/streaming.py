@@ -111,9 +111,19 @@ def _fns(engine):
         return M.moe_terms(flat, ids[:r], hit[:r], bank, slot_of), M.mlp(mp["shared"], hn)
 
     @functools.partial(jax.jit, static_argnums=(0,))
+    def moe_mid(rows, hn, ids, m, y, bank, slot_of):
+        """--overlap, a group of the misses whose reads have landed while later ones are still being read
+        (store.fetch's ``landed``): their per-(t, k) terms merged into the early ones."""
+        B, T, H = hn.shape
+        r = B * T if rows is None else rows
+        flat = hn.reshape(B * T, H)[:r]
+        return jnp.where(m[:r, :, None], M.moe_terms(flat, ids[:r], m[:r], bank, slot_of), y)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
     def moe_late(rows, h, hn, ids, w, valid, hit, y_hit, shared, bank, slot_of):
-        """--overlap, after the misses are read: their terms, merged per (t, k) with the early ones and combined in
-        the same order as moe_part -- bitwise the same output whatever the hit/miss split was."""
+        """--overlap, after the misses are read: the terms of those not computed yet (``hit``: the entries computed
+        already, the early ones and moe_mid's), merged per (t, k) and combined in the same order as moe_part --
+        bitwise the same output whatever the split was."""
         B, T, H = h.shape
         r = B * T if rows is None else rows
         flat = hn.reshape(B * T, H)
@@ -141,7 +151,7 @@ def _fns(engine):
         return M.head_logits(hidden, lm_head, rows), hidden
 
     engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part,
-                                    moe_early=moe_early, moe_late=moe_late, head=head, terms_merge=terms_merge,
+                                    moe_early=moe_early, moe_mid=moe_mid, moe_late=moe_late, head=head, terms_merge=terms_merge,
                                     combine_finish=combine_finish)
     return fns
 
@@ -225,22 +235,27 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
             continue
         entries = (n_real if short else B * T) * ids_np.shape[-1]     # the (position, k) pairs the seam computes
         rows = n_real if short and entries <= store._layer(i).S else None
-        dispatched, during = [], None
+        early, during, landed = [], None, None
         # the XLA gather path reads only its slots; the native kernel computes any pairs, its per-(t, k) terms kept
         # to decode-sized forwards (a 512-token chunk's would be 64 MB at H 4096)
         if engine.opts["overlap"] and (entries <= store._layer(i).S or (
                 store._layer(i).bank.kernel == "native" and entries <= OVERLAP_MAX_PAIRS)):
             res_now = store.resident_mask(i)
             resident = res_now[union]
-            if resident.any() and not resident.all():
-                # the hits (+ shared expert), dispatched once the misses' reads are issued: they run beside them
+            if not resident.all() and (resident.any() or len(union) > 1):
+                # the hits (+ shared expert), dispatched once the misses' reads are issued: they run beside them;
+                # then each group of the misses that has landed while later ones are still being read
                 b0, s0 = store.peek(i)
                 hit = valid_np_k & res_now[ids_np]
 
                 def during():
-                    dispatched.append((hit,) + f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, s0))
-        bank, slot_of = store.fetch(i, union, during=during)
-        early = dispatched[0] if dispatched else None
+                    early[:] = (hit,) + tuple(f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, s0))
+
+                def landed(es, b1, s1):
+                    m = valid_np_k & np.isin(ids_np, es)
+                    early[:2] = early[0] | m, f["moe_mid"](rows, hn, ids, m, early[1], b1, s1)
+        bank, slot_of = store.fetch(i, union, during=during, landed=landed)
+        early = early or None
         if trace is not None:
             trace.append([i, union.tolist()])
         if pred is not None:
