@@ -118,6 +118,10 @@ flags.DEFINE_enum("slice_gguf_base", "bf16", ["bf16", "q8_0"], "--mode=slice: wh
                   "before llama-quantize makes the Q4_0 (q8_0: a quarter of the disk of bf16, then requantized).")
 flags.DEFINE_string("slice_engines", "llama,glm-jax", "--mode=slice: engines to run (llama: only where --llamacpp "
                     "has llama-bench).")
+flags.DEFINE_float("slice_zipf", -1.0, "--mode=slice: the routers' skew both engines run with (tools/fixtures/reskew.py on "
+                   "the container, tools/bench/gguf_reskew.py on the GGUF: the same experts, other biases); -1: the "
+                   "slice's own 1.1, which hits ~100% in every box; 0.3 hits like colibri's published GLM-5.2 runs.",
+                   lower_bound=-1.0)
 flags.DEFINE_integer("slice_reps", 3, "--mode=slice: rounds per box; the engines take turns in each (the order "
                      "reversed every other round) and every row is the median round.", lower_bound=1, upper_bound=20)
 flags.DEFINE_string("contexts", "1024,2048,4096,16384,65536", "--mode=dsa: context lengths (cache slots).")
@@ -380,7 +384,8 @@ def peer_main(argv):
                                         engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")),
                                         fracs=tuple(P.parse_list(FLAGS.slice_fracs, "slice_fracs", float)),
                                         experts=FLAGS.slice_experts, dtype=FLAGS.slice_dtype,
-                                        gguf_base=FLAGS.slice_gguf_base.upper(), reps=FLAGS.slice_reps)
+                                        gguf_base=FLAGS.slice_gguf_base.upper(), reps=FLAGS.slice_reps,
+                                        zipf=None if FLAGS.slice_zipf < 0 else FLAGS.slice_zipf)
         else:
             limits = P.parse_list(FLAGS.limits, "limits", float)
             if any(L <= 0 for L in limits):

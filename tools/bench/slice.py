@@ -36,7 +36,7 @@ import time
 from typing import Optional
 
 from tools.bench import peer as bp
-from tools.fixtures import synth_slice
+from tools.fixtures import reskew, synth_slice
 
 # colibri's published GLM-5.2 points (../shared/reference/limits-and-peers.md §7): box GB -> (tok/s, setup)
 COLIBRI = {24: (0.16, "24 GB laptop, cache 2 experts/layer, hit 10-31% (seed PR #254)"),
@@ -149,6 +149,26 @@ def ensure_wide_gguf(hf: str, mdir: str, arch: str, layers: int, dtype: str, lla
     return out
 
 
+def ensure_reskewed(container: str, zipf: float, log=print) -> str:
+    """The container beside ``container`` with the routers' skew ``zipf`` (tools/fixtures/reskew.py; made once)."""
+    out = f"{container}-zipf{zipf:g}"
+    if not os.path.exists(out):
+        log(f"reskewing {container} -> {out} (tools/fixtures/reskew.py --zipf={zipf:g})")
+        reskew.reskew(container, out, zipf)
+    return out
+
+
+def ensure_reskewed_gguf(gguf: str, biases: str, zipf: float, llamacpp: str, mdir: str, log=print) -> str:
+    """The GGUF beside ``gguf`` with the routers' biases of ``biases`` (tools/bench/gguf_reskew.py; made once)."""
+    out = f"{gguf[:-len('.gguf')]}-zipf{zipf:g}.gguf"
+    if not os.path.exists(out):
+        log(f"reskewing {gguf} -> {out} (tools/bench/gguf_reskew.py)")
+        bp.run_logged([bp.llamacpp_paths(llamacpp)["python"], os.path.join(os.path.dirname(__file__), "gguf_reskew.py"),
+                       "--src", gguf, "--biases", biases, "--out", out], os.path.join(mdir, "gguf.log"),
+                      "gguf_reskew.py")
+    return out
+
+
 def aggregate_runs(runs: list) -> dict:
     """One row from an engine's rounds in a box, each ``(verdict, out, res)``: the median decode rate and the run it
     came from (its prefill rate, store counters, read bytes: the lower middle of an even count), every round's
@@ -227,7 +247,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
               timeout: float, glmjax_options: dict, dense_formats: list, log=print,
               proc_cgroup: Optional[str] = None, engines_wanted: tuple = ("llama", "glm-jax"),
               fracs: tuple = (), experts: int = 0, dtype: str = "bfloat16", gguf_base: str = "BF16",
-              reps: int = 1) -> str:
+              reps: int = 1, zipf: Optional[float] = None) -> str:
     if proc_cgroup is None:
         with open("/proc/self/cgroup") as f:
             proc_cgroup = f.read()
@@ -256,6 +276,8 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     for df in (dense_formats if "glm-jax" in engines_wanted else []):
         t0 = time.time()
         cont = bp.ensure_container(hf, mdir, "int4_g64", df, log)
+        if zipf is not None:
+            cont = ensure_reskewed(cont, zipf, log)
         facts = _container_facts(cont)
         facts["convert_s"] = time.time() - t0
         label = "glm-jax defaults" if df == "auto" else f"glm-jax, dense {df}"
@@ -268,6 +290,9 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
             notes.append(widen_note(c_slice))
         else:
             gguf = bp.ensure_gguf(hf, mdir, "Q4_0", llamacpp, log, keep_f32=False, base_type=gguf_base)
+        if zipf is not None:        # the routers' biases of a reskewed container of the slice: both engines alike
+            biases = ensure_reskewed(bp.ensure_container(hf, mdir, "int4_g64", "auto", log), zipf, log)
+            gguf = ensure_reskewed_gguf(gguf, os.path.join(biases, "dense.safetensors"), zipf, llamacpp, mdir, log)
         g_size = os.path.getsize(gguf)
         dense = g_size - n_moe_s * c_slice["n_routed_experts"] * e_params * Q4_0_BYTES_PER_PARAM
         engines.insert(0, ("llama", "llama.cpp Q4_0 (mmap, --repack 0)", "llama", gguf,
@@ -402,7 +427,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
                       "run, or found)"
                       for _, lbl, _, _, f in engines)
     head = (f"{arch} slice, {layers} layers ({n_moe_s} MoE), vocab {c_slice['vocab_size']}, real widths" + (f", but {experts} routed experts per layer (the architecture has {c_full['n_routed_experts']})" if experts else "") + " "
-            f"(tools/fixtures/synth_slice.py, random {'FP8 (128x128 block scales)' if dtype == 'fp8' else dtype} weights, Zipf-skewed router bias); full model: {n_moe_f} MoE layers, "
+            f"(tools/fixtures/synth_slice.py, random {'FP8 (128x128 block scales)' if dtype == 'fp8' else dtype} weights, Zipf-skewed router bias, {'scale 1.1' if zipf is None else f'scale {zipf:g} (--slice_zipf: reskewed copies of the container and the GGUF)'}); full model: {n_moe_f} MoE layers, "
             f"vocab {c_full['vocab_size']}, {dp_f / 1e9:.2f} B dense parameters (slice: {dp_s / 1e9:.3f} B). "
             f"Files: {sizes}. Decode: {new_tokens} tokens after a {prompt_tokens}-token prompt, {threads} threads, "
             f"batch 1, greedy, {reps} round(s) per box: the engines take turns, the order reversed every other round; "
