@@ -108,7 +108,8 @@ flags.DEFINE_float("slice_nolimit_mb", 16000.0, "--mode=slice: the cgroup limit 
 flags.DEFINE_string("slice_dense_formats", "auto", "--mode=slice: glm-jax containers (int4_g64 experts) "
                     "by --dense_format (auto = the converter's default: int4_g64 dense, heads int8, as Q4_0 keeps them; bf16, int8_row: other rows).")
 flags.DEFINE_string("slice_fracs", "0.7,0.45,0.3", "--mode=slice: memory limits as fractions of the model's "
-                    "size (llama.cpp's Q4_0 GGUF, else the first glm-jax container), the same for every engine.")
+                    "size (llama.cpp's Q4_0 GGUF, else the first glm-jax container), the same for every engine; empty: "
+                    "none.")
 flags.DEFINE_integer("slice_experts", 0, "--mode=slice: routed experts per layer of the slice (0: the "
                     "architecture's own; fewer when the disk can't hold a full layer: the rows then say so).",
                     lower_bound=0)
@@ -382,7 +383,8 @@ def peer_main(argv):
                                                                               "slice_dense_formats"),
                                         log=lambda m: print(m, file=sys.stderr, flush=True),
                                         engines_wanted=tuple(P.parse_list(FLAGS.slice_engines, "slice_engines")),
-                                        fracs=tuple(P.parse_list(FLAGS.slice_fracs, "slice_fracs", float)),
+                                        fracs=tuple(P.parse_list(FLAGS.slice_fracs, "slice_fracs", float)
+                                                    if FLAGS.slice_fracs else ()),
                                         experts=FLAGS.slice_experts, dtype=FLAGS.slice_dtype,
                                         gguf_base=FLAGS.slice_gguf_base.upper(), reps=FLAGS.slice_reps,
                                         zipf=None if FLAGS.slice_zipf < 0 else FLAGS.slice_zipf)
