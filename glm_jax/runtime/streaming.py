@@ -238,7 +238,9 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
         early, during, landed = [], None, None
         # the XLA gather path reads only its slots; the native kernel computes any pairs, its per-(t, k) terms kept
         # to decode-sized forwards (a 512-token chunk's would be 64 MB at H 4096)
-        if engine.opts["overlap"] and (entries <= store._layer(i).S or (
+        # (one process only: with several, each one's store holds and reads its own shard, so the split would be
+        # each process's own, and every process must run the same programs for their collectives to pair up)
+        if engine.opts["overlap"] and jax.process_count() == 1 and (entries <= store._layer(i).S or (
                 store._layer(i).bank.kernel == "native" and entries <= OVERLAP_MAX_PAIRS)):
             res_now = store.resident_mask(i)
             resident = res_now[union]
