@@ -173,9 +173,10 @@ OPTIONS = [
         "compute the layer's resident (hit) experts and the shared expert while its misses are read (decode-sized "
         "forwards; bitwise the same output). Decode 1.07-1.14x in the GLM-4.5-Air slice's 0.3x box "
         "(docs/real-scale.md, stop 52).", env=("PIPE",)),
-    Opt("read_chunk_mb", 1.0, "float", "Split each expert read into a multiple of io_threads near-equal byte "
-        "ranges of at most this many MB, so a layer's few large misses keep every I/O thread busy to the end "
-        "(0: one read per expert).", lo=0.0),
+    Opt("read_chunk_mb", 1.0, "float", "Where a fetch misses fewer experts than --io_threads, split each expert "
+        "read into a multiple of io_threads near-equal byte ranges of at most this many MB, so a layer's few large "
+        "misses keep every I/O thread busy to the end; with as many misses as threads or more, each is one read "
+        "(0: always one read per expert).", lo=0.0),
     Opt("prefetch", False, "bool", "Router-lookahead prefetch: apply layer L+1's router to layer L's state and load "
         "its predicted experts into free cache slots in the background while layer L computes (recall and "
         "prefetch_hits / prefetch_unused are reported).", env=("PILOT",)),

@@ -220,8 +220,8 @@ def test_error_bad_checksum(good):
         open_container(dst, cfg, verify="all")
     # and the store surfaces the same one-line error
     from glm_jax.experts.store import ExpertStore
-    for chunk_mb in (1.0, 4096 / (1 << 20)):    # whole-record reads, and 4 KiB ranges (checksum on an I/O thread)
-        st = ExpertStore.open(dst, cfg, cache_cap=2, io_threads=2, read_chunk_mb=chunk_mb)
+    for chunk_mb in (0.0, 4096 / (1 << 20)):    # whole-record reads, and 4 KiB ranges (checksum on an I/O thread;
+        st = ExpertStore.open(dst, cfg, cache_cap=2, io_threads=4, read_chunk_mb=chunk_mb)     # 2 misses < 4 threads)
         with pytest.raises(GlmJaxError, match="layer 1 expert 5"):
             st.fetch(1, np.array([5, 0]))
         st.close(save_usage=False)

@@ -357,6 +357,29 @@ def test_balanced_chunk_splits_a_record_evenly_over_the_threads():
     assert balanced_chunk(123, 4, 0) == 0
 
 
+def test_a_fetch_of_as_many_misses_as_threads_reads_whole_records(cont, tmp_path, monkeypatch):
+    """Byte ranges only where a fetch's misses are fewer than the I/O threads (a lone miss is read by every thread);
+    with at least as many misses as threads each is one read (1 MB ranges of GLM-5.2's 20 MB records took 1.07-1.17x
+    longer there).  Same bytes either way."""
+    from glm_jax.experts.store import fetch_chunk
+    MB = 1 << 20
+    assert fetch_chunk(20 * MB, 4, 4, MB) == 0 and fetch_chunk(20 * MB, 9, 4, MB) == 0
+    assert fetch_chunk(20 * MB, 3, 4, MB) == fetch_chunk(20 * MB, 1, 4, MB) == MB
+    assert fetch_chunk(20 * MB, 1, 4, 0) == 0
+    d, cfg = _fresh(cont, tmp_path)
+    c = open_container(d, cfg)
+    st = ExpertStore.open(d, cfg, cache_cap=2, io_threads=2, max_working_set=3, read_chunk_mb=4096 / (1 << 20))
+    seen = []
+    real = st.source.read_jobs
+    monkeypatch.setattr(st.source, "read_jobs", lambda L, e, dests, chunk: seen.append(chunk) or real(L, e, dests, chunk))
+    for ids, chunked in (([1], True), ([5, 6, 7], False)):
+        seen.clear()
+        bank, so = st.fetch(3, np.array(ids))
+        _check(bank, so, ids, c, 3)
+        assert seen and all((ch > 0) == chunked for ch in seen), (ids, seen)
+    st.close(save_usage=False)
+
+
 def test_populate_keeps_slot_contents(cont, tmp_path):
     """The background page populate (MADV_POPULATE_WRITE) may overlap reads into the same slots: it must never
     change what a slot holds."""
