@@ -111,18 +111,9 @@ def _fns(engine):
         return M.moe_terms(flat, ids[:r], hit[:r], bank, slot_of), M.mlp(mp["shared"], hn)
 
     @functools.partial(jax.jit, static_argnums=(0,))
-    def moe_mid(rows, hn, ids, m, y, bank, slot_of):
-        """--overlap, a group of the misses whose reads have landed while later ones are still being read
-        (store.fetch's ``landed``): their per-(t, k) terms merged into the early ones."""
-        B, T, H = hn.shape
-        r = B * T if rows is None else rows
-        flat = hn.reshape(B * T, H)[:r]
-        return jnp.where(m[:r, :, None], M.moe_terms(flat, ids[:r], m[:r], bank, slot_of), y)
-
-    @functools.partial(jax.jit, static_argnums=(0,))
     def moe_late(rows, h, hn, ids, w, valid, hit, y_hit, shared, bank, slot_of):
         """--overlap, after the misses are read: the terms of those not computed yet (``hit``: the entries computed
-        already, the early ones and moe_mid's), merged per (t, k) and combined in the same order as moe_part --
+        already, the early ones and terms_merge's), merged per (t, k) and combined in the same order as moe_part --
         bitwise the same output whatever the split was."""
         B, T, H = h.shape
         r = B * T if rows is None else rows
@@ -132,12 +123,15 @@ def _fns(engine):
         routed = part if rows is None else jnp.zeros_like(flat).at[:r].set(part)
         return h + routed.reshape(B, T, H) + shared
 
-    @jax.jit
-    def terms_merge(y, hn, ids, m, bank, slot_of):
-        """A chunk of a large union (prefill): the per-(t, k) terms of the entries ``m`` routed to it, merged."""
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def terms_merge(rows, y, hn, ids, m, bank, slot_of):
+        """The per-(t, k) terms of the entries ``m`` merged into ``y`` (the first ``rows`` positions, as moe_early's):
+        a chunk of a large union (prefill), or --overlap's group of the misses whose reads have landed while later
+        ones are still being read (store.fetch's ``landed``)."""
         B, T, H = hn.shape
-        yc = M.moe_terms(hn.reshape(B * T, H), ids, m, bank, slot_of)
-        return jnp.where(m[..., None], yc, y)
+        r = B * T if rows is None else rows
+        yc = M.moe_terms(hn.reshape(B * T, H)[:r], ids[:r], m[:r], bank, slot_of)
+        return jnp.where(m[:r, :, None], yc, y)
 
     @jax.jit
     def combine_finish(mp, h, hn, y, w, valid):
@@ -151,7 +145,7 @@ def _fns(engine):
         return M.head_logits(hidden, lm_head, rows), hidden
 
     engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part,
-                                    moe_early=moe_early, moe_mid=moe_mid, moe_late=moe_late, head=head, terms_merge=terms_merge,
+                                    moe_early=moe_early, moe_late=moe_late, head=head, terms_merge=terms_merge,
                                     combine_finish=combine_finish)
     return fns
 
@@ -172,7 +166,7 @@ def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
         part = union[c0:c0 + lim]
         bank, slot_of = store.fetch(layer, part)
         m = valid & jnp.asarray(np.isin(ids_np, part))
-        y = f["terms_merge"](y, hn, ids, m, bank, jnp.asarray(slot_of))
+        y = f["terms_merge"](None, y, hn, ids, m, bank, jnp.asarray(slot_of))
         y.block_until_ready()
     _acc(engine, "chunked_unions", 1)
     return f["combine_finish"](mp, h, hn, y, w, valid)
@@ -208,6 +202,9 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
     moe_idx = [i for i, lp in enumerate(layers) if "moe" in lp]
     pending_pred = None
     trace = [] if engine.opts["route_trace"] else None
+    # the hit/miss split in one process only: with several, each one's store holds and reads its own shard, so the
+    # split would be each process's own, and every process must run the same programs for their collectives to pair up
+    overlap = engine.opts["overlap"] and jax.process_count() == 1
     for i, lp in enumerate(layers):
         k = _layer_key(cfg, i)
         if "moe" not in lp:
@@ -238,9 +235,7 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
         early, during, landed = [], None, None
         # the XLA gather path reads only its slots; the native kernel computes any pairs, its per-(t, k) terms kept
         # to decode-sized forwards (a 512-token chunk's would be 64 MB at H 4096)
-        # (one process only: with several, each one's store holds and reads its own shard, so the split would be
-        # each process's own, and every process must run the same programs for their collectives to pair up)
-        if engine.opts["overlap"] and jax.process_count() == 1 and (entries <= store._layer(i).S or (
+        if overlap and (entries <= store._layer(i).S or (
                 store._layer(i).bank.kernel == "native" and entries <= OVERLAP_MAX_PAIRS)):
             res_now = store.resident_mask(i)
             resident = res_now[union]
@@ -255,7 +250,7 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
 
                 def landed(es, b1, s1):
                     m = valid_np_k & np.isin(ids_np, es)
-                    early[:2] = early[0] | m, f["moe_mid"](rows, hn, ids, m, early[1], b1, s1)
+                    early[:2] = early[0] | m, f["terms_merge"](rows, early[1], hn, ids, m, b1, s1)
         bank, slot_of = store.fetch(i, union, during=during, landed=landed)
         early = early or None
         if trace is not None:
