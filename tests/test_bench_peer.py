@@ -151,3 +151,40 @@ def test_a_llama_server_that_dies_at_start_is_a_bench_error_not_a_process_lookup
     prefix = _fake_llamacpp(tmp_path, "exit 0", "exit 7")
     with pytest.raises(P.BenchError, match="exited 7"):
         P.llama_greedy_tokens(prefix, "m.gguf", [1, 2, 3], 4, 1, str(tmp_path / "srv.log"))
+
+
+def test_the_llamacpp_build_and_the_gguf_converter_are_the_repositorys_own(tmp_path):
+    # the benches ran a converter and named a build script outside the repository: a clone could not run them
+    script = P.hf_to_gguf_script()
+    assert os.path.isfile(script) and os.path.commonpath([script, P.REPO_ROOT]) == P.REPO_ROOT
+    assert os.path.isfile(os.path.join(P.REPO_ROOT, "tools", "bench", "build_llamacpp.sh"))
+    with pytest.raises(P.BenchError, match=r"missing .*llama-bench.*tools/bench/build_llamacpp\.sh PREFIX"):
+        P.llamacpp_paths(str(tmp_path))
+
+
+def test_hf_to_gguf_names_a_missing_llamacpp_tree_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, P.hf_to_gguf_script(), "--src", P.SHIPPED_HF, "--out", str(tmp_path / "x"),
+                        "--llamacpp", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--llamacpp=" in r.stderr and "build_llamacpp.sh" in r.stderr
+
+
+def test_hf_to_gguf_writes_an_unknown_bpe_pre_tokenizer_as_gpt2_and_passes_known_ones():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hf_to_gguf", P.hf_to_gguf_script())
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+
+    class TextModel:                           # llama.cpp's conversion.base.TextModel, as far as adapt() uses it
+        def get_vocab_base_pre(self, tokenizer):
+            if tokenizer == "known":
+                return "llama-bpe"
+            raise NotImplementedError("BPE pre-tokenizer was not recognized")
+
+    base = type("base", (), {"TextModel": TextModel})
+    conv.adapt(base, gguf=None)
+    assert TextModel().get_vocab_base_pre("known") == "llama-bpe"
+    assert TextModel().get_vocab_base_pre("unknown") == "gpt-2"
+    assert TextModel._set_vocab_glm.__name__ == "set_vocab_glm"

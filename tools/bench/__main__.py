@@ -68,7 +68,7 @@ flags.DEFINE_integer("new_tokens", 64, "Tokens to decode per run (--mode=lowram:
 flags.DEFINE_integer("reps", 3, "Repetitions per configuration (interleaved; the median is reported; --mode=lowram: "
                      "1 unless given).")
 flags.DEFINE_string("llamacpp", "", "--mode=peer|lowram: llama.cpp prefix (bin/llama-bench, llama-quantize, "
-                    "llama-server, venv/ with the converter; ../shared/tools/build-llamacpp.sh PREFIX builds one). "
+                    "llama-server, venv/ with the converter; tools/bench/build_llamacpp.sh PREFIX builds one). "
                     "Empty: glm-jax (and transformers) only.")
 flags.DEFINE_string("formats", "f32,int8_row,int4_g64", "--mode=peer: glm-jax formats; each is compared with a GGUF "
                     "type: f32 (the HF dir resident, float32) <-> F32, int8_row <-> Q8_0, int4_g64 <-> Q4_0. --mode=formats: the "

@@ -2,7 +2,7 @@
 
     PREFIX/venv/bin/python tools/bench/gguf_reskew.py --src IN.gguf --biases CONTAINER/dense.safetensors --out OUT.gguf
 
-Run by llama.cpp's own venv (``../shared/tools/build-llamacpp.sh``: gguf-py, safetensors); it imports nothing of
+Run by llama.cpp's own venv (``tools/bench/build_llamacpp.sh``: gguf-py, safetensors); it imports nothing of
 glm-jax.  The synthetic slices skew expert popularity through the router's ``e_score_correction_bias`` alone (llama.cpp:
 ``blk.N.exp_probs_b.bias``, f32), so the GGUF of another skew is the same file with those tensors overwritten by the
 container's ``model.layers.N.mlp.gate.e_score_correction_bias``: both engines then route alike.  Every other byte

@@ -2,7 +2,7 @@
 
     PREFIX/venv/bin/python tools/bench/gguf_widen.py --twin TWIN.gguf --src FULL_HF_DIR --out OUT.gguf
 
-Run by llama.cpp's own venv (``../shared/tools/build-llamacpp.sh``: gguf-py, torch, safetensors); it imports nothing of
+Run by llama.cpp's own venv (``tools/bench/build_llamacpp.sh``: gguf-py, torch, safetensors); it imports nothing of
 glm-jax.  llama.cpp's converter stacks a layer's experts into one tensor and dequantizes it to f32 before quantizing:
 for GLM-5.2's 256 experts of 3 x 6144 x 2048 that is 12.9 GB a tensor, with copies, and the converter was OOM-killed
 at 24 GB.  This writes the same file another way:

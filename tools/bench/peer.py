@@ -471,15 +471,13 @@ def llamacpp_paths(prefix: str) -> dict:
     missing = [v for k, v in p.items() if not os.path.exists(v)]
     if missing:
         raise BenchError(f"--llamacpp={prefix}: missing {', '.join(missing)} (build it with "
-                         "../shared/tools/build-llamacpp.sh PREFIX)")
+                         "tools/bench/build_llamacpp.sh PREFIX)")
     return p
 
 
 def hf_to_gguf_script() -> str:
-    for c in (os.path.join(REPO_ROOT, "..", "shared", "tools", "hf_to_gguf.py"), "/work/shared/tools/hf_to_gguf.py"):
-        if os.path.exists(c):
-            return os.path.abspath(c)
-    raise BenchError("hf_to_gguf.py not found (expected ../shared/tools/hf_to_gguf.py next to the repo)")
+    """The converter wrapper the GGUFs are made with (run by PREFIX/venv/bin/python: llama.cpp's converter)."""
+    return os.path.join(os.path.dirname(THIS_FILE), "hf_to_gguf.py")
 
 
 def ensure_gguf(hf_dir: str, mdir: str, qtype: str, prefix: str, log=print, keep_f32: bool = True,
