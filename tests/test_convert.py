@@ -156,7 +156,7 @@ def test_resume_after_interrupt(hf, tmp_path):
     cfg = load_config(dst)
     open_container(dst, cfg, verify="all").close()
     verify_dense(dst)
-    # a finished container is never rewritten in place (issue 22): another format needs --overwrite, which builds
+    # a finished container is never rewritten in place: another format needs --overwrite, which builds
     # the new one beside it and swaps it in
     with pytest.raises(GlmJaxError, match="finished conversion of --src.*--overwrite"):
         convert(src, dst, expert_format="int8_row", progress=False)
@@ -237,7 +237,7 @@ def test_cli(hf, tmp_path):
     assert json.load(open(os.path.join(dst, "manifest.json")))["expert_format"] == "int4_row"
 
 
-# ----------------------------------------------------------------------------- issue 15: the destination
+# ----------------------------------------------------------------------------- the destination
 def _tree(d):
     """{relative path: bytes} of every file under d."""
     out = {}
@@ -422,7 +422,7 @@ def test_odd_rows_are_stored_int8_row_with_a_note(tmp_path, capsys):
     open_container(str(tmp_path / "c"), load_config(str(tmp_path / "c")), verify="all").close()
 
 
-# ----------------------------------------------------------------------------- issue 22: finished containers, locks
+# ----------------------------------------------------------------------------- finished containers, locks
 def test_a_finished_container_is_never_replaced_without_overwrite(hf, tmp_path):
     """Before: --src=SAME --dst=FINISHED --expert_format=other exited 0 and rewrote it in place (killed midway: the
     valid container was gone, "incomplete conversion").  After: refused, the container untouched; --overwrite

@@ -1,4 +1,4 @@
-"""Defaults chosen by measurement (issue 16): the compute dtype follows the backend's measured speed and the
+"""Defaults chosen by measurement: the compute dtype follows the backend's measured speed and the
 checkpoint's declaration, never the model's width."""
 
 import json

@@ -219,7 +219,7 @@ def test_unknown_option_is_rejected():
 def test_env_alias_and_flag_precedence():
     from glm_jax import options as O
 
-    on = {"colibri_env": True}          # the aliases are read only when asked for (issue 22)
+    on = {"colibri_env": True}          # the aliases are read only when asked for
     assert O.resolve(dict(on), {"EXPERT_BUDGET": "4"})["expert_budget"] == 4
     assert O.resolve({}, {"EXPERT_BUDGET": "4"})["expert_budget"] == 0
     assert O.resolve({"expert_budget": 6, **on}, {"EXPERT_BUDGET": "4"})["expert_budget"] == 6

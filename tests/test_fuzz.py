@@ -1,4 +1,4 @@
-"""Fuzz (issue 15, "Done when"): random bytes and random JSON edits to config.json, manifest.json, the safetensors
+"""Fuzz: random bytes and random JSON edits to config.json, manifest.json, the safetensors
 index and safetensors headers of a container and of a sharded HF checkpoint.  Every case ends in a one-line
 GlmJaxError-family error or a correct run (finite logits of the right shape); never another exception, a traceback,
 a hang (each case runs under an alarm) or NaN.
@@ -6,7 +6,7 @@ a hang (each case runs under an alarm) or NaN.
 Seeded, so a failure names its case and replays.  Loading is cheap; a forward compiles, so only the first cases of
 each kind (container, HF dir) that load run one (the rest of the successful loads are closed unrun).  The model has
 hidden_size 96 and the container is int4_g64: its forward is also the end-to-end run of shorter last int4 groups
-(issue 15 item 9; tests/test_quant_groups.py checks the numbers)."""
+(tests/test_quant_groups.py checks the numbers)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Issue 15 (hardening): every bad input is a one-line GlmJaxError naming its source; runtime state only in per-user
+"""Hardening: every bad input is a one-line GlmJaxError naming its source; runtime state only in per-user
 directories; a container's dense weights are checked at load; NaN/Inf is refused; a second start compiles nothing.
 
 Cheap by design: the option table and the validating functions are tested directly, engines are only loaded (no
@@ -84,7 +84,7 @@ def test_keywords_are_not_silently_coerced():
 
 
 def test_an_explicit_value_wins_over_a_garbage_alias():
-    on = {"colibri_env": True}          # the aliases are read only when asked for (issue 22)
+    on = {"colibri_env": True}          # the aliases are read only when asked for
     assert O.resolve({"draft": 2, **on}, {"DRAFT": "abc"}, kind="flag")["draft"] == 2
     assert O.resolve({"pin": "", **on}, {"PIN": "/nope"})["pin"] == ""
     with pytest.raises(O.OptionError) as e:

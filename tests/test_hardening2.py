@@ -1,4 +1,4 @@
-"""Issue 22 (hardening 2), the command-line side: cached native code checked before it is loaded, outputs written
+"""Hardening, the command-line side: cached native code checked before it is loaded, outputs written
 through links / devices / FIFOs, the converter never replacing a finished container, broken pipes and full disks
 ending or continuing cleanly, memory promises, self-healing compile caches, opt-in environment aliases.
 

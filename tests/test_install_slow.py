@@ -1,5 +1,5 @@
-"""The README's two install commands, one after the other, in a scratch venv (issue 15 item 1), and a second start
-that compiles nothing (item 11).  Slow (two installs, three runs): only with GLM_JAX_SLOW=1.
+"""The README's two install commands, one after the other, in a scratch venv, and a second start
+that compiles nothing.  Slow (two installs, three runs): only with GLM_JAX_SLOW=1.
 
 `pip install .` + a run used to write the usage history into site-packages/glm_jax/default_model/; the later
 `pip install -e .` left that folder behind as an empty namespace package that shadowed the editable install

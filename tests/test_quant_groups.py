@@ -1,4 +1,4 @@
-"""int4 groups that do not divide the row (issue 15 item 9): the last group of a row is shorter.
+"""int4 groups that do not divide the row: the last group of a row is shorter.
 
 The reference for a row of n = 96 with G = 64 is two independent int4_row quantizations of its two slices ([:64] and
 [64:96]): a group is a row of its own.  The numpy quantize/dequantize, quantized_nbytes, the record layout, the in-jit

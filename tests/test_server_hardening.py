@@ -1,4 +1,4 @@
-"""glm-jax-serve under hostile input (issue 22 items 4, 5, 7): request limits (--max_body_mb -> 413 before the body
+"""glm-jax-serve under hostile input: request limits (--max_body_mb -> 413 before the body
 is read, --read_timeout_s closing half-open connections, a prompt beyond the context refused before tokenizing),
 parsing and tokenization off the event loop (/health answers meanwhile), never a 500 for an input error (lone
 surrogates, deep JSON, non-ASCII keys), an unexpected error a counted JSON 500; and hypothesis-generated bodies

@@ -16,7 +16,7 @@ Each streamed configuration runs under every fetch mode of ``--fetches`` (fetch=
 fetch=fused: one compiled program), and a second table puts decode tok/s side by side in the same run: resident
 (every expert loaded at start, ``fetch=resident``), streamed with every expert cached, and cold, per fetch mode.
 
-ratio = end to end / max(read alone, compute alone); the issue's goal is <= 1.15 (1.0: perfect overlap; the sum of
+ratio = end to end / max(read alone, compute alone); the goal is <= 1.15 (1.0: perfect overlap; the sum of
 the two would be (read + compute) / max).  The virtual disk of the development machine caches recently read blocks
 on its host, so "cold" re-reads can be faster than a first read; every configuration sees the same disk.
 """

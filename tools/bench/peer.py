@@ -304,14 +304,14 @@ def _shipped_tokenizer_files(src: str = SHIPPED_HF) -> list:
 
 
 def b_config(vocab: int = 2048) -> dict:
-    """The "b-shaped" model of issue 16: H 1024, 32 routed experts of moe_intermediate 1024, top-8, 4 layers with
+    """The "b-shaped" bench model: H 1024, 32 routed experts of moe_intermediate 1024, top-8, 4 layers with
     the first dense (intermediate 2048), 1 shared expert, no MTP layer, the shipped model's vocabulary."""
     from tools.fixtures.synth_model import bench_config
     return _with_shipped_tokens(bench_config(hidden=1024, moe_inter=1024, experts=32, layers=4, top_k=8, vocab=vocab))
 
 
 def b2_config(vocab: int = 2048) -> dict:
-    """The second ~300 M shape (issue 21's own: "H 1536, 24 experts of I 768, top-6, 4 layers"): wider and with
+    """The second ~300 M shape (H 1536, 24 experts of I 768, top-6, 4 layers): wider and with
     fewer, smaller experts than b, top-6; the first layer dense (intermediate 3072), 1 shared expert."""
     from tools.fixtures.synth_model import bench_config
     return _with_shipped_tokens(bench_config(hidden=1536, moe_inter=768, experts=24, layers=4, top_k=6, vocab=vocab))

@@ -1,4 +1,4 @@
-"""glm-jax-serve against llama-server on the same model at the same bits, interleaved (issue 24 item 5).
+"""glm-jax-serve against llama-server on the same model at the same bits, interleaved.
 
     python -m tools.bench.serve_peer --model=CONTAINER --gguf=MODEL-Q4_0.gguf --llamacpp=PREFIX
                                      [--clients=1,2,4,8] [--requests=3] [--max_tokens=64] [--rounds=2]
