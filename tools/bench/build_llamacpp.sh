@@ -11,7 +11,7 @@
 #   src/    the llama.cpp tree (convert_hf_to_gguf.py, conversion/, gguf-py/)
 # which is what `python -m tools.bench --llamacpp=PREFIX` expects; the benches convert with
 # PREFIX/venv/bin/python tools/bench/hf_to_gguf.py.  Each step is skipped where its output is already there, so a
-# failed run can be re-run.  About 10 minutes on 2 cores; never run in CI.
+# failed run can be re-run.  8-15 minutes on 2 cores; never run in CI.
 set -euo pipefail
 
 SDIST_VERSION=0.3.36
