@@ -1,0 +1,180 @@
+"""glm4_moe_lite (GLM-4.7-Flash: MLA without the DSA indexer) against transformers: the config, a real-width check,
+the MTP layer through speculation, bf16 / sharded / FP8 sources, and a converted container streamed below its size
+through every fetch mode and glm-jax.  Fixtures: tools/fixtures/make_golden_lite.py (no torch here)."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import glm_jax
+from glm_jax.model import mla
+from glm_jax.model.config import ConfigError, config_from_dict, load_config
+from tools.fixtures.synth_model import write_hf_checkpoint
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+LITE = os.path.join(GOLDEN, "lite")
+
+
+def _exp(name="lite"):
+    return dict(np.load(os.path.join(GOLDEN, name, "expected.npz")))
+
+
+def _raw(name="lite"):
+    with open(os.path.join(GOLDEN, name, "config.json")) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_reads_the_lite_fields():
+    c = load_config(LITE)
+    assert c.model_type == "glm4_moe_lite" and c.is_mla and c.indexer_types == () and c.index_topk is None
+    assert c.mlp_layer_types == ("dense", "sparse", "sparse") and c.rope_interleave
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.head_dim, c.rotary_dim) == (32, 16, 8, 8, 8)
+    assert c.routed_scaling_factor == 1.8 and c.num_experts_per_tok == 4 and c.has_mtp
+    assert mla.indexer_type(c, 0) == mla.indexer_type(c, c.num_hidden_layers) == "none"
+    assert {mla.variant_layer(c, i) for i in range(c.num_hidden_layers + 1)} == {0}   # one program for all layers
+    d = load_config(os.path.join(GOLDEN, "lite_direct_q"))
+    assert d.q_lora_rank is None and not d.rope_interleave
+
+
+def test_config_defaults_and_refusals():
+    raw = _raw()
+    for k in ("mlp_layer_types", "rope_interleave", "q_lora_rank"):
+        raw.pop(k, None)
+    c = config_from_dict(dict(raw, first_k_dense_replace=2), "x.json")
+    assert c.mlp_layer_types == ("dense", "dense", "sparse") and c.rope_interleave and c.q_lora_rank is None
+    assert config_from_dict(raw, "x.json").mlp_layer_types == ("dense", "sparse", "sparse")   # transformers' default
+    with pytest.raises(ConfigError, match="x.json: field 'partial_rotary_factor'"):
+        config_from_dict(dict(raw, partial_rotary_factor=0.5), "x.json")
+    with pytest.raises(ConfigError, match="field 'rope_interleave': expected true/false"):
+        config_from_dict(dict(raw, rope_interleave="yes"), "x.json")
+    with pytest.raises(ConfigError, match="field 'kv_lora_rank': missing"):
+        config_from_dict({k: v for k, v in raw.items() if k != "kv_lora_rank"}, "x.json")
+    with pytest.raises(ConfigError, match="field 'q_lora_rank': must be positive"):
+        config_from_dict(dict(raw, q_lora_rank=0), "x.json")
+    with pytest.raises(ConfigError, match="supported: glm4_moe, glm_moe_dsa, glm4_moe_lite"):
+        config_from_dict(dict(raw, model_type="glm4_moe_heavy"), "x.json")
+
+
+# ----------------------------------------------------------------------------- real widths
+def test_real_width_two_layers_match_transformers(tmp_path):
+    """Two layers (dense + MoE) at GLM-4.7-Flash's real widths (H 2048, 20 heads, q LoRA 768, kv LoRA 512, nope 192,
+    rope 64, v 256), 4 experts, a 512-token vocabulary: the checkpoint is regenerated from its seed, transformers'
+    logits are the fixture's (4.4e-6 max abs measured, native kernels)."""
+    d = os.path.join(GOLDEN, "lite_real_width")
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    info = json.load(open(os.path.join(d, "expected.json")))
+    exp = _exp("lite_real_width")
+    src = str(tmp_path / "hf")
+    write_hf_checkpoint(src, cfg, seed=info["seed"], keep_reference=False, head_role="proj")
+    eng = glm_jax.Engine.load(src, dtype="float32", kv_cache_dtype="float32")
+    try:
+        got = eng.logits(exp["input_ids"].tolist())
+    finally:
+        eng.close()
+    assert np.abs(got - exp["logits"]).max() <= 5e-5, np.abs(got - exp["logits"]).max()
+    assert (got.argmax(-1) == exp["logits"].argmax(-1)).all()
+
+
+# ----------------------------------------------------------------------------- MTP through speculation
+def test_mtp_drafts_keep_greedy_and_the_layer_matches_transformers():
+    """The checkpoint's nextn layer (MLA, no indexer) gives transformers' MTP logits, and greedy with MTP drafts is
+    greedy without them (drafts verified by the main model)."""
+    import jax
+    import jax.numpy as jnp
+
+    from glm_jax import model as M
+
+    exp = _exp()
+    eng = glm_jax.Engine.load(LITE, dtype="float32", kv_cache_dtype="float32")
+    try:
+        cfg, params = eng.cfg, eng.params
+        assert params["mtp"] is not None
+        cache = M.init_cache(cfg, 1, 32, jnp.float32, with_mtp=True)
+        start = jnp.asarray([int(exp["mtp_position_ids"][0]) - 1], jnp.int32)
+        lg = jax.jit(lambda p, c, t, h, s: M.mtp_forward(cfg, p, c, t, h, s)[0])(
+            params, cache, jnp.asarray(exp["mtp_input_ids"])[None], jnp.asarray(exp["mtp_hidden_in"])[None], start)
+        assert np.abs(np.asarray(lg[0]) - exp["mtp_logits"]).max() < 1e-4
+        prompt = exp["greedy_prompt"].tolist()
+        runs = []
+        for opts in (dict(draft=0), dict(mtp=True, mtp_guard_pct=0.0)):   # read per generate call (test_mtp.py)
+            saved = dict(eng.opts)
+            eng.opts.update(opts)
+            try:
+                runs.append(eng.generate(prompt, max_new_tokens=16, stop_on_eos=False, temperature=0.0))
+            finally:
+                eng.opts.clear()
+                eng.opts.update(saved)
+        plain, spec = runs
+    finally:
+        eng.close()
+    assert plain.tokens == spec.tokens == exp["greedy_tokens"][:16].tolist()
+    assert spec.stats["drafts_proposed"] > 0
+
+
+# ----------------------------------------------------------------------------- sources
+@pytest.mark.parametrize("dtype,shards", [("bfloat16", 3), ("fp8", 1)])
+def test_bf16_sharded_and_fp8_sources_load_as_their_values(tmp_path, dtype, shards):
+    """A lite checkpoint stored bf16 in 3 shards, or FP8 with 128x128 block scales, loads as the float32 values it
+    holds (the same checkpoint written in f32 from the writer's reference)."""
+    from safetensors.numpy import save_file
+
+    cfg = dict(_raw(), q_lora_rank=None, hidden_size=128, intermediate_size=128, moe_intermediate_size=128)
+    src, ref_dir = str(tmp_path / "src"), str(tmp_path / "ref")
+    ref = write_hf_checkpoint(src, cfg, seed=3, dtype=dtype, shards=shards)
+    assert os.path.exists(os.path.join(src, "model.safetensors.index.json")) == (shards > 1)
+    os.makedirs(ref_dir)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in ref.items()}, os.path.join(ref_dir, "model.safetensors"))
+    shutil.copy(os.path.join(src, "config.json"), ref_dir)
+    ids = [3, 9, 27, 81, 4]
+    got = [glm_jax.Engine.load(d, dtype="float32", kv_cache_dtype="float32", kernels="xla").logits(ids)
+           for d in (src, ref_dir)]
+    assert np.abs(got[0] - got[1]).max() < 1e-5
+
+
+# ----------------------------------------------------------------------------- converted, streamed
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    from glm_jax.experts.convert import convert
+
+    dst = str(tmp_path_factory.mktemp("lite") / "c")
+    convert(LITE, dst, expert_format="int8_row", mtp_format="int8_row", dense_format="f32", progress=False)
+    return dst
+
+
+@pytest.mark.parametrize("fetch", ["loop", "callback", "fused"])
+def test_container_streams_in_every_fetch_mode(container, fetch):
+    """The int8-expert container with 2 experts a layer cached of 8: every fetch mode reads experts from disk and
+    stays within int8's rounding of transformers (top-1 of every position kept)."""
+    exp = _exp()
+    ids = exp["input_ids"][0].tolist()
+    eng = glm_jax.Engine.load(container, fetch=fetch, cache_cap=2, kv_cache_dtype="float32")
+    try:
+        assert eng.opts["fetch"] == fetch
+        lg = eng.logits(ids)
+        res = eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=8, stop_on_eos=False)
+        assert res.stats["bytes_read"] > 0 and res.stats["expert_loads"] > 0
+    finally:
+        eng.close()
+    assert np.abs(lg - exp["logits"][0]).max() < 0.05
+    assert (lg.argmax(-1) == exp["logits"][0].argmax(-1)).all()
+
+
+def test_glm_jax_generates_from_the_container_below_its_size(container, capsys, tmp_path):
+    """glm-jax on the converted container with an expert cache of 1 expert a layer of the 8 its files hold: it
+    streams, reads and evicts experts, and writes its tokens."""
+    from cli_inprocess import run
+
+    exp = _exp()
+    out = tmp_path / "o.json"
+    prompt = ",".join(str(t) for t in exp["greedy_prompt"])
+    rc, _, err = run(["glm-jax", f"--model={container}", f"--prompt_ids={prompt}", "--max_new_tokens=6",
+                      "--ignore_eos", "--cache_cap=1", f"--output_json={out}"], capsys)
+    assert rc == 0, err
+    d = json.loads(out.read_text())
+    assert len(d["tokens"]) == 6 and d["stats"]["bytes_read"] > 0 and d["stats"]["evictions"] > 0
+    assert d["stats"]["cache_cap"] == 1 < load_config(container).n_routed_experts
