@@ -17,19 +17,30 @@ GLM_TOKENS = ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
 ROLES = ("system", "user", "assistant")
 
 
+TEMPLATE_FILE = "chat_template.jinja"   # where transformers 5 saves a tokenizer's template (GLM-4.6 / 4.7 hub repos)
+
+
 def load_template(model_dir: str) -> Optional[dict]:
-    """{"template": str, "tokens": {name: str}} from tokenizer_config.json, or None when it has no chat_template."""
+    """{"template": str, "tokens": {name: str}} from tokenizer_config.json, the template from chat_template.jinja
+    where that file exists (it wins over the config's, as in transformers), or None when neither has one."""
     path = os.path.join(model_dir, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise GlmJaxError(f"{path}: cannot read ({e})") from None
-    if not isinstance(cfg, dict):
-        raise GlmJaxError(f"{path}: expected a JSON object")
+    jinja = os.path.join(model_dir, TEMPLATE_FILE)
+    cfg = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise GlmJaxError(f"{path}: cannot read ({e})") from None
+        if not isinstance(cfg, dict):
+            raise GlmJaxError(f"{path}: expected a JSON object")
     t = cfg.get("chat_template")
+    if os.path.exists(jinja):
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                t, path = f.read(), jinja
+        except (OSError, UnicodeDecodeError) as e:
+            raise GlmJaxError(f"{jinja}: cannot read ({e})") from None
     if t is None:
         return None
     if isinstance(t, list):      # [{"name": "default", "template": ...}, ...]

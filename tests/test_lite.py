@@ -178,3 +178,38 @@ def test_glm_jax_generates_from_the_container_below_its_size(container, capsys, 
     d = json.loads(out.read_text())
     assert len(d["tokens"]) == 6 and d["stats"]["bytes_read"] > 0 and d["stats"]["evictions"] > 0
     assert d["stats"]["cache_cap"] == 1 < load_config(container).n_routed_experts
+
+
+# ----------------------------------------------------------------------------- chat template and tool calls
+# the shape of GLM-4.7-Flash's template: tools rendered by the template, calls written without newlines
+GLM47_STYLE = ("[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+               "{% endfor %}</tools>{% endif %}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}"
+               "{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{{ tc.function.name }}"
+               "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}"
+               "</arg_value>{% endfor %}</tool_call>{% endfor %}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}<|assistant|>\n<think></think>{% endif %}")
+
+
+def test_chat_template_jinja_wins_and_glm47_tool_calls_parse(tmp_path):
+    """transformers 5 saves a tokenizer's template as chat_template.jinja (GLM-4.7-Flash's hub repo ships one): it is
+    read, and wins over tokenizer_config.json's; GLM-4.7's compact call format (no newlines) parses."""
+    from glm_jax import chat as C
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old", "eos_token": "<|user|>"}))
+    (tmp_path / "chat_template.jinja").write_text(GLM47_STYLE)
+    t = C.load_template(str(tmp_path))
+    assert t["template"] == GLM47_STYLE and t["path"].endswith("chat_template.jinja")
+    assert t["tokens"]["eos_token"] == "<|user|>"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    text = C.render(t, [{"role": "user", "content": "Paris?"}], tools=[tool])
+    assert text.startswith("[gMASK]<sop><|system|>") and '"get_weather"' in text and text.endswith("<think></think>")
+    content, calls = C.parse_tool_calls(
+        "ok<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+        "<arg_value>3</arg_value></tool_call>", [tool])
+    assert content == "ok" and calls == [{"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}]
+    (tmp_path / "tokenizer_config.json").unlink()                  # the file alone is enough
+    assert C.load_template(str(tmp_path))["template"] == GLM47_STYLE
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{")
+    with pytest.raises(glm_jax.GlmJaxError, match="chat_template.jinja: cannot read"):
+        C.load_template(str(tmp_path))
