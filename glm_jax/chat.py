@@ -162,13 +162,22 @@ def tools_system_text(tools: list) -> str:
                                      for t in tools) + "\n</tools>"
 
 
-def format_tool_call(name: str, args: dict) -> str:
-    """One call in GLM's format (string values raw, others JSON)."""
+def format_tool_call(name: str, args: dict, compact: bool = False) -> str:
+    """One call in GLM's format (string values raw, others JSON): a line a part (GLM-4.5 / 4.6), or ``compact``
+    without the newlines (GLM-4.7 / 4.7-Flash)."""
     out = [f"{TOOL_CALL}{name}"]
     for k, v in args.items():
         out.append(f"<arg_key>{k}</arg_key>")
         out.append(f"<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>")
-    return "\n".join(out) + "\n" + TOOL_CALL_END
+    sep = "" if compact else "\n"
+    return sep.join(out) + sep + TOOL_CALL_END
+
+
+def compact_tool_calls(template: Optional[dict]) -> bool:
+    """Whether the checkpoint's template writes tool calls in GLM-4.7's compact form (``</arg_key><arg_value>``,
+    no newline between a call's parts; GLM-4.5 / 4.6 put each part on its own line): constrained decoding then
+    forces that form, the one the model was trained on."""
+    return template is not None and "</arg_key><arg_value>" in template["template"]
 
 
 def parse_tool_calls(text: str, tools: Optional[list] = None):

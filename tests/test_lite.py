@@ -213,3 +213,31 @@ def test_chat_template_jinja_wins_and_glm47_tool_calls_parse(tmp_path):
     (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{")
     with pytest.raises(glm_jax.GlmJaxError, match="chat_template.jinja: cannot read"):
         C.load_template(str(tmp_path))
+
+
+def test_constrained_tool_calls_follow_the_templates_form():
+    """tool_choice required / named forces a call in the form the checkpoint's template writes: GLM-4.7's compact
+    form where the template has ``</arg_key><arg_value>``, GLM-4.5's lines elsewhere (before: always lines, a form
+    GLM-4.7-Flash was not trained to write)."""
+    import llguidance
+
+    from glm_jax import chat as C
+    from glm_jax.serve.constrain import ll_tokenizer, tool_call_grammar
+    from glm_jax.engine import Tokenizer
+
+    assert C.compact_tool_calls({"template": GLM47_STYLE}) and not C.compact_tool_calls(None)
+    tok = Tokenizer(os.path.join(os.path.dirname(glm_jax.__file__), "default_model", "tokenizer.json"))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "integer"}}, "required": ["a", "n"]}}}
+    args = {"a": "x y", "n": 3}
+
+    def accepts(grammar, text):
+        m = llguidance.LLMatcher(ll_tokenizer(tok, tok.tok.get_vocab_size(), ()), grammar, log_level=0)
+        return not m.is_error() and m.try_consume_tokens(tok.encode(text)) == len(tok.encode(text)) and m.is_accepting()
+
+    for compact in (False, True):
+        g = tool_call_grammar([tool], "f", compact=compact)
+        assert accepts(g, C.format_tool_call("f", args, compact=compact))
+        assert not accepts(g, C.format_tool_call("f", args, compact=not compact))
+        assert C.parse_tool_calls(C.format_tool_call("f", args, compact=compact), [tool])[1] == [
+            {"name": "f", "arguments": json.dumps(args)}]

@@ -199,9 +199,9 @@ def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     lp = {"input_norm": get(pre + "input_layernorm.weight", (H,)),
           "post_norm": get(pre + "post_attention_layernorm.weight", (H,))}
     if cfg.is_mla:
-        # The projections q_a, q_b (or q_proj), kv_a, o are plain linears: kept as stored, packed by formats.pack_layer.  The
-        # rest is float: kv_b is reshaped for absorption (per-head W_UK / W_UV) and the DSA indexer's top-k is
-        # discrete (int8 activations there flipped its picks on the golden DSA model)
+        # The projections q_a, q_b (or q_proj), kv_a, o are plain linears: kept as stored, packed by
+        # formats.pack_layer.  The rest is float: kv_b is reshaped for absorption (per-head W_UK / W_UV) and the DSA
+        # indexer's top-k is discrete (int8 activations there flipped its picks on the golden DSA model)
         def get_mla(key, shape=None):
             a = get(key, shape)
             return a if key.endswith(_MLA_LINEAR_KEYS) and ".indexer." not in key else _float(a)

@@ -361,7 +361,8 @@ def _glm4_moe_lite(raw: dict, src: str, g, core: dict, rope: dict) -> dict:
     kw = _mla_fields(g, src, optional=("q_lora_rank",))
     prf = 1.0 if rope["partial_rotary_factor"] is None else rope["partial_rotary_factor"]
     if prf != 1:
-        raise _err(src, "partial_rotary_factor", f"glm4_moe_lite rotates the whole qk_rope_head_dim: expected 1, got {prf!r}")
+        raise _err(src, "partial_rotary_factor",
+                   f"glm4_moe_lite rotates the whole qk_rope_head_dim: expected 1, got {prf!r}")
     return dict(kw, head_dim=kw["qk_rope_head_dim"], partial_rotary_factor=1.0,
                 mlp_layer_types=_mlp_layer_types(raw, src, g, core["num_hidden_layers"], 1),
                 rope_interleave=g("rope_interleave", True, bool), use_qk_norm=False)
