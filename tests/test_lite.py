@@ -241,3 +241,18 @@ def test_constrained_tool_calls_follow_the_templates_form():
         assert not accepts(g, C.format_tool_call("f", args, compact=not compact))
         assert C.parse_tool_calls(C.format_tool_call("f", args, compact=compact), [tool])[1] == [
             {"name": "f", "arguments": json.dumps(args)}]
+
+
+def test_container_records_rope_interleave_where_it_is_not_the_default(container, tmp_path):
+    """rope_interleave changes the math: a container converted with the default (true) does not record it (older
+    containers, which never did, still open), and refuses a config.json that says false."""
+    from glm_jax.experts.container import ConfigMismatchError, open_container
+
+    with open(os.path.join(container, "manifest.json")) as f:
+        assert "rope_interleave" not in json.load(f)["config_fields"]
+    d = str(tmp_path / "c")
+    shutil.copytree(container, d)
+    raw = json.load(open(os.path.join(d, "config.json")))
+    json.dump(dict(raw, rope_interleave=False), open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ConfigMismatchError, match="'rope_interleave' is True in the container but False"):
+        open_container(d, load_config(d))
