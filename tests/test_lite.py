@@ -256,3 +256,24 @@ def test_container_records_rope_interleave_where_it_is_not_the_default(container
     json.dump(dict(raw, rope_interleave=False), open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ConfigMismatchError, match="'rope_interleave' is True in the container but False"):
         open_container(d, load_config(d))
+
+
+def test_streamed_mtp_drafts_keep_greedy(container):
+    """The container's MTP layer (its experts streamed too): greedy with MTP drafts is greedy without them."""
+    exp = _exp()
+    eng = glm_jax.Engine.load(container, cache_cap=2)
+    try:
+        assert eng.params["mtp"] is not None and eng.opts["fetch"] != "resident"
+        runs = []
+        for opts in (dict(draft=0), dict(mtp=True, mtp_guard_pct=0.0)):
+            saved = dict(eng.opts)
+            eng.opts.update(opts)
+            try:
+                runs.append(eng.generate(exp["greedy_prompt"].tolist(), max_new_tokens=12, stop_on_eos=False))
+            finally:
+                eng.opts.clear()
+                eng.opts.update(saved)
+    finally:
+        eng.close()
+    assert runs[0].tokens == runs[1].tokens and runs[1].stats["drafts_proposed"] > 0
+    assert runs[1].stats["bytes_read"] > 0
