@@ -277,3 +277,40 @@ def test_streamed_mtp_drafts_keep_greedy(container):
         eng.close()
     assert runs[0].tokens == runs[1].tokens and runs[1].stats["drafts_proposed"] > 0
     assert runs[1].stats["bytes_read"] > 0
+
+
+def test_a_lite_checkpoint_serves_a_tool_call_in_its_templates_form(tmp_path, monkeypatch):
+    """glm-jax-serve on a GLM-4.7-Flash-layout checkpoint (random weights, the shipped tokenizer, a GLM-4.7-style
+    chat_template.jinja): a named tool_choice is forced in the template's compact form and comes back as
+    tool_calls."""
+    import openai
+    import serving
+
+    from glm_jax.serve import app as A
+
+    shipped = os.path.join(os.path.dirname(glm_jax.__file__), "default_model")
+    d = str(tmp_path / "hf")
+    cfg = dict(_raw(), vocab_size=2048, eos_token_id=0, max_position_embeddings=512, num_nextn_predict_layers=0)
+    write_hf_checkpoint(d, cfg, seed=5, keep_reference=False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(shipped, f), d)
+    with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+        f.write(GLM47_STYLE)
+    forms = []
+    real = A.tool_call_grammar
+    monkeypatch.setattr(A, "tool_call_grammar", lambda *a, **k: forms.append(k.get("compact")) or real(*a, **k))
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Rome", "Verona"]}, "days": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 7}}, "required": ["city", "days"]}}}
+    eng = glm_jax.Engine.load(d, max_batch=2, prefill_chunk=16)
+    srv = A.Server(eng, api_key="k", max_queue=4)
+    with serving.running(srv):
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="k", max_retries=0, timeout=120)
+        r = client.chat.completions.create(
+            model="hf", messages=[{"role": "user", "content": "Weather in Verona?"}], max_tokens=200, temperature=0,
+            tools=[tool], tool_choice={"type": "function", "function": {"name": "weather"}})
+    assert forms == [True]
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "weather" and args["city"] in ("Rome", "Verona") and 1 <= args["days"] <= 7
