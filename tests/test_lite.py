@@ -40,6 +40,22 @@ def test_config_reads_the_lite_fields():
     assert d.q_lora_rank is None and not d.rope_interleave
 
 
+def test_cache_bytes_match_kv_bytes_per_token():
+    """The memory plan's K/V bytes are the latent cache's (kv_lora + rope a layer, the MTP layer's too; no indexer
+    keys): GLM-4.7-Flash keeps 576 values a position a layer where a plain cache of its 20 heads would keep 10,240."""
+    import jax.numpy as jnp
+
+    from glm_jax.model.attention import init_cache, kv_bytes_per_token
+
+    cfg = load_config(LITE)
+    cache = init_cache(cfg, 1, 1, jnp.float32, with_mtp=True)
+    assert [sorted(c) for c in cache] == [["ckv", "kpe"]] * (cfg.num_hidden_layers + 1)
+    assert sum(a.size * 4 for c in cache for a in c.values()) == kv_bytes_per_token(cfg, 4) == 4 * 24 * 4
+    real = config_from_dict(json.load(open(os.path.join(GOLDEN, "lite_real_width", "config.json"))), "x")
+    kb = mla.kv_bytes_per_token(real, 1)
+    assert kb["per_layer_full"] == kb["per_layer_shared"] == 576 and kb["per_layer_uncompressed"] == 20 * (256 + 256)
+
+
 def test_config_defaults_and_refusals():
     raw = _raw()
     for k in ("mlp_layer_types", "rope_interleave", "q_lora_rank"):
