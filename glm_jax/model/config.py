@@ -358,7 +358,8 @@ def _glm5_next_layer_types(t: dict, src: str, n: int) -> tuple:
         raise _err(src, "layer_types", f"expected a list, got {lt!r}")
     lt = tuple("indexed_attention" if x == "full_attention" else x for x in lt)
     if len(lt) != n or any(x not in ("linear_attention", "indexed_attention") for x in lt):
-        raise _err(src, "layer_types", f"expected {n} entries of 'linear_attention'/'indexed_attention', got {list(lt)!r}")
+        raise _err(src, "layer_types",
+                   f"expected {n} entries of 'linear_attention'/'indexed_attention', got {list(lt)!r}")
     return lt
 
 
