@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .dsa_pool import init_pooled_cache, pooled_attention
 from .hyper import expand, hc_post, hc_pre, hyper_head
-from .kda import init_kda_state, kda_attention
+from .dsa_pool import kv_bytes_per_token as pooled_kv_bytes
+from .kda import init_kda_state, kda_attention, state_bytes
 from .layers import embed, head, linear, positions_of, rms_norm
 from .moe import moe_routed
 from .router import identity_plugin, route
@@ -43,6 +44,24 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> list:
     return [init_kda_state(cfg, batch) if is_linear(cfg, i)
             else init_pooled_cache(cfg, cfg.indexer_types[i] == "full", batch, max_len, dtype)
             for i in range(cfg.num_hidden_layers)]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Cache bytes per position: the indexed layers' latent (and indexer keys / pooling gates on full layers)."""
+    return sum(pooled_kv_bytes(cfg, dtype_bytes, cfg.indexer_types[i] == "full")
+               for i in range(cfg.num_hidden_layers) if not is_linear(cfg, i))
+
+
+def state_bytes_per_row(cfg: ModelConfig) -> int:
+    """Cache bytes per row that do not grow with its positions: every KDA layer's conv and delta-rule state."""
+    return sum(state_bytes(cfg) for i in range(cfg.num_hidden_layers) if is_linear(cfg, i))
+
+
+def fresh_state(state: dict, start):
+    """A KDA state where a row's forward starts at position 0 (a new sequence in that row): zeros, as transformers
+    starts every sequence; elsewhere the row's own."""
+    new = start == 0
+    return {k: jnp.where(new.reshape((-1,) + (1,) * (v.ndim - 1)), jnp.zeros_like(v), v) for k, v in state.items()}
 
 
 def clamped_mlp(p, x, limit: Optional[float]):
@@ -76,7 +95,7 @@ def layer_forward(cfg: ModelConfig, lp, streams, cache, start, layer: int, prev_
     post, comb, x = hc_pre(cfg, lp["attn_hc"], streams)
     xn = rms_norm(x, lp["input_norm"], eps)
     if is_linear(cfg, layer):
-        a, cache = kda_attention(cfg, lp["kda"], xn, cache, valid_bt, use_chunked)
+        a, cache = kda_attention(cfg, lp["kda"], xn, fresh_state(cache, start), valid_bt, use_chunked)
         sel = prev_sel
     else:
         a, cache, sel = pooled_attention(cfg, lp["attn"], xn, cache, start, cfg.indexer_types[layer] == "full",

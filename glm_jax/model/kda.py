@@ -32,6 +32,7 @@ import numpy as np
 from .layers import F32, linear
 
 CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
+STATE_KEYS = ("conv", "rec")   # a layer cache's per-row state entries: no position axis (never windowed or grown)
 L2_EPS = 1e-6       # FLA's l2norm: x / sqrt(sum x^2 + eps)
 
 

@@ -1,0 +1,61 @@
+"""glm5_next through the Engine (resident experts, the one-jit step, the scheduler): transformers' greedy tokens,
+rows reused by later requests (a KDA state starts afresh at position 0), what is refused, the cache's bytes."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import glm_jax
+from glm_jax import model as M
+from glm_jax.errors import GlmJaxError
+from glm_jax.model import glm5_next
+
+FIX = os.path.join(os.path.dirname(__file__), "golden", "glm5next")
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = glm_jax.Engine.load(FIX, dtype="float32", kv_cache_dtype="float32")
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def exp():
+    with np.load(os.path.join(FIX, "expected.npz")) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_logits_match_transformers(eng, exp):
+    assert np.abs(np.asarray(eng.logits(exp["input_ids"][0].tolist())) - exp["logits"][0]).max() <= 1e-4
+
+
+def test_greedy_matches_transformers_and_rows_start_afresh(eng, exp):
+    prompt, want = exp["greedy_prompt"].tolist(), exp["greedy_tokens"].tolist()
+    first = eng.generate(prompt, max_new_tokens=len(want), temperature=0.0, stop_on_eos=False)
+    assert first.tokens == want
+    # the same row again, its KDA state left by the first request: a prefill from position 0 starts it afresh
+    assert eng.generate(prompt, max_new_tokens=len(want), temperature=0.0, stop_on_eos=False).tokens == want
+    both = eng.generate([exp["input_ids"][1].tolist(), prompt], max_new_tokens=len(want), temperature=0.0,
+                        stop_on_eos=False)
+    assert both[1].tokens == want
+
+
+def test_cache_bytes(eng, exp):
+    cfg = eng.cfg
+    eng.logits(exp["input_ids"][0].tolist())
+    B, S = eng._cache_batch, eng._cache_len
+    state = sum(v.nbytes for c in eng._cache for k, v in c.items() if k in M.STATE_KEYS)
+    kv = sum(v.nbytes for c in eng._cache for k, v in c.items() if k not in M.STATE_KEYS)
+    assert state == B * glm5_next.state_bytes_per_row(cfg) > 0
+    assert kv == B * S * M.kv_bytes_per_token(cfg, 4) > 0
+
+
+@pytest.mark.parametrize("opt, msg", [({"draft": 2}, "draft"), ({"fetch": "loop"}, "fetch")])
+def test_unsupported_options_are_one_line_errors(opt, msg):
+    with pytest.raises(GlmJaxError, match=msg) as e:
+        glm_jax.Engine.load(FIX, **opt)
+    assert "\n" not in str(e.value) and "glm5_next" in str(e.value)
+    jax.clear_caches()
