@@ -319,6 +319,9 @@ class Engine(Runner):
                               f"resident: fetch=resident)")
         if opts["mesh"]:
             raise GlmJaxError(f"{what}: {opts.label('mesh')} is not supported yet")
+        if opts["dense_format"] != "native":
+            raise GlmJaxError(f"{what}: {opts.label('dense_format')}={opts['dense_format']} is not supported yet (its "
+                              f"dense weights run as stored)")
         if opts["draft"] > 0:
             raise GlmJaxError(f"{what}: {opts.label('draft')}: its KDA state cannot be rolled back (no speculative "
                               f"decoding)")

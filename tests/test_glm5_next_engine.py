@@ -17,7 +17,8 @@ FIX = os.path.join(os.path.dirname(__file__), "golden", "glm5next")
 
 @pytest.fixture(scope="module")
 def eng():
-    e = glm_jax.Engine.load(FIX, dtype="float32", kv_cache_dtype="float32")
+    # prefill chunks of 16 positions (the least): a longer prompt is prefilled in several forwards
+    e = glm_jax.Engine.load(FIX, dtype="float32", kv_cache_dtype="float32", prefill_chunk=16)
     yield e
     e.close()
 
@@ -43,6 +44,14 @@ def test_greedy_matches_transformers_and_rows_start_afresh(eng, exp):
     assert both[1].tokens == want
 
 
+def test_chunked_prompt_continues_the_state(eng, exp):
+    """A 24-token prompt (the greedy prompt and its first 16 tokens) prefilled as 16 + 8 positions: the KDA states
+    carry over from one chunk to the next, and the continuation is transformers' remaining tokens."""
+    prompt, want = exp["greedy_prompt"].tolist(), exp["greedy_tokens"].tolist()
+    res = eng.generate(prompt + want[:16], max_new_tokens=8, temperature=0.0, stop_on_eos=False)
+    assert res.tokens == want[16:]
+
+
 def test_cache_bytes(eng, exp):
     cfg = eng.cfg
     eng.logits(exp["input_ids"][0].tolist())
@@ -53,7 +62,8 @@ def test_cache_bytes(eng, exp):
     assert kv == B * S * M.kv_bytes_per_token(cfg, 4) > 0
 
 
-@pytest.mark.parametrize("opt, msg", [({"draft": 2}, "draft"), ({"fetch": "loop"}, "fetch")])
+@pytest.mark.parametrize("opt, msg", [({"draft": 2}, "draft"), ({"fetch": "loop"}, "fetch"),
+                                      ({"dense_format": "int8_row"}, "dense_format")])
 def test_unsupported_options_are_one_line_errors(opt, msg):
     with pytest.raises(GlmJaxError, match=msg) as e:
         glm_jax.Engine.load(FIX, **opt)
