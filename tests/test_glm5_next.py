@@ -165,6 +165,26 @@ def test_pooled_selection_structure():
                    for i in range(0, len(pools), kp))
 
 
+def test_pooled_attention_gathered_equals_masked():
+    """The gathered selection (decode, short chunks) and the masked dense scores (long prefill chunks) agree, on
+    the full and the shared layer of the fixture, with padding-free random inputs at positions 5.. of a cache."""
+    cfg, params, _ = _model()
+    r = np.random.default_rng(3)
+    x = jnp.asarray(r.normal(size=(1, 20, cfg.hidden_size)), jnp.float32)
+    cache = dsa_pool.init_pooled_cache(cfg, True, 1, S, jnp.float32)
+    cache = {k: jnp.asarray(r.normal(size=v.shape), jnp.float32) for k, v in cache.items()}
+    start = jnp.asarray([5], jnp.int32)
+    run = jax.jit(functools.partial(dsa_pool.pooled_attention, cfg), static_argnames=("full", "gather"))
+    outs = {}
+    for g in (True, False):
+        o1, _, sel = run(params["layers"][1]["attn"], x, cache, start, full=True, gather=g)
+        o2, _, _ = run(params["layers"][2]["attn"], x, cache, start, full=False, prev_sel=sel, gather=g)
+        outs[g] = (o1, o2)
+    assert dsa_pool.use_gather(cfg, 20, sel.shape[-1], S) and not dsa_pool.use_gather(cfg, 20, S, S)
+    for a, b in zip(outs[True], outs[False]):
+        assert np.abs(np.asarray(a - b)).max() < 1e-5
+
+
 def test_flat_checkpoint_loads(tmp_path):
     """A flat text-only checkpoint (text fields at the top of config.json, keys under model.) loads the same."""
     cfg, params, _ = _model()

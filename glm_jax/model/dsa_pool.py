@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .layers import F32, linear, rms_norm
-from .mla import INDEXER_LN_EPS, _per_head, _write_rows, layer_norm, split_kv_b
+from .mla import GATHER_MAX_ELEMS, INDEXER_LN_EPS, _per_head, _write_rows, layer_norm, split_kv_b
 
 
 def load_pooled_params(get: Callable, prefix: str, cfg, full: bool) -> dict:
@@ -98,10 +98,25 @@ def select(cfg, ip, x, q_resid, cache, positions):
     return sel.astype(jnp.int32)
 
 
-def pooled_attention(cfg, p: dict, x, cache: dict, start, full: bool, prev_sel=None):
+def use_gather(cfg, T: int, k: int, S: int) -> bool:
+    """Attend over the k gathered selected keys (O(k) per query and head) where k < S and the gathered block
+    (T x k x kv_lora) stays under mla.GATHER_MAX_ELEMS; else mask the dense O(S) scores (a long prefill chunk: at
+    GLM-5.3-Flash's widths 512 queries x 2063 picks x 512 lanes would gather 2 GB in f32)."""
+    return k < S and T * k * cfg.kv_lora_rank <= GATHER_MAX_ELEMS
+
+
+def selected(sel, S: int):
+    """sel [B, T, k] (token positions, -1 unused) -> bool [B, T, S]."""
+    B, T, _ = sel.shape
+    m = jnp.zeros((B, T, S + 1), bool)
+    return jax.vmap(jax.vmap(lambda r, i: r.at[i].set(True)))(m, jnp.where(sel >= 0, sel, S))[..., :S]
+
+
+def pooled_attention(cfg, p: dict, x, cache: dict, start, full: bool, prev_sel=None, gather=None):
     """One indexed layer over a static cache: x [B, T, H] (input-normed) at positions start[b].., written there.
     Full layers select with their own indexer, shared ones attend over ``prev_sel``.  Attention is absorbed MLA
-    over the gathered selection (O(k) per query and head).  Returns (out [B, T, H], cache, sel)."""
+    over the selection, gathered or masked (``use_gather``; ``gather`` forces either: the same result).
+    Returns (out [B, T, H], cache, sel)."""
     B, T, _ = x.shape
     nH, nope, v, kl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     eps = cfg.rms_norm_eps
@@ -119,12 +134,17 @@ def pooled_attention(cfg, p: dict, x, cache: dict, start, full: bool, prev_sel=N
     else:
         sel = prev_sel
     S = cache["ckv"].shape[1]
-    ckv_g = jax.vmap(lambda c, i: c[i])(cache["ckv"], jnp.clip(sel, 0, S - 1)).astype(x.dtype)   # [B, T, k, kl]
     w_uk_t, w_uv = split_kv_b(p, nH, nope, v)
     q_lat = _per_head(q_nope, w_uk_t, "bthd,hcd->bthc")
-    sc = jnp.einsum("bthc,btkc->bhtk", q_lat, ckv_g, preferred_element_type=F32) * (nope ** -0.5)
-    ok = (sel >= 0) & (sel <= positions[:, :, None])
-    sc = jnp.where(ok[:, None], sc, -jnp.inf)
-    pr = jax.nn.softmax(sc, axis=-1).astype(x.dtype)
-    o = _per_head(jnp.einsum("bhtk,btkc->bthc", pr, ckv_g), w_uv, "bthc,hvc->bthv")
+    if use_gather(cfg, T, sel.shape[-1], S) if gather is None else gather:
+        keys = jax.vmap(lambda c, i: c[i])(cache["ckv"], jnp.clip(sel, 0, S - 1)).astype(x.dtype)  # [B,T,k,kl]
+        ok = (sel >= 0) & (sel <= positions[:, :, None])
+        spec_s, spec_o = "bthc,btkc->bhtk", "bhtk,btkc->bthc"
+    else:
+        keys = cache["ckv"].astype(x.dtype)                                                         # [B,S,kl]
+        ok = selected(sel, S) & (jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions[:, :, None])
+        spec_s, spec_o = "bthc,bkc->bhtk", "bhtk,bkc->bthc"
+    sc = jnp.einsum(spec_s, q_lat, keys, preferred_element_type=F32) * (nope ** -0.5)
+    pr = jax.nn.softmax(jnp.where(ok[:, None], sc, -jnp.inf), axis=-1).astype(x.dtype)
+    o = _per_head(jnp.einsum(spec_o, pr, keys), w_uv, "bthc,hvc->bthv")
     return linear(o.reshape(B, T, nH * v), p["o_w"]), cache, sel
