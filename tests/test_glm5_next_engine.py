@@ -33,6 +33,15 @@ def test_logits_match_transformers(eng, exp):
     assert np.abs(np.asarray(eng.logits(exp["input_ids"][0].tolist())) - exp["logits"][0]).max() <= 1e-4
 
 
+def test_padded_batch_of_two(eng, exp):
+    """Two sequences of different lengths in one right-padded forward: each row's logits as transformers' alone
+    (the shorter row's padding positions change neither its KDA states nor the other row)."""
+    a, b = exp["input_ids"][0].tolist(), exp["input_ids"][1].tolist()
+    la, lb = eng.logits([a, b[:7]])
+    assert np.abs(np.asarray(la) - exp["logits"][0]).max() <= 1e-4
+    assert np.abs(np.asarray(lb) - exp["logits"][1][:7]).max() <= 1e-4
+
+
 def test_greedy_matches_transformers_and_rows_start_afresh(eng, exp):
     prompt, want = exp["greedy_prompt"].tolist(), exp["greedy_tokens"].tolist()
     first = eng.generate(prompt, max_new_tokens=len(want), temperature=0.0, stop_on_eos=False)
