@@ -71,6 +71,13 @@ def test_cache_bytes(eng, exp):
     assert kv == B * S * M.kv_bytes_per_token(cfg, 4) > 0
 
 
+def test_convert_refuses_in_one_line(tmp_path):
+    from glm_jax.experts.convert import ConvertError, convert
+    with pytest.raises(ConvertError, match="glm5_next") as e:
+        convert(FIX, str(tmp_path / "c"), progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("opt, msg", [({"draft": 2}, "draft"), ({"fetch": "loop"}, "fetch"),
                                       ({"dense_format": "int8_row"}, "dense_format")])
 def test_unsupported_options_are_one_line_errors(opt, msg):
