@@ -308,8 +308,9 @@ class Engine(Runner):
     @classmethod
     def _from_glm5_next(cls, path: str, opts: "O.Options", cfg: ModelConfig, container: bool) -> "Engine":
         """glm5_next (GLM-5.3 text): every weight resident, read from its HF checkpoint; the resident one-jit step.
-        Its KDA layers' state holds every token a row has seen and cannot be rolled back or restored at a shorter
-        prefix: no speculative decoding, no prefix reuse (each request prefills its whole prompt)."""
+        Its KDA layers' state holds every token a row has seen and cannot be rolled back or cut back to a shorter
+        prefix: no speculative decoding; a row's cache is reused only by a prompt extending everything it holds
+        (Runner.recurrent_state)."""
         what = f"{path}: glm5_next (GLM-5.3)"
         if container:
             raise GlmJaxError(f"{what}: converted containers (streamed experts) are not supported yet; load its "
@@ -325,7 +326,7 @@ class Engine(Runner):
         if opts["draft"] > 0:
             raise GlmJaxError(f"{what}: {opts.label('draft')}: its KDA state cannot be rolled back (no speculative "
                               f"decoding)")
-        opts["fetch"], opts["prefix_cache"] = "resident", False
+        opts["fetch"] = "resident"
         dtype = _pick_dtype(opts["dtype"], path, cfg)
         kernel = _pick_kernel(opts["kernels"])
         params = G5W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel)

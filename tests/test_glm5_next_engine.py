@@ -61,6 +61,20 @@ def test_chunked_prompt_continues_the_state(eng, exp):
     assert res.tokens == want[16:]
 
 
+def test_prefix_reuse_only_of_the_whole_held_sequence(eng, exp):
+    """A later turn that extends everything a finished row holds continues from its KDA state (cached_tokens), and
+    gives transformers' tokens; one that shares only part of it prefills its whole prompt (never a state that is not
+    exactly the shared prefix's)."""
+    prompt, want = exp["greedy_prompt"].tolist(), exp["greedy_tokens"].tolist()
+    kw = dict(temperature=0.0, stop_on_eos=False)
+    assert eng.generate(prompt, max_new_tokens=8, **kw).tokens == want[:8]
+    turn = eng.generate(prompt + want[:16], max_new_tokens=8, **kw)      # the row holds prompt + want[:7]
+    assert turn.tokens == want[16:] and turn.stats["cached_tokens"] == len(prompt) + 7
+    part = eng.generate(exp["input_ids"][0].tolist(), max_new_tokens=1, **kw)   # shares only the 8 prompt tokens
+    assert part.stats["cached_tokens"] == 0
+    assert part.tokens == [int(np.argmax(exp["logits"][0][-1]))]
+
+
 def test_cache_bytes(eng, exp):
     cfg = eng.cfg
     eng.logits(exp["input_ids"][0].tolist())

@@ -134,6 +134,12 @@ class Runner:
 
     # ------------------------------------------------------------------ limits and the cache
     @property
+    def recurrent_state(self) -> bool:
+        """Whether the cache holds a per-row recurrent state (glm5_next's KDA layers): it is the state after every
+        token the row has seen, so a row's cache is only reusable by a prompt that extends all of them."""
+        return "linear_attention" in self.cfg.layer_types
+
+    @property
     def context_limit(self) -> int:
         """Tokens a sequence (prompt + output) may hold: the model's ``max_position_embeddings``, or ``--max_seq_len``
         when set (it may only lower it: RoPE is applied as the checkpoint defines it, without extension)."""
