@@ -82,7 +82,7 @@ def _compile(template: str, where: str):
 
 
 def check_messages(messages, where: str = "messages") -> list:
-    """A list of {"role": system|user|assistant|tool, "content": str} (content parts of type text are joined); an
+    """A list of {"role": system|developer|user|assistant|tool, "content": str} (developer: a system turn) (content parts of type text are joined); an
     assistant message may carry OpenAI ``tool_calls`` (kept with their arguments parsed into objects, as chat
     templates read them), a tool message its ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
@@ -92,8 +92,11 @@ def check_messages(messages, where: str = "messages") -> list:
         if not isinstance(m, dict):
             raise GlmJaxError(f"{where}[{i}]: expected an object with role and content")
         role = m.get("role")
+        if role == "developer":          # OpenAI's newer name for the system turn
+            role = "system"
         if role not in ROLES + ("tool",):
-            raise GlmJaxError(f"{where}[{i}].role: expected one of system, user, assistant, tool, got {role!r}")
+            raise GlmJaxError(f"{where}[{i}].role: expected one of system, developer, user, assistant, tool, got "
+                              f"{role!r}")
         c = m.get("content", "")
         if c is None:
             c = ""

@@ -146,7 +146,8 @@ def test_models_retrieve_and_404s(client):
     (False, dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (True, dict(extra_body={"functions": [{"name": "f"}]}), "functions"),
     (True, dict(frequency_penalty=0.5), "frequency_penalty"),
-    (False, dict(echo=True), "echo"),
+    (False, dict(echo=True, logprobs=1), "echo"),
+    (True, dict(tools=[dict(WEATHER, function=dict(WEATHER["function"], strict="yes"))]), "tools"),
     (False, dict(suffix="x"), "suffix"),
     (False, dict(best_of=3), "best_of"),
     (True, dict(response_format={"type": "xml"}), "response_format"),
@@ -260,7 +261,9 @@ def test_tool_call_round_trip(client, eng):
         model="glm-jax-default", messages=USER, max_tokens=100, temperature=0, tools=[WEATHER], stream=True,
         tool_choice=named) if c.choices]
     tcs = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
-    assert [(t.index, t.function.name, t.function.arguments) for t in tcs] == [(0, "weather", call.function.arguments)]
+    assert (tcs[0].index, tcs[0].function.name, tcs[0].function.arguments, tcs[0].id[:5]) == (0, "weather", "", "call_")
+    assert len(tcs) > 3 and {t.index for t in tcs} == {0} and all(t.function.name is None for t in tcs[1:])
+    assert "".join(t.function.arguments for t in tcs) == call.function.arguments      # incremental pieces
     assert deltas[-1].finish_reason == "tool_calls" and not "".join(d.delta.content or "" for d in deltas)
     # required: any of the tools, one call (parallel_tool_calls false)
     for seed in (1, 2):
@@ -343,6 +346,56 @@ def test_response_format_json(client, eng):
     m = llguidance.LLMatcher(ll_tokenizer(eng.tokenizer, eng.cfg.vocab_size, eng.cfg.eos_token_ids),
                              json_schema_grammar({"type": "object"}), log_level=0)
     assert not m.consume_tokens(eng.encode("Hello {")) or m.is_error()          # the check can fail
+
+
+def test_required_calls_end_the_turn_and_markup_never_reaches_content(client):
+    """tool_choice required with parallel calls allowed (what agent libraries send) ends the turn after its calls
+    (before: the grammar allowed call after call, every try ran to length with '<tool_' in content); a call cut
+    off by max_tokens ends with finish_reason length, no tool_calls and no markup."""
+    import json
+
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model="glm-jax-default", messages=USER, temperature=1.0, seed=seed,
+                                           tools=[CLOCK, PING], tool_choice="required", max_tokens=120)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and not ch.message.content, ch
+        assert 1 <= len(ch.message.tool_calls) <= 4
+        for c in ch.message.tool_calls:
+            assert c.function.name in ("time", "ping") and isinstance(json.loads(c.function.arguments), dict)
+    named = {"type": "function", "function": {"name": "weather"}}
+    for stream in (False, True):
+        kw = dict(model="glm-jax-default", messages=USER, max_tokens=6, temperature=0, tools=[WEATHER],
+                  tool_choice=named)
+        if stream:
+            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+            text = "".join(c.delta.content or "" for c in chunks)
+            reason = chunks[-1].finish_reason
+        else:
+            ch = client.chat.completions.create(**kw).choices[0]
+            text, reason = ch.message.content or "", ch.finish_reason
+            assert ch.message.tool_calls is None
+        assert reason == "length" and "<" not in text and "arg_" not in text
+
+
+def test_pydantic_style_schemas_and_json_object_close(client):
+    """Structured output with a schema as pydantic writes it (no additionalProperties) and json_object: JSON that
+    parses, within max_tokens (before: an extra key whose string never ended; 0 of 5 json_object replies parsed)."""
+    import json
+
+    person = {"type": "object", "title": "Person", "properties": {"name": {"type": "string"},
+                                                                  "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    for seed in (1, 2):
+        for rf in ({"type": "json_schema", "json_schema": {"name": "Person", "schema": person}},
+                   {"type": "json_object"}):
+            r = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=40, seed=seed,
+                                               temperature=1.0, response_format=rf)
+            ch = r.choices[0]
+            assert ch.finish_reason == "stop", ch
+            v = json.loads(ch.message.content)
+            assert isinstance(v, dict)
+            if rf["type"] == "json_schema":
+                assert set(v) == {"name", "age"} and isinstance(v["name"], str) and isinstance(v["age"], int)
 
 
 def test_one_log_line_per_request(client, caplog):
