@@ -685,3 +685,74 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     finally:
         if p.poll() is None:
             p.kill()
+
+
+# ----------------------------------------------------------------------------- the Responses API
+WEATHER_R = dict(WEATHER["function"], type="function")          # the Responses API's flat function tools
+
+
+def test_responses_api_text_tools_and_json(client, eng):
+    """POST /v1/responses through the official client: text (greedy: the chat path's text), a forced tool call
+    as a function_call item, its output sent back as items, a json_schema text format, and the 400s."""
+    import json
+
+    import openai
+
+    r = client.responses.create(model="glm-jax-default", input="Weather in Verona?", instructions="Speak verse.",
+                                max_output_tokens=8, temperature=0)
+    ref = client.chat.completions.create(model="glm-jax-default", max_tokens=8, temperature=0, messages=[
+        {"role": "developer", "content": "Speak verse."}, {"role": "user", "content": "Weather in Verona?"}])
+    assert r.output_text == ref.choices[0].message.content and r.status == "incomplete"
+    assert r.usage.output_tokens == 8 and r.usage.input_tokens == ref.usage.prompt_tokens
+    r = client.responses.create(model="glm-jax-default", input=USER, tools=[WEATHER_R], max_output_tokens=100,
+                                tool_choice={"type": "function", "name": "weather"}, temperature=0)
+    (call,) = r.output
+    assert (call.type, call.name, r.status) == ("function_call", "weather", "completed")
+    assert set(json.loads(call.arguments)) == {"city", "days"}
+    clock = dict(CLOCK["function"], type="function")
+    r = client.responses.create(model="glm-jax-default", input=USER, tools=[clock], tool_choice="required",
+                                max_output_tokens=60, temperature=0)
+    (call,) = r.output
+    back = USER + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                   {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}]
+    r2 = client.responses.create(model="glm-jax-default", input=back, tools=[clock], max_output_tokens=4)
+    assert r2.usage.input_tokens > r.usage.input_tokens and r2.status in ("completed", "incomplete")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    r3 = client.responses.create(model="glm-jax-default", input="Yes?", max_output_tokens=20, text={"format": {
+        "type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    assert isinstance(json.loads(r3.output_text)["ok"], bool)
+    for kw, param in ((dict(store=True), "store"), (dict(previous_response_id="resp_1"), "previous_response_id"),
+                      (dict(extra_body={"frobnicate": 1}), "frobnicate")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="glm-jax-default", input="Hi", max_output_tokens=2, **kw)
+        assert e.value.body["param"] == param
+
+
+def test_responses_api_streams_its_events(client):
+    import json
+
+    kw = dict(model="glm-jax-default", input=USER, tools=[WEATHER_R], max_output_tokens=100, temperature=0,
+              tool_choice={"type": "function", "name": "weather"})
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.done" in kinds
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3 and "".join(deltas) == whole.output[0].arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert done.output[0].arguments == whole.output[0].arguments and json.loads(done.output[0].arguments)
+    text = list(client.responses.create(model="glm-jax-default", input="Hi", max_output_tokens=6, temperature=0,
+                                        stream=True))
+    pieces = "".join(e.delta for e in text if e.type == "response.output_text.delta")
+    assert text[-1].type == "response.incomplete" and pieces == text[-1].response.output_text
+
+
+def test_completions_with_prompt_lists_and_echo(client, eng):
+    r = client.completions.create(model="glm-jax-default", prompt=[ROMEO, "JULIET:\n"], max_tokens=4, temperature=0,
+                                  echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, p in zip(r.choices, [ROMEO, "JULIET:\n"]):
+        assert c.text == p + _alone(eng, p, 4).text
+    assert r.usage.prompt_tokens == len(eng.encode(ROMEO)) + len(eng.encode("JULIET:\n"))

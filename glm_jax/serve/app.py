@@ -33,7 +33,7 @@ from ..engine import Engine, default_model_path
 from ..errors import GlmJaxError
 from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
-from . import replies
+from . import replies, responses
 from .constrain import Processor, json_schema_grammar, tool_call_grammar
 from .http import HTTPError, memory_refusal
 
@@ -465,10 +465,14 @@ class Server:
         async def chat_completions(request):
             return await server._generate(request, chat=True, raw_body=server._raw_body)
 
+        async def respond(request):
+            return await responses.respond(server, request)
+
         return [("/health", "health", "GET", health), ("/v1/models", "models", "GET", models),
                 ("/v1/models/{model_id:path}", "models", "GET", model), ("/metrics", "metrics", "GET", metrics),
                 ("/v1/completions", "completions", "POST", completions),
-                ("/v1/chat/completions", "chat_completions", "POST", chat_completions)]
+                ("/v1/chat/completions", "chat_completions", "POST", chat_completions),
+                ("/v1/responses", "responses", "POST", respond)]
 
     def _err(self, e: HTTPError, endpoint: str):
         from starlette.responses import JSONResponse
