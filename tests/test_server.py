@@ -160,6 +160,10 @@ def test_models_retrieve_and_404s(client):
     (True, dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
      "response_format"),
     (False, dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
+    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": [1]}}}), "response_format"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "array", "maxItems": "x"}}}}}], tool_choice="required"), "tools"),
 ])
 def test_unsupported_parameters_are_400_naming_them(client, chat, kw, param):
     """Before: tools, response_format, logit_bias and unknown fields were silently ignored (a 200 with plain text)."""
@@ -445,6 +449,37 @@ def test_errors_are_openai_style(server, path, body, raw, status, param, text):
     assert "\n" not in err["message"]
 
 
+def test_health_answers_503_loading_during_the_warm_up(eng):
+    """The server listens before its warm-up (before: nothing answered during a first start's warm-up); /health
+    says 503 {"status": "loading"} and generation requests are 503s until the engine thread has warmed up."""
+    import threading
+    import types
+
+    from glm_jax.serve.app import Server
+
+    srv = Server(eng, max_queue=16, warmup=True)
+    go, stop = threading.Event(), threading.Event()
+
+    def serve_forever(ev):
+        stop.wait(30)
+    srv.sched = types.SimpleNamespace(warmup=lambda: (go.wait(30), (0.0, 0.0))[1], serve_forever=serve_forever,
+                                      running=0, waiting=0, lock=threading.Condition(), queue=[], rows=[])
+    with serving.running(srv):
+        h = httpx.get(srv.base + "/health")
+        assert (h.status_code, h.json()) == (503, {"status": "loading"})
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        r = httpx.post(srv.base + "/v1/responses", json={"input": "x"})
+        assert r.status_code == 503
+        go.set()
+        for _ in range(100):
+            if httpx.get(srv.base + "/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert httpx.get(srv.base + "/health").json()["status"] == "ok"
+        stop.set()
+
+
 def test_auth_queue_full_and_metrics(server, eng, monkeypatch):
     r = _post(server, "/v1/completions", {"prompt": "x"}, key="")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -640,6 +675,45 @@ def test_cli_streams_and_ctrl_c(monkeypatch, capsys):
     assert out.startswith(ROMEO) and len(out) > len(ROMEO) + 20          # what was generated before Ctrl-C stays
     assert "interrupted" in err and "decode" in err and "Traceback" not in err
     assert closed
+
+
+def test_cli_interactive_chat_and_stdin_prompt(monkeypatch, capsys, eng):
+    """glm-jax --chat without --prompt: a chat session (history kept, /exit ends it); Ctrl-C mid-reply stops that
+    reply and the next turn runs as on a fresh engine; --prompt=- reads the prompt from stdin."""
+    import io
+
+    from glm_jax import cli
+
+    lines = iter(["Who are you?", "And then?", "/exit"])
+    monkeypatch.setattr(cli, "_read_line", lambda p: next(lines))
+    shown, real_emit = [], cli._emit
+
+    def emit(text):
+        shown.append(text)
+        if len(shown) == 1:                          # the first piece of the first reply
+            raise KeyboardInterrupt
+        return real_emit(text)
+    monkeypatch.setattr(cli, "_emit", emit)
+    cli.FLAGS.unparse_flags()
+    cli.parse_flags(["glm-jax", "--chat", "--max_new_tokens=6"])
+    try:
+        assert cli.main(["glm-jax"]) == 0
+    finally:
+        cli.FLAGS.unparse_flags()
+    out, err = capsys.readouterr()
+    first, second = out.split("\n")[:2]
+    assert first.endswith(" [stopped]") and "Traceback" not in err
+    history = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": first[:-10]},
+               {"role": "user", "content": "And then?"}]
+    assert second == eng.generate(history, chat=True, max_new_tokens=6).text
+    monkeypatch.setattr("sys.stdin", io.StringIO("JULIET:\n"))
+    cli.parse_flags(["glm-jax", "--prompt=-", "--max_new_tokens=3"])
+    try:
+        assert cli.main(["glm-jax"]) == 0
+    finally:
+        cli.FLAGS.unparse_flags()
+    out, _ = capsys.readouterr()
+    assert out == "JULIET:\n" + eng.generate("JULIET:\n", max_new_tokens=3).text + "\n"
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0():

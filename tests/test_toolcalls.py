@@ -15,8 +15,9 @@ from glm_jax.serve.toolcalls import ToolCallParser, parse
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
-NOTE = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {"type": "object", "properties": {
-    "text": {"type": "string"}, "meta": {"type": "object", "properties": {"tag": {"type": "string"}}}},
+NOTE = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"},
+                                     "meta": {"type": "object", "properties": {"tag": {"type": "string"}}}},
     "required": ["text", "meta"]}}}
 TEXT = ("Let me look. <tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Ve\"r<o\nna</arg_value>\n"
         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>time\n"

@@ -268,8 +268,8 @@ def constraint_arg(body: dict, tools, choice, marker):
         return None
     try:
         g(1 << 12)                   # a bad schema is a 400 before anything is submitted
-    except GlmJaxError as e:
-        raise HTTPError(400, _one_line(e), param=g.param) from None
+    except (GlmJaxError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
+        raise HTTPError(400, f"invalid schema ({_one_line(e)})", param=g.param) from None
     return g
 
 
@@ -278,8 +278,9 @@ class Server:
     def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
                  max_body_mb: float = O.SERVE_BY_NAME["max_body_mb"].default,
                  read_timeout_s: float = O.SERVE_BY_NAME["read_timeout_s"].default,
-                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default):
+                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default, warmup: bool = False):
         self.engine = engine
+        self.loading = bool(warmup)          # the engine thread warms up first: /health and /v1 answer 503 till then
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
         self.sched.kv_reserve = engine.kv_reserve_tokens  # the planned K/V, allocated at the first request
@@ -304,6 +305,13 @@ class Server:
 
     def _loop(self):
         try:
+            if self.loading:
+                try:
+                    comp, wall = self.sched.warmup()
+                finally:
+                    self.loading = False
+                print(f"glm-jax-serve: warm-up {wall:.1f} s ({comp:.1f} s compiling; --nowarmup skips it); ready",
+                      file=sys.stderr, flush=True)
             self.sched.serve_forever(self.stop)
         except BaseException as e:       # never leave clients hanging: fail what is left
             print(f"glm-jax-serve: engine thread stopped: {_one_line(e)}", file=sys.stderr)
@@ -440,6 +448,8 @@ class Server:
         server = self
 
         async def health(request):
+            if server.loading:               # llama-server's answer while it loads
+                return JSONResponse({"status": "loading"}, status_code=503)
             return JSONResponse({"status": "draining" if server.draining else "ok",
                                  "running": server.sched.running, "waiting": server.sched.waiting})
 
@@ -505,6 +515,14 @@ class Server:
                                 code="request_too_large")
             parts.append(chunk)
         return b"".join(parts)
+
+    def check_ready(self):
+        """503 while the server warms up or drains."""
+        if self.loading:
+            raise HTTPError(503, "the model is loading (warm-up); retry when /health answers 200", code="loading",
+                            type_="server_error")
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down", type_="server_error")
 
     def internal_error(self, endpoint: str, e: BaseException):
         from starlette.responses import JSONResponse
@@ -582,8 +600,8 @@ class Server:
             if bad:
                 raise HTTPError(400, f"'{where}': token id {bad[0]} outside the vocabulary [0, {V})", param="prompt")
             return p
-        raise HTTPError(400, f"'{where}': expected a string, a list of token ids, or a list of those",
-                        param="prompt")
+        raise HTTPError(400, f"'{where}': expected a string or a list of token ids (or a list of those: one per "
+                             f"prompt)", param="prompt")
 
     def _check_size(self, nbytes: int, param: str):
         """Refuse, before tokenizing it, a text that cannot fit the context: every token covers at most
@@ -597,8 +615,7 @@ class Server:
         from starlette.concurrency import run_in_threadpool
 
         endpoint = "chat_completions" if chat else "completions"
-        if self.draining:
-            raise HTTPError(503, "the server is shutting down", type_="server_error")
+        self.check_ready()
         raw = await raw_body(request)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -687,7 +704,7 @@ class Server:
         if grammar is not None:
             try:
                 text = grammar(req.sampling.max_new_tokens)
-            except GlmJaxError as e:
+            except (GlmJaxError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
                 raise HTTPError(400, _one_line(e), param=grammar.param) from None
         try:
             return Processor(eng.cfg.vocab_size, bias=bias, grammar=text, tokenizer=eng.tokenizer,
@@ -867,11 +884,7 @@ def main(argv):
         LOG.setLevel(logging.INFO)
         LOG.propagate = False
         warmup = limits.pop("warmup")
-        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, **limits)
-        if warmup:
-            comp, wall = srv.sched.warmup()
-            print(f"glm-jax-serve: warm-up {wall:.1f} s ({comp:.1f} s compiling; --nowarmup skips it)",
-                  file=sys.stderr, flush=True)
+        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, warmup=warmup, **limits)
         sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -880,7 +893,8 @@ def main(argv):
             raise GlmJaxError(f"--host={FLAGS.host} --port={FLAGS.port}: cannot listen ({e.strerror or e})") from None
         port = sock.getsockname()[1]
         print(f"glm-jax-serve: serving {srv.model_name} on http://{FLAGS.host}:{port}/v1 "
-              f"(max_batch {engine.opts['max_batch']}, {engine.opts['fetch']})", file=sys.stderr, flush=True)
+              f"(max_batch {engine.opts['max_batch']}, {engine.opts['fetch']})" +
+              ("; warming up: /health answers 503 until ready" if warmup else ""), file=sys.stderr, flush=True)
         cfg = srv.uvicorn_config(timeout_graceful_shutdown=600)
         _DrainingServer(cfg).run(sockets=[sock])
     except GlmJaxError as e:

@@ -182,8 +182,7 @@ async def respond(server, request):
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
 
-    if server.draining:
-        raise HTTPError(503, "the server is shutting down", type_="server_error")
+    server.check_ready()
     raw = await server._raw_body(request)
     body = server.parse_body(raw)
     chat = chat_body(body)
