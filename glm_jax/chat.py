@@ -163,35 +163,6 @@ def format_tool_call(name: str, args: dict) -> str:
     return "\n".join(out) + "\n" + TOOL_CALL_END
 
 
-def parse_tool_calls(text: str, tools: Optional[list] = None):
-    """GLM-format tool calls in generated text -> (the text outside them, [{"name", "arguments": JSON text}]).
-    A value is JSON when it parses as JSON and its parameter is not declared a string, else the raw text."""
-    import re
-
-    types = {}
-    for t in tools or []:
-        props = ((t.get("function") or {}).get("parameters") or {}).get("properties") or {}
-        types[t["function"]["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
-    calls, rest, pos = [], [], 0
-    for m in re.finditer(re.escape(TOOL_CALL) + r"(.*?)" + re.escape(TOOL_CALL_END), text, re.S):
-        rest.append(text[pos:m.start()])
-        pos = m.end()
-        body = m.group(1)
-        name = body.split("<arg_key>", 1)[0].strip()
-        args = {}
-        for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S):
-            k = k.strip()
-            if types.get(name, {}).get(k) != "string":
-                try:
-                    v = json.loads(v)
-                except ValueError:
-                    pass
-            args[k] = v
-        calls.append({"name": name, "arguments": json.dumps(args, ensure_ascii=False)})
-    rest.append(text[pos:])
-    return "".join(rest).strip() if calls else text, calls
-
-
 def _template_renders_tools(template: dict) -> bool:
     return "tools" in template["template"]
 

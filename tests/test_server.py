@@ -300,19 +300,20 @@ def test_tool_call_round_trip(client, eng):
 
 def test_glm_tool_calls_are_parsed():
     from glm_jax import chat as C
+    from glm_jax.serve.toolcalls import parse
 
     text = ("Let me look.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Verona</arg_value>\n"
             "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>time\n"
             "<arg_key>utc</arg_key>\n<arg_value>true</arg_value>\n</tool_call>")
-    content, calls = C.parse_tool_calls(text, [WEATHER, CLOCK])
+    content, calls, _ = parse(text, [WEATHER, CLOCK])
     assert content == "Let me look."
-    assert calls == [{"name": "weather", "arguments": '{"city": "Verona", "days": 3}'},
-                     {"name": "time", "arguments": '{"utc": true}'}]
-    assert C.parse_tool_calls("no calls here", [WEATHER]) == ("no calls here", [])
+    assert [c["function"] for c in calls] == [{"name": "weather", "arguments": '{"city": "Verona", "days": 3}'},
+                                              {"name": "time", "arguments": '{"utc": true}'}]
+    assert parse("no calls here", [WEATHER]) == ("no calls here", [], False)
     # a string parameter stays a string even when it looks like JSON
     t = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"s": {"type": "string"}}}}}
-    assert C.parse_tool_calls("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
-                              [t])[1] == [{"name": "f", "arguments": '{"s": "12"}'}]
+    assert parse("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
+                 [t])[1][0]["function"] == {"name": "f", "arguments": '{"s": "12"}'}
     assert C.format_tool_call("weather", {"city": "Verona", "days": 3}) in text
 
 
