@@ -243,10 +243,12 @@ class _Grammar:
     field a failure names."""
 
     def __init__(self, fn, param: str):
-        self.fn, self.param = fn, param
+        self.fn, self.param, self.built = fn, param, {}
 
     def __call__(self, budget: int) -> str:
-        return self.fn(budget)
+        if budget not in self.built:         # n choices of one prompt: one build
+            self.built[budget] = self.fn(budget)
+        return self.built[budget]
 
 
 def constraint_arg(body: dict, tools, choice, marker):
