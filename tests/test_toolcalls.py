@@ -142,3 +142,17 @@ def test_required_tool_calls_end_the_turn(tok, multiple):
                 assert set(args) == {"text", "meta"} and set(args["meta"]) <= {"tag"}      # strict
         counts.add(len(calls))
     assert (max(counts) > 1) == multiple
+
+
+def test_a_reply_with_tool_choice_none_drops_calls_and_their_markup():
+    import types
+
+    from glm_jax.serve.replies import Choice
+
+    req = types.SimpleNamespace(text=TEXT, id=1, finish_reason="stop")
+    none, auto = Choice(req, [WEATHER], drop_calls=True), Choice(req, [WEATHER])
+    assert none.result() == ("Let me look.", []) and none.finish_reason() == "stop"
+    assert len(auto.result()[1]) == 2 and auto.finish_reason() == "tool_calls"
+    streamed = Choice(req, [WEATHER], drop_calls=True)
+    ev = [e for k in range(0, len(TEXT), 3) for e in streamed.feed(TEXT[k:k + 3], False)] + streamed.feed("", True)
+    assert "".join(e["content"] for e in ev) == "Let me look." and not streamed.calls

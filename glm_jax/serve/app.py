@@ -653,9 +653,9 @@ class Server:
                 prompts = [C.chat_ids(eng.tokenizer, eng.tokenizer.template, prompts[0], tools=tools)]
             except GlmJaxError as e:
                 raise HTTPError(400, _one_line(e), param="messages") from None
-        parse_tools = tools is not None and choice != "none"
+        parse_tools = tools is not None      # tool_choice none: markup still kept out of content, calls dropped
         job = dict(chat=chat, endpoint=endpoint, stream=stream, include_usage=include_usage, top_lp=top_lp,
-                   tools=tools if parse_tools else None, reqs=[], created=int(time.time()),
+                   tools=tools, drop_calls=choice == "none", reqs=[], created=int(time.time()),
                    rid=(prefix or ("chatcmpl-" if chat else "cmpl-")) + secrets.token_hex(12))
         self._start(job, prompts, n, args, dict(chat=chat and not with_tools, loop=loop, q=q, bias=bias,
                                                  grammar=grammar, parse_tools=parse_tools))

@@ -21,10 +21,11 @@ LOG = logging.getLogger("glm_jax.server")
 
 
 class Choice:
-    """One request's reply as it streams."""
+    """One request's reply as it streams; ``drop_calls`` (tool_choice none): calls are neither content nor
+    tool_calls."""
 
-    def __init__(self, req, tools):
-        self.req = req
+    def __init__(self, req, tools, drop_calls: bool = False):
+        self.req, self.drop = req, drop_calls
         self.parser = ToolCallParser(tools) if tools is not None else None
         self.sent_tok = 0
         self.whole = None
@@ -39,7 +40,10 @@ class Choice:
             if self.parser.truncated:
                 LOG.warning("glm-jax-serve: request %d: a tool call cut off (finish_reason %s) was dropped",
                             self.req.id, self.req.finish_reason)
-        return ev
+            if self.drop and self.parser.calls:
+                LOG.warning("glm-jax-serve: request %d: %d tool call(s) dropped (tool_choice none)", self.req.id,
+                            len(self.parser.calls))
+        return [e for e in ev if "content" in e] if self.drop else ev
 
     def result(self):
         """(content, calls) of the finished request."""
@@ -47,12 +51,12 @@ class Choice:
             return self.req.text, []
         if self.whole is None:
             self.feed(self.req.text, True)
-            self.whole = (self.parser.content, self.parser.calls)
+            self.whole = (self.parser.content, self.calls)
         return self.whole
 
     @property
     def calls(self) -> list:
-        return self.parser.calls if self.parser is not None else []
+        return self.parser.calls if self.parser is not None and not self.drop else []
 
     def finish_reason(self) -> str:
         return "tool_calls" if self.calls and self.req.finish_reason == "stop" else self.req.finish_reason
@@ -108,7 +112,7 @@ async def respond(server, request, job, q):
         return bad
     choices = []
     for i, req in enumerate(job["reqs"]):
-        ch = Choice(req, job["tools"])
+        ch = Choice(req, job["tools"], job["drop_calls"])
         text, calls = ch.result()
         lp = server._logprobs(job, req, 0, len(req.out))
         if job["chat"]:
@@ -186,7 +190,7 @@ def stream(server, job, q):
 
     async def events():
         status = 499
-        choices = [Choice(r, job["tools"]) for r in reqs]
+        choices = [Choice(r, job["tools"], job["drop_calls"]) for r in reqs]
         try:
             for i in range(len(reqs)):
                 if job["chat"]:
