@@ -156,3 +156,19 @@ def test_a_reply_with_tool_choice_none_drops_calls_and_their_markup():
     streamed = Choice(req, [WEATHER], drop_calls=True)
     ev = [e for k in range(0, len(TEXT), 3) for e in streamed.feed(TEXT[k:k + 3], False)] + streamed.feed("", True)
     assert "".join(e["content"] for e in ev) == "Let me look." and not streamed.calls
+
+
+def test_nested_pydantic_models_close_too(tok):
+    """pydantic writes a nested model as a $ref into $defs: inlined, its size is known and the JSON closes."""
+    schema = {"type": "object", "properties": {"owner": {"$ref": "#/$defs/Person"}, "pets": {
+        "type": "array", "items": {"$ref": "#/$defs/Person"}}}, "required": ["owner"],
+        "$defs": {"Person": PYDANTIC}}
+    b = B.bounded(schema, 4)
+    assert "$defs" not in b and B.longest(B.bounded(schema, 4, top=False)) is not None
+    rng = np.random.default_rng(7)
+    g = json_schema_grammar(schema, 80)
+    for _ in range(4):
+        out, text = _walk(tok, g, 80, rng)
+        assert len(out) <= 80 and set(json.loads(text)["owner"]) >= {"name", "age"}
+    loop = {"type": "object", "properties": {"next": {"$ref": "#"}}}       # recursive: left to llguidance
+    assert B.longest(B.bounded(loop, 4, top=False)) is None

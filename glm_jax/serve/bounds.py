@@ -15,7 +15,7 @@ ends) and the request runs to ``length`` with broken JSON.  ``bounded(schema, sc
 - no ``\\uXXXX`` escapes and no free whitespace (``x-guidance``), so every character costs at most 4 bytes.
 
 ``longest(schema)`` is the most UTF-8 bytes a JSON text valid for a bounded schema can have (None where it cannot
-tell: ``$ref``, ``allOf``, ``pattern``); a token is at least one byte, so output of that many bytes fits that many
+tell: a recursive ``$ref`` -- local ones are inlined first --, ``allOf``, ``pattern``); a token is at least one byte, so output of that many bytes fits that many
 tokens.  ``fit(size_of, budget)`` is the largest scale whose size fits the budget (binary search: sizes grow with
 the scale)."""
 
@@ -43,9 +43,41 @@ def _is_free(s) -> bool:
                                                       set(_COMPOSITE)) & set(s))
 
 
+def inline_refs(schema, depth: int = 8):
+    """Local ``$ref``s (``#/$defs/X``, ``#/definitions/X``: what pydantic writes for nested models) replaced by what
+    they point at, so that their sizes can be told; a recursive or deeper reference is left as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    defs = {f"#/{k}/{n}": v for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)
+            for n, v in schema[k].items()}
+
+    def sub(s, seen):
+        if isinstance(s, list):
+            return [sub(v, seen) for v in s]
+        if not isinstance(s, dict):
+            return s
+        ref = s.get("$ref")
+        if isinstance(ref, str) and ref in defs and ref not in seen and len(seen) < depth:
+            rest = {k: v for k, v in s.items() if k != "$ref"}
+            return sub(dict(defs[ref], **rest), seen | {ref})
+        return {k: (v if k in ("$defs", "definitions", "enum", "const") else sub(v, seen)) for k, v in s.items()}
+
+    out = sub(schema, frozenset())
+    if not _has_ref(out):
+        out.pop("$defs", None)
+        out.pop("definitions", None)
+    return out
+
+
+def _has_ref(s) -> bool:
+    if isinstance(s, dict):
+        return "$ref" in s or any(_has_ref(v) for k, v in s.items() if k not in ("$defs", "definitions"))
+    return isinstance(s, list) and any(_has_ref(v) for v in s)
+
+
 def bounded(schema, scale: int, strict: bool = False, top: bool = True, lean: bool = False):
     """The schema bounded at ``scale``; ``lean``: objects keep only their required properties."""
-    s = _walk(copy.deepcopy(schema), max(0, int(scale)), (bool(strict), bool(lean)))
+    s = _walk(inline_refs(copy.deepcopy(schema)), max(0, int(scale)), (bool(strict), bool(lean)))
     if top and isinstance(s, dict):
         s["x-guidance"] = dict(GUIDANCE)
     return s
