@@ -336,8 +336,8 @@ class Runner:
         self._check_open()
         lr = None if logit_rows is None else np.asarray(logit_rows, bool)
         if self.opts["fetch"] == "resident":
-            if window is not None and (window >= self._cache_len or self.cfg.model_type == "glm_moe_dsa"):
-                window = None      # DSA's top-k selection runs over every cache position: never windowed
+            if window is not None and (window >= self._cache_len or self.cfg.is_mla):
+                window = None      # DSA's top-k selection runs over every cache position: MLA is never windowed
             kw = {"moe_rows": moe_rows}
             if row is not None:
                 kw["row"] = np.int32(row)

@@ -543,7 +543,7 @@ class Scheduler:
     def _windowed(self) -> bool:
         """Decode reads a window of the cache (GQA, every expert resident): its cost does not grow with the cache's
         length (DSA and a streamed store's step run over the whole cache)."""
-        return self.rt.cfg.model_type != "glm_moe_dsa" and self.rt.opts["fetch"] == "resident"
+        return not self.rt.cfg.is_mla and self.rt.opts["fetch"] == "resident"
 
     def _window(self, end: int) -> int:
         return min(self.rt._cache_len, bucket(end, MIN_WINDOW))
@@ -751,7 +751,7 @@ class Scheduler:
         ``formats.NATIVE_MAX_ROWS`` rows), GQA attention, norms and softmax summed by ``model.layers.row_sum``.  Elsewhere
         (--kernels=xla, DSA models) every decode keeps the one width, so the guarantee holds either way."""
         rt = self.rt
-        return rt.kernel == "native" and rt.cfg.model_type != "glm_moe_dsa" and self.B * W <= NATIVE_MAX_ROWS
+        return rt.kernel == "native" and not rt.cfg.is_mla and self.B * W <= NATIVE_MAX_ROWS
 
     def decode_rows(self, rows, W: int):
         """The rows a decode of ``rows`` runs on: None (every row, the full width), or their indices (sorted) padded
@@ -792,7 +792,7 @@ class Scheduler:
         n = int(min(n, budget.max(), FUSED_CHUNK if streamed else self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + (FUSED_CHUNK if streamed else n) + W
         # the store's path runs at max_batch over the whole cache, as fetch=loop's one step does (bitwise its output)
-        window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" and not streamed_store else rt._cache_len
+        window = self._window(end) if not rt.cfg.is_mla and not streamed_store else rt._cache_len
         rmap = None if streamed_store else self.decode_rows(rows, W)
         w = self.B if rmap is None else len(rmap)
         sel = slice(None) if rmap is None else rmap

@@ -251,7 +251,7 @@ class _Grammar:
         return self.built[budget]
 
 
-def constraint_arg(body: dict, tools, choice, marker):
+def constraint_arg(body: dict, tools, choice, marker, compact: bool = False):
     """The grammar response_format or tool_choice (required / a named function) asks for, or None."""
     schema, strict = response_format_arg(body)
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
@@ -265,14 +265,11 @@ def constraint_arg(body: dict, tools, choice, marker):
     elif forced:
         name = choice["name"] if isinstance(choice, dict) else None
         multiple = body.get("parallel_tool_calls") is not False
-        g = _Grammar(lambda b: tool_call_grammar(tools, name, marker=marker, multiple=multiple, budget=b), "tools")
+        g = _Grammar(lambda b: tool_call_grammar(tools, name, marker=marker, multiple=multiple, budget=b,
+                                                 compact=compact), "tools")
     else:
         return None
-    try:
-        g(1 << 12)                   # a bad schema is a 400 before anything is submitted
-    except (GlmJaxError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
-        raise HTTPError(400, f"invalid schema ({_one_line(e)})", param=g.param) from None
-    return g
+    return g                         # built for the first request, before it is submitted (Server._processor)
 
 
 # ----------------------------------------------------------------------------- the app
@@ -643,7 +640,8 @@ class Server:
         bias = logit_bias_arg(body, V)
         top_lp = logprobs_arg(body, chat)
         tools, choice = tools_arg(body) if chat else (None, "none")
-        grammar = constraint_arg(body, tools, choice, self._marker) if chat else None
+        compact = C.compact_tool_calls(getattr(eng.tokenizer, "template", None))     # GLM-4.7's call form
+        grammar = constraint_arg(body, tools, choice, self._marker, compact) if chat else None
         if grammar is not None and eng.tokenizer is None:
             raise HTTPError(400, "constrained decoding needs the model's tokenizer.json",
                             param="response_format" if body.get("response_format") else "tool_choice")
@@ -707,7 +705,7 @@ class Server:
             try:
                 text = grammar(req.sampling.max_new_tokens)
             except (GlmJaxError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
-                raise HTTPError(400, _one_line(e), param=grammar.param) from None
+                raise HTTPError(400, f"invalid schema ({_one_line(e)})", param=grammar.param) from None
         try:
             return Processor(eng.cfg.vocab_size, bias=bias, grammar=text, tokenizer=eng.tokenizer,
                              eos_ids=eng.cfg.eos_token_ids, top_logprobs=top_lp)

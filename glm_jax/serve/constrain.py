@@ -56,15 +56,18 @@ MAX_CALLS = 4        # parallel calls a required / named tool_choice allows (the
 MIN_SCALE = 16       # fewer calls rather than argument strings shorter than this
 
 
-def _call(f: dict, L: int, lean: bool, mk):
-    """(the Lark rule body of one call of function f at scale L, the most bytes it can take or None)."""
+def _call(f: dict, L: int, lean: bool, mk, compact: bool = False):
+    """(the Lark rule body of one call of function f at scale L, the most bytes it can take or None); ``compact``:
+    GLM-4.7's form, without the newlines between a call's parts (chat.compact_tool_calls)."""
+    nl = "" if compact else "\n"
+    sep = "" if compact else " " + _lit(nl)           # Lark has no empty literal: the newline term left out
     params = f.get("parameters") or {}
     props = params.get("properties") or {}
     strict = f.get("strict") is True
     req = [p for p in params.get("required") or [] if p in props]
     opt = [] if lean else [p for p in props if p not in req]
-    parts = [f'{mk("<tool_call>")} {_lit(f["name"] + chr(10))}']
-    size = len(f"<tool_call>{f['name']}\n</tool_call>".encode())
+    parts = [f'{mk("<tool_call>")} {_lit(f["name"] + nl)}']
+    size = len(f"<tool_call>{f['name']}\n</tool_call>".encode())      # the newlines counted either way: a bound
     for j, p in enumerate(req + opt):
         sch = props[p] if isinstance(props[p], dict) else {}
         if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
@@ -77,8 +80,8 @@ def _call(f: dict, L: int, lean: bool, mk):
         else:
             b = B.bounded(sch, L, strict, lean=lean)
             val, vsize = "%json " + json.dumps(b), B.longest(B.bounded(sch, L, strict, top=False, lean=lean))
-        arg = f'{mk("<arg_key>")} {_lit(p)} {mk("</arg_key>")} "\\n" {mk("<arg_value>")} {val} ' \
-              f'{mk("</arg_value>")} "\\n"'
+        arg = f'{mk("<arg_key>")} {_lit(p)} {mk("</arg_key>")}{sep} {mk("<arg_value>")} {val} ' \
+              f'{mk("</arg_value>")}{sep}'
         parts.append(f"({arg})" + ("" if j < len(req) else "?"))
         size = None if size is None or vsize is None else \
             size + vsize + len(f"<arg_key>{p}</arg_key>\n<arg_value></arg_value>\n".encode())
@@ -104,21 +107,21 @@ def _fit_calls(fns: list, budget: int, multiple: bool):
 
 
 def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True,
-                      budget: int = 1 << 20) -> str:
+                      budget: int = 1 << 20, compact: bool = False) -> str:
     """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects), then the end of
     the turn: one call of the function ``name``, or (``name`` None) one call of any of them, or with ``multiple``
     one or more (at most MAX_CALLS).  Each call is ``<tool_call>NAME\\n`` then, per argument,
     ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``, then ``</tool_call>``: the required arguments in the
     schema's order, then the optional ones (each optional); a string value is raw text (an ``enum``: one of its
     values), any other value JSON matching its schema (bounds.py; ``strict`` functions: no undeclared keys).  All
-    of it fits ``budget`` tokens (_fit_calls).  ``marker(text)`` may map a marker to a special-token reference
-    (``<[id]>``)."""
+    of it fits ``budget`` tokens (_fit_calls).  ``compact``: GLM-4.7's form, the same without those newlines
+    (chat.compact_tool_calls).  ``marker(text)`` may map a marker to a special-token reference (``<[id]>``)."""
     mk = marker or _lit
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not fns:
         raise GlmJaxError(f"no tool named {name!r}")
     k, L, lean = _fit_calls(fns, budget, multiple)
-    rules = [f"call_{i}: " + _call(f, L, lean, mk)[0] for i, f in enumerate(fns)]
+    rules = [f"call_{i}: " + _call(f, L, lean, mk, compact)[0] for i, f in enumerate(fns)]
     body = " | ".join(f"call_{i}" for i in range(len(fns)))
     start = f"start: ({body})" + (f" (\"\\n\"? ({body})){{0,{k - 1}}}" if k > 1 else "")
     return "\n".join([start] + rules)
