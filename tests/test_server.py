@@ -831,3 +831,9 @@ def test_completions_with_prompt_lists_and_echo(client, eng):
     for c, p in zip(r.choices, [ROMEO, "JULIET:\n"]):
         assert c.text == p + _alone(eng, p, 4).text
     assert r.usage.prompt_tokens == len(eng.encode(ROMEO)) + len(eng.encode("JULIET:\n"))
+    texts = ["", ""]
+    for c in client.completions.create(model="glm-jax-default", prompt=[ROMEO, "JULIET:\n"], max_tokens=4,
+                                       temperature=0, echo=True, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [c.text for c in r.choices]
