@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from .. import kernels
 from ..kernels.formats import NATIVE_MAX_ROWS, QWeight
-from . import mla
+from . import glm5_next, mla
 from .config import ModelConfig
 from .layers import F32, apply_rope_half, linear, positions_of, rms_norm, rope_cos_sin, softmax
 
@@ -17,6 +17,8 @@ from .layers import F32, apply_rope_half, linear, positions_of, rms_norm, rope_c
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool = False) -> list:
     """One dict per layer (+ the MTP layer at the end when ``with_mtp``)."""
     n = cfg.num_hidden_layers + (1 if with_mtp else 0)
+    if cfg.model_type == "glm5_next":
+        return glm5_next.init_cache(cfg, batch, max_len, dtype)
     if cfg.is_mla:
         return [mla.init_mla_cache(cfg, i, batch, max_len, dtype) for i in range(n)]
     shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
@@ -25,6 +27,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, with_mtp: bool = True) -> int:
     """KV-cache bytes per position over every layer (and the MTP layer)."""
     n = cfg.num_hidden_layers + (1 if with_mtp and cfg.has_mtp else 0)
+    if cfg.model_type == "glm5_next":       # the KDA layers' state is per row: glm5_next.state_bytes_per_row
+        return glm5_next.kv_bytes_per_token(cfg, dtype_bytes)
     if cfg.is_mla:
         kb = mla.kv_bytes_per_token(cfg, dtype_bytes)
         return kb["model_total"] + (kb["mtp_layer"] if with_mtp and cfg.has_mtp else 0)

@@ -70,6 +70,18 @@ class ModelConfig:
     indexer_types: tuple = ()       # "full" / "shared" per main layer
     rope_interleave: bool = True    # MLA's RoPE on interleaved lane pairs (glm4_moe_lite may say false: halves)
     rope_parameters: Any = None     # the raw dict, for yarn/mscale
+    # --- glm5_next (KDA linear attention + k-pooled DSA MLA without RoPE + hyper-connections); empty elsewhere ---
+    layer_types: tuple = ()         # "linear_attention" / "indexed_attention" per main layer
+    linear_num_heads: Optional[int] = None
+    linear_head_dim: Optional[int] = None
+    linear_conv_kernel_dim: Optional[int] = None
+    linear_lower_bound: Optional[float] = None   # the forget gate's lower bound (None: the softplus gate)
+    hc_mult: int = 0                # residual streams (0: a plain residual)
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 0
+    swiglu_limit: Optional[float] = None
+    index_kpool: int = 0            # tokens per pooled indexer key (0: per-token DSA)
+    index_kpool_always_select_tail: bool = True
     source: str = ""                # path of the config.json, for messages
 
     # ------------------------------------------------------------------ derived
@@ -182,6 +194,8 @@ def _indexer_types(raw: dict, src: str, n_layers: int) -> tuple:
 def config_from_dict(raw: dict, source: str = "config.json", generation_config: Optional[dict] = None) -> ModelConfig:
     src = source
     mt = raw.get("model_type")
+    if mt == "glm5_next":
+        return glm5_next_config(raw, source, generation_config)
     if mt not in _FAMILIES:
         raise _err(src, "model_type", f"unsupported model_type {mt!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     g = lambda f, d=dataclasses.MISSING, k=None: _get(raw, src, f, d, k)  # noqa: E731
@@ -370,7 +384,115 @@ def _glm4_moe_lite(raw: dict, src: str, g, core: dict, rope: dict) -> dict:
 
 # model_type -> the parser of that family's own fields (architecture fields beyond the shared ones)
 _FAMILIES = {"glm4_moe": _glm4_moe, "glm_moe_dsa": _glm_moe_dsa, "glm4_moe_lite": _glm4_moe_lite}
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + ("glm5_next",)     # glm5_next: its own parse (glm5_next_config)
+
+
+def _glm5_next_text(raw: dict, src: str) -> dict:
+    """The text fields of a glm5_next config: nested under ``text_config`` (multimodal checkpoints) or at the top
+    level (flat text-only ones); the top level's token ids fill what the text config leaves unset."""
+    text = raw.get("text_config")
+    if text is None:
+        return dict(raw)
+    if not isinstance(text, dict):
+        raise _err(src, "text_config", f"expected an object, got {text!r}")
+    out = dict(text)
+    for f in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if out.get(f) is None and raw.get(f) is not None:
+            out[f] = raw[f]
+    return out
+
+
+def _glm5_next_layer_types(t: dict, src: str, n: int) -> tuple:
+    """transformers' Glm5NextTextConfig: KDA on every layer but each 4th, "full_attention" read as indexed."""
+    lt = t.get("layer_types")
+    if lt is None:
+        return tuple("indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n))
+    if not isinstance(lt, list):
+        raise _err(src, "layer_types", f"expected a list, got {lt!r}")
+    lt = tuple("indexed_attention" if x == "full_attention" else x for x in lt)
+    if len(lt) != n or any(x not in ("linear_attention", "indexed_attention") for x in lt):
+        raise _err(src, "layer_types",
+                   f"expected {n} entries of 'linear_attention'/'indexed_attention', got {list(lt)!r}")
+    return lt
+
+
+def _glm5_next_indexer_types(t: dict, src: str, n: int, layer_types: tuple) -> tuple:
+    """indexer_types, or index_topk_pattern ("F"/"S"), or the freq/offset schedule; the first indexed layer must
+    run its own indexer (a "shared" one reuses the last full indexed layer's selection)."""
+    probe = dict(t, indexer_types=t.get("indexer_types"))
+    pat = t.get("index_topk_pattern")
+    if probe["indexer_types"] is None and isinstance(pat, list):
+        probe["indexer_types"] = pat
+    it = probe["indexer_types"]
+    if it is not None:
+        if not isinstance(it, list) or len(it) != n or any(x not in ("full", "shared") for x in it):
+            raise _err(src, "indexer_types", f"expected {n} entries of 'full'/'shared', got {it!r}")
+        it = tuple(it)
+    elif pat is not None:
+        if not isinstance(pat, str) or len(pat) != n or any(c not in "FS" for c in pat):
+            raise _err(src, "index_topk_pattern", f"expected a string of {n} 'F'/'S', got {pat!r}")
+        it = tuple("full" if c == "F" else "shared" for c in pat)
+    else:
+        it = _indexer_types({k: v for k, v in t.items() if k in ("index_topk_freq", "index_skip_topk_offset")},
+                            src, n)
+    first = next((i for i, x in enumerate(layer_types) if x == "indexed_attention"), None)
+    if first is not None and it[first] != "full":
+        raise _err(src, "indexer_types", f"the first indexed layer ({first}) must be 'full'")
+    return it
+
+
+def glm5_next_config(raw: dict, source: str, generation_config: Optional[dict] = None) -> ModelConfig:
+    """GLM-5.3 (``glm5_next``) text config: the glm_moe_dsa fields (MLA without RoPE, DSA) parsed by
+    config_from_dict, then its own: layer_types, the KDA widths, hyper-connections, the SwiGLU clamp, k-pooling."""
+    src = source
+    t = _glm5_next_text(raw, src)
+    g = lambda f, d=dataclasses.MISSING, k=None: _get(t, src, f, d, k)  # noqa: E731
+    n = g("num_hidden_layers", k=int)
+    if not 0 < n <= MAX_LAYERS:
+        raise _err(src, "num_hidden_layers", f"{n} is out of range [1, {MAX_LAYERS}]")
+    if g("qk_rope_head_dim", 0, int) != 0:
+        raise _err(src, "qk_rope_head_dim", "glm5_next's MLA has no RoPE (expected 0)")
+    if g("num_key_value_heads", g("num_attention_heads", k=int), int) != g("num_attention_heads", k=int):
+        raise _err(src, "num_key_value_heads", "must equal num_attention_heads")
+    layer_types = _glm5_next_layer_types(t, src, n)
+    kw = {"layer_types": layer_types, "indexer_types": _glm5_next_indexer_types(t, src, n, layer_types)}
+    lin = t.get("linear_attn_config") if isinstance(t.get("linear_attn_config"), dict) else {}
+    for f, alias, d in (("linear_num_heads", "num_heads", 64), ("linear_head_dim", "head_dim", 128),
+                        ("linear_conv_kernel_dim", "short_conv_kernel_size", 4)):
+        kw[f] = (_get(lin, src, alias, None, int) if lin.get(alias) is not None else None) or g(f, d, int)
+        if kw[f] <= 0:
+            raise _err(src, f, f"must be positive, got {kw[f]}")
+    lb = lin.get("gate_lower_bound", t.get("linear_lower_bound", -5.0))
+    if lin and lb is None and lin.get("safe_gate", True):     # transformers: the safe gate's bound by default
+        lb = -5.0
+    if lb is not None and (isinstance(lb, bool) or not isinstance(lb, (int, float)) or not math.isfinite(lb)):
+        raise _err(src, "linear_lower_bound", f"expected a finite number or null, got {lb!r}")
+    kw["linear_lower_bound"] = None if lb is None else float(lb)
+    kw["hc_mult"] = g("hc_mult", 4, int)
+    kw["hc_sinkhorn_iters"] = g("hc_sinkhorn_iters", 20, int)
+    kw["index_kpool"] = g("index_kpool", 16, int)
+    for f in ("hc_mult", "hc_sinkhorn_iters", "index_kpool"):
+        if not 0 < kw[f] <= 4096:
+            raise _err(src, f, f"must be in [1, 4096], got {kw[f]}")
+    kw["hc_eps"] = g("hc_eps", 1e-6, float)
+    kw["swiglu_limit"] = g("swiglu_limit", 10.0, float)
+    for f in ("hc_eps", "swiglu_limit"):
+        if kw[f] is not None and kw[f] <= 0:
+            raise _err(src, f, f"must be positive, got {kw[f]}")
+    kw["index_kpool_always_select_tail"] = g("index_kpool_always_select_tail", True, bool)
+    if g("index_topk", 2048, int) % kw["index_kpool"]:
+        raise _err(src, "index_topk", f"must be a multiple of index_kpool={kw['index_kpool']}")
+    # the common and MLA/DSA fields through the glm_moe_dsa parse: its RoPE width is checked positive there, so a
+    # placeholder of 1 stands in for the 0 checked above; the indexer schedule is this family's (kw)
+    dsa = {k: v for k, v in t.items() if k not in ("indexer_types", "index_topk_pattern", "rope_parameters",
+                                                   "rope_scaling")}
+    dsa.update(model_type="glm_moe_dsa", qk_rope_head_dim=1, index_topk=g("index_topk", 2048, int),
+               index_head_dim=g("index_head_dim", 128, int), index_n_heads=g("index_n_heads", 32, int),
+               q_lora_rank=g("q_lora_rank", 1536, int), kv_lora_rank=g("kv_lora_rank", 512, int),
+               qk_nope_head_dim=g("qk_nope_head_dim", 256, int), v_head_dim=g("v_head_dim", 256, int))
+    base = config_from_dict(dsa, source, generation_config)
+    return dataclasses.replace(base, model_type="glm5_next", qk_rope_head_dim=0, head_dim=0, rope_parameters=None,
+                               **kw)
 
 
 def _read_json(path: str, what: str):

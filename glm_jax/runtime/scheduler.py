@@ -221,8 +221,10 @@ class Scheduler:
         self.row_freed = [0.0] * int(max_batch)          # when each row was last freed (LRU among free rows)
         self.kv_epoch = None                             # rt.kv_epoch the rows' contents belong to
         # K/V of sequences the rows no longer hold, in host RAM (--prefix_store_mb; not on a mesh)
+        # (not with a recurrent state: the store keeps K/V positions, and a state cannot be cut back to a prefix)
         self.saved = (PrefixStore(int(prefix_store_mb * 1e6))
-                      if prefix_store_mb > 0 and getattr(rt, "plan", None) is None else None)
+                      if prefix_store_mb > 0 and getattr(rt, "plan", None) is None and not rt.recurrent_state
+                      else None)
         self.dispatch_s = float(dispatch_ms) / 1000.0   # a fused dispatch runs what fits in this (--dispatch_ms)
         self.step_s = None                               # measured seconds per fused decode step (EMA)
         self.B = int(max_batch)
@@ -501,6 +503,8 @@ class Scheduler:
         m = 0
         while m < n and held[m] == prompt[m]:
             m += 1
+        if m < len(held) and self.rt.recurrent_state:    # the state is the whole held sequence's, not a prefix's
+            return 0
         return m
 
     def _pick_row(self, free: list, req) -> int:
@@ -529,7 +533,7 @@ class Scheduler:
             keep = max(cap, bucket(rt.kv_reserve_tokens, 256))
             if keep < rt._cache_len:
                 rt.shrink_cache(self.B, keep)
-                self.row_toks = [t[:keep] for t in self.row_toks]
+                self.row_toks = [t[:keep] if len(t) <= keep or not rt.recurrent_state else [] for t in self.row_toks]
         # the positions about to be allocated (a replaced cache is freed first), and the programs compiled since
         # the last check: the engine makes room in its budget before the prefill (Engine.memory_guard)
         rt.memory_guard(max(0, cap - rt._cache_len) if same else cap, self.B)
