@@ -13,6 +13,7 @@ import functools
 import math
 import numbers
 import os
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -73,9 +74,23 @@ class Tokenizer:
         except Exception as e:
             raise GlmJaxError(f"{path}: cannot load tokenizer ({e})") from None
         self.template = chat.load_template(os.path.dirname(path))
+        self._lock = threading.Lock()        # encode_special_tokens is the tokenizer's state: toggled under it
+        self.special_tokens = {t.content: (i, t.lstrip, t.rstrip)
+                               for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """Text -> ids, special-token texts parsed as the special tokens (a raw prompt is the caller's own)."""
+        with self._lock:
+            return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list:
+        """Text -> ids with special-token parsing off: ``<|system|>`` is its characters' tokens (a client's text)."""
+        with self._lock:
+            self.tok.encode_special_tokens = True
+            try:
+                return self.tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self.tok.encode_special_tokens = False
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
