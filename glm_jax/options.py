@@ -267,6 +267,10 @@ SERVE_OPTIONS = [
         "--prefill_chunk), so no client waits for a "
         "compile. With --compile_cache a later start loads most of them from it (--fetch=callback / fused "
         "programs hold a host callback and compile at every start)."),
+    Opt("prefix_cache_scope", "key", "enum", "Whose finished requests' K/V a request may reuse (the prefix cache): "
+        "key = requests made with the same API key (and the same cache_salt field, if sent); global = any request "
+        "(between keys, cached_tokens and the time to the first token then tell one client how much of another's "
+        "prompt it guessed).", choices=("key", "global")),
 ]
 SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
 
@@ -644,6 +648,8 @@ def define_serve_flags():
             continue
         if o.kind == "bool":
             flags.DEFINE_boolean(o.name, o.default, o.help)
+        elif o.kind == "enum":
+            flags.DEFINE_enum(o.name, o.default, o.choices, o.help)
         else:
             flags.DEFINE_float(o.name, o.default, o.help + f" [{_range_text(o)}]")
 

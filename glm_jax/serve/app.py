@@ -15,7 +15,6 @@ exits 0.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from ..engine import Engine, default_model_path
 from ..errors import GlmJaxError
 from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
+from . import tenancy
 from .constrain import Processor, json_schema_grammar, tool_call_grammar
 
 FLAGS = flags.FLAGS
@@ -40,7 +40,10 @@ FLAGS = flags.FLAGS
 O.define_model_flag()
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
 flags.DEFINE_integer("port", 8000, "TCP port (0: any free port, printed at start).", lower_bound=0, upper_bound=65535)
-flags.DEFINE_string("api_key", "", "If set, every /v1 request and /metrics must send 'Authorization: Bearer KEY'.")
+flags.DEFINE_string("api_key", "", "If set, every /v1 request and /metrics must send 'Authorization: Bearer KEY'. "
+                    "Visible to every local user in /proc/PID/cmdline: prefer --api_key_file or $GLM_JAX_API_KEY.")
+flags.DEFINE_string("api_key_file", "", "A file of API keys, one a line (mode 600; each key its own prefix-cache "
+                    "tenant); with --api_key and $GLM_JAX_API_KEY every key given is accepted.")
 flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a free row; beyond it: HTTP 429 (0 = no limit).",
                      lower_bound=0)
 flags.DEFINE_string("served_model_name", "", "The model id clients send and /v1/models lists (default: the model "
@@ -96,7 +99,7 @@ def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable
 
 # the request fields each endpoint takes (anything else with a value is a 400 naming it, never ignored)
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
-                 "stop", "logit_bias", "logprobs", "user", "frequency_penalty", "presence_penalty"}
+                 "stop", "logit_bias", "logprobs", "user", "frequency_penalty", "presence_penalty", "cache_salt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
@@ -235,13 +238,15 @@ class Server:
     def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
                  max_body_mb: float = O.SERVE_BY_NAME["max_body_mb"].default,
                  read_timeout_s: float = O.SERVE_BY_NAME["read_timeout_s"].default,
-                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default):
+                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default,
+                 prefix_cache_scope: str = O.SERVE_BY_NAME["prefix_cache_scope"].default):
         self.engine = engine
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
         self.sched.kv_reserve = engine.kv_reserve_tokens  # the planned K/V, allocated at the first request
         self.model_name = model_name or _default_name(engine.path)
-        self.api_key = api_key.encode("utf-8")           # compared as bytes (hmac.compare_digest)
+        self.keys = tenancy.Keys(api_key)                # a key or a list of them; each a prefix-cache tenant
+        self.prefix_cache_scope = prefix_cache_scope
         self.max_body = int(max_body_mb * (1 << 20))
         self.read_timeout_s = float(read_timeout_s)
         self.keep_alive_s = float(keep_alive_s)
@@ -355,9 +360,10 @@ class Server:
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
         def auth(request: Request):
-            if server.api_key:
+            if server.keys:
                 h = request.headers.get("authorization", "").encode("latin-1")     # the header's bytes as sent
-                if not (h.startswith(b"Bearer ") and hmac.compare_digest(h[7:].strip(), server.api_key)):
+                request.state.tenant = server.keys.match(h)
+                if request.state.tenant is None:
                     raise HTTPError(401, "invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key",
                                     type_="authentication_error")
 
@@ -540,15 +546,20 @@ class Server:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         # JSON parsing, checks and tokenization in a worker thread: /health and the streams keep answering
-        job = await run_in_threadpool(self._submit, raw, chat, endpoint, loop, q)
+        job = await run_in_threadpool(self._submit, raw, chat, endpoint, loop, q,
+                                      getattr(request.state, "tenant", None))
         return await self._respond(request, job, q)
 
-    def _submit(self, raw: bytes, chat: bool, endpoint: str, loop, q):
+    def _submit(self, raw: bytes, chat: bool, endpoint: str, loop, q, tenant=None):
         """Parse and check a request, tokenize it, submit its n generations.  Returns the job (a dict)."""
         eng, sched = self.engine, self.sched
         V = eng.cfg.vocab_size
         body = self.parse_body(raw)
         check_fields(body, chat)
+        try:
+            salt = tenancy.cache_salt(body, tenant, self.prefix_cache_scope)
+        except GlmJaxError as e:
+            raise HTTPError(400, _one_line(e), param="cache_salt") from None
         prompt = self._prompt(body, chat)
         args = sampling_args(body, V, default_max=16 if not chat else 1 << 30)
         n = _field(body, "n", int, 1, 1, MAX_N)
@@ -609,6 +620,7 @@ class Server:
                                               eos_ids=eng.cfg.eos_token_ids, top_logprobs=top_lp)
                 if parse_tools and self._special_markers:
                     req.stream.decode = self._decode_keeping_markers
+                req.salt = salt
                 sched.submit(req)
                 reqs.append(req)
         except GlmJaxError as e:
@@ -954,6 +966,9 @@ def main(argv):
         limits = O.serve_from_flags()
         if not FLAGS["max_batch"].present:      # the memory plan may lower it (fit.plan_rows); a given one stays
             opts.set_auto("max_batch", SERVE_MAX_BATCH)
+        keys, warn = tenancy.api_keys(FLAGS.api_key, FLAGS.api_key_file)
+        if warn:
+            print(f"glm-jax-serve: warning: {warn}", file=sys.stderr, flush=True)
         engine = Engine.from_options(FLAGS.model or None, opts)
         import socket
 
@@ -963,7 +978,7 @@ def main(argv):
         LOG.setLevel(logging.INFO)
         LOG.propagate = False
         warmup = limits.pop("warmup")
-        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, **limits)
+        srv = Server(engine, FLAGS.served_model_name, keys, FLAGS.max_queue, **limits)
         if warmup:
             comp, wall = srv.sched.warmup()
             print(f"glm-jax-serve: warm-up {wall:.1f} s ({comp:.1f} s compiling; --nowarmup skips it)",
