@@ -13,6 +13,8 @@ import functools
 import math
 import numbers
 import os
+import stat
+import sys
 import threading
 from typing import Optional, Sequence
 
@@ -865,6 +867,28 @@ _COMPILE_CACHE = [None]      # the persistent-cache directory this process set (
 _HEALED: set = set()
 
 
+def _trusted_cache_dir(d: str, opt: str, label: str) -> Optional[str]:
+    """The compilation cache's entries are native code this process loads: the directory must be this user's, like
+    the kernels' (kernels.dir_problem: owner and no group / world write, up to the root); one of ours that others
+    may write is made private (and said so).  Otherwise an explicit one is an error and the default one unused."""
+    try:
+        st = os.stat(d)
+        if st.st_uid == os.getuid() and st.st_mode & 0o022:
+            os.chmod(d, stat.S_IMODE(st.st_mode) & ~0o077)
+            print(f"glm-jax: note: {label} {d} was writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                  f"made it mode {stat.S_IMODE(st.st_mode) & ~0o077:o}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    why = kernels.dir_problem(d)
+    if why is None:
+        return d
+    if opt:
+        raise GlmJaxError(f"{label}={opt}: not used as the compilation cache: {why} (its entries are code this "
+                          f"process would run)")
+    print(f"glm-jax: note: running without the compilation cache {d} ({why})", file=sys.stderr, flush=True)
+    return None
+
+
 def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
     """Point JAX's persistent compilation cache at the per-user cache dir (``paths.cache_root``), another directory,
     or nowhere ('off').  Every program is cached (min compile time 0), so a second start compiles nothing.  An
@@ -879,6 +903,8 @@ def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
             if opt:
                 raise GlmJaxError(f"{label}={opt}: cannot use it as the compilation cache ({e.strerror or e})") from None
             d = None
+    if d is not None:
+        d = _trusted_cache_dir(d, opt, label)
     cur = jax.config.jax_compilation_cache_dir
     if d is not None and d not in _HEALED:      # unreadable entries removed, once per directory and process
         _HEALED.add(d)
