@@ -19,6 +19,7 @@ import re
 import secrets
 from typing import Optional
 
+from . import fileio
 from .errors import GlmJaxError
 
 GLM_TOKENS = ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
@@ -93,10 +94,9 @@ def load_template(model_dir: str) -> Optional[dict]:
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise GlmJaxError(f"{path}: cannot read ({e})") from None
+        cfg = fileio.read_json(path)
+    except OSError as e:
+        raise GlmJaxError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(cfg, dict):
         raise GlmJaxError(f"{path}: expected a JSON object")
     t = cfg.get("chat_template")

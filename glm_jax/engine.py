@@ -25,7 +25,7 @@ import numpy as np
 import glm_jax_plugins as P
 from glm_jax_plugins import contract
 
-from . import chat, compile_cache, kernels, paths
+from . import chat, compile_cache, fileio, kernels, paths
 from . import fit as F
 from . import memory as MEM
 from . import model as M
@@ -72,7 +72,7 @@ class Tokenizer:
 
         self.path = path
         try:
-            self.tok = HFTok.from_file(path)
+            self.tok = HFTok.from_str(fileio.read_bounded(path, fileio.TOKENIZER_MAX).decode("utf-8"))
         except Exception as e:
             raise GlmJaxError(f"{path}: cannot load tokenizer ({e})") from None
         self.template = chat.load_template(os.path.dirname(path))
@@ -748,12 +748,11 @@ def _check_mesh_options(opts, plan, fetch: str):
 
 def declared_dtype(path: str) -> str:
     """The checkpoint's declared dtype (config.json ``dtype`` / ``torch_dtype``), "" if none."""
-    import json
-
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            c = json.load(f)
-    except (OSError, ValueError):
+        c = fileio.read_json(os.path.join(path, "config.json"))
+    except OSError:
+        return ""
+    if not isinstance(c, dict):
         return ""
     d = c.get("dtype") or c.get("torch_dtype") or ""
     return d if isinstance(d, str) else ""

@@ -54,6 +54,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 from ..kernels import formats as quant
 from ..model.config import ModelConfig
@@ -551,10 +552,9 @@ def read_manifest(path: str) -> dict:
     if not os.path.exists(mpath):
         raise ContainerError(f"{mpath}: not found (not a glm-jax container; run glm-jax-convert)")
     try:
-        with open(mpath, "rb") as f:
-            man = json.loads(f.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ContainerError(f"{mpath}: invalid JSON: {e}") from None
+        man = fileio.read_json(mpath)
+    except fileio.FileProblem as e:
+        raise ContainerError(f"{mpath}: {e}") from None
     except OSError as e:
         raise ContainerError(f"{mpath}: cannot read ({e.strerror or e})") from None
     if not isinstance(man, dict):
@@ -823,7 +823,7 @@ class SafeTensorsDir:
                 raise SourceError(f"{fpath}: bad safetensors header (header length {hlen} exceeds the file)")
             try:
                 hdr = json.loads(f.read(hlen).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise SourceError(f"{fpath}: bad safetensors header: {e}") from None
         if not isinstance(hdr, dict):
             raise SourceError(f"{fpath}: bad safetensors header (expected a JSON object)")

@@ -34,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 from ..fileio import LockBusy, directory_lock, exclusive_lock
 from ..kernels import formats as quant
@@ -130,17 +131,15 @@ def _atomic_json(path: str, obj):
 
 def _load_json(path: str) -> Optional[dict]:
     try:
-        with open(path, "rb") as f:
-            d = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        d = fileio.read_json(path)
+    except OSError:
         return None
     return d if isinstance(d, dict) else None
 
 
 def source_fingerprint(st: SafeTensorsDir, src: str) -> str:
     h = hashlib.sha256()
-    with open(os.path.join(src, "config.json"), "rb") as f:
-        h.update(f.read())
+    h.update(fileio.read_bounded(os.path.join(src, "config.json"), fileio.JSON_MAX))
     for k in sorted(st.tensors):
         t = st.tensors[k]
         h.update(f"{k}|{t.dtype}|{t.shape}|{t.nbytes}\n".encode())
@@ -608,8 +607,7 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
         linfo[str(L)] = {"file": layer_file_name(L), "format": lay.fmt, "layout": lay.to_json(),
                          "num_experts": rec["num_experts"], "size": rec["num_experts"] * lay.record_len}
         experts += expert_records(L, lay, rec["crcs"])
-    with open(os.path.join(src, "config.json"), "rb") as f:
-        src_cfg_sha = hashlib.sha256(f.read()).hexdigest()
+    src_cfg_sha = hashlib.sha256(fileio.read_bounded(os.path.join(src, "config.json"), fileio.JSON_MAX)).hexdigest()
     man = {
         "format_version": FORMAT_VERSION,
         "created_by": "glm-jax-convert",

@@ -69,7 +69,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import paths
+from .. import fileio, paths
 from ..errors import GlmJaxError
 from ..kernels.formats import FLOAT_FORMATS, ExpertBank, with_kernel
 from ..memory import cache_slots, default_budget, evict_page_cache, huge_pages, move_pages, round_up_gb
@@ -226,9 +226,8 @@ def load_usage(path: str, cfg: Optional[ModelConfig] = None, strict: bool = Fals
     model's) unless ``strict``: then a file that is not this model's usage history is a StoreError naming
     ``label`` (the flag or alias the user set)."""
     try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = fileio.read_json(path)
+    except OSError as e:
         if strict:
             raise StoreError(f"{label or path}: {path} is not a glm-jax usage-history file ({e})") from None
         return {}

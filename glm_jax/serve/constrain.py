@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 
 _TOKENIZERS = {}
@@ -27,8 +28,7 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
     key = (tokenizer.path, vocab_size, tuple(sorted(eos_ids)))
     t = _TOKENIZERS.get(key)
     if t is None:
-        with open(tokenizer.path) as f:
-            text = f.read()
+        text = fileio.read_bounded(tokenizer.path, fileio.TOKENIZER_MAX).decode("utf-8")
         t = _TOKENIZERS[key] = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
     return t
 
