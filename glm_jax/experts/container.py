@@ -419,6 +419,7 @@ class LayerEntry:
     verified: np.ndarray     # bool [E]
     fd: int = -1
     direct_fd: Optional[int] = None
+    stale: bool = False      # a read failed: the file is opened again before the next (it may have been replaced)
 
 
 class Container:
@@ -433,15 +434,35 @@ class Container:
         self.direct_io = direct_io
         self.expert_layers = tuple(sorted(entries))
         for e in entries.values():
-            e.fd = os.open(e.path, os.O_RDONLY)
-            try:   # whole-record reads: kernel readahead beyond a record only wastes disk bandwidth
-                os.posix_fadvise(e.fd, 0, 0, os.POSIX_FADV_RANDOM)
-            except (AttributeError, OSError):
-                pass
-            if direct_io:
-                e.direct_fd = _open_direct(e.path)
-                if e.direct_fd is None:
-                    raise ContainerError(f"{e.path}: O_DIRECT is not supported on this file system (drop --direct_io)")
+            self._open(e)
+
+    def _open(self, e: LayerEntry):
+        e.fd = os.open(e.path, os.O_RDONLY)
+        try:   # whole-record reads: kernel readahead beyond a record only wastes disk bandwidth
+            os.posix_fadvise(e.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except (AttributeError, OSError):
+            pass
+        if self.direct_io:
+            e.direct_fd = _open_direct(e.path)
+            if e.direct_fd is None:
+                raise ContainerError(f"{e.path}: O_DIRECT is not supported on this file system (drop --direct_io)")
+
+    def _reopen(self, ent: LayerEntry):
+        """After a failed read: the layer's file opened again by name (restored, or replaced by a good copy), its
+        records checked again at their next read; a missing file is one error line."""
+        for fd in (ent.fd, ent.direct_fd):
+            if fd is not None and fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        ent.fd, ent.direct_fd = -1, None
+        try:
+            self._open(ent)
+        except OSError as err:
+            raise ContainerError(f"{ent.path}: layer {ent.layer}: cannot open ({err.strerror or err})") from None
+        ent.verified[:] = False
+        ent.stale = False
 
     @property
     def dense_path(self) -> str:
@@ -493,6 +514,8 @@ class Container:
         """(jobs, finish): the record's read as independent callables (see ``record_reads``; run them on any
         threads, each returns its bytes), then ``finish()`` once all are done (the checksum check)."""
         ent = self.entry(layer)
+        if ent.stale:
+            self._reopen(ent)
         off = int(ent.offsets[e])
 
         def guard(r):
@@ -500,13 +523,22 @@ class Container:
                 try:
                     return r()
                 except EOFError:
+                    ent.stale = True
                     raise TruncatedError(f"{ent.path}: layer {layer} expert {e}: file truncated (record at offset "
                                          f"{off}, length {int(ent.lengths[e])})") from None
+                except OSError as err:          # EIO, a file gone from under a reopened fd, ...
+                    ent.stale = True
+                    raise ContainerError(f"{ent.path}: layer {layer} expert {e}: read failed "
+                                         f"({err.strerror or err})") from None
             return job
 
         def finish():
             if self.verify == "always" or (self.verify in ("first", "all") and not ent.verified[e]):
-                self._check(ent, e, dests)
+                try:
+                    self._check(ent, e, dests)
+                except ChecksumError:
+                    ent.stale = True
+                    raise
 
         return [guard(r) for r in record_reads(ent.fd, ent.direct_fd, ent.layout, off, dests, chunk)], finish
 

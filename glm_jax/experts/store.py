@@ -662,8 +662,15 @@ class ExpertStore:
         t = time.perf_counter()
         pend, lc.pending = lc.pending, []
         n = 0
-        for futs in pend:
-            n += sum(f.result() for f in futs)
+        for experts, slots, futs in pend:
+            try:
+                n += sum(f.result() for f in futs)
+            except Exception as e:      # noqa: BLE001  (a prefetch is a guess: undone; a fetch reads them again)
+                for f in futs:
+                    f.exception()       # every read of the group finished before its slots are freed
+                with self._lock:
+                    self._undo_prefetch(L, lc, experts, slots)
+                self._read_failed(e)
         dt = time.perf_counter() - t
         with self._lock:
             self._stats["bytes_read"] += n
@@ -763,7 +770,14 @@ class ExpertStore:
                     so[es] = ss
                     landed(es, lc.bank, so)
             if miss:
-                self._read_many(layer, miss, slots, during, land)
+                try:
+                    self._read_many(layer, miss, slots, during, land)
+                except BaseException as e:
+                    self._undo_fetch(layer, lc, miss, slots, ev_after, ids)
+                    self._read_failed(e)
+                    raise
+                self.health["consecutive"] = 0
+                self.last_error = None
             elif during is not None:
                 during()
             ov = self._stats["overlap_s"] - o0     # the caller's work beside the reads: neither waiting nor the store's
@@ -787,6 +801,44 @@ class ExpertStore:
             st["io_wait_s"] += t2 - t1
             st["fetch_s"] += time.perf_counter() - t0 - wait_pf - ov
             return lc.bank, out_slot_of
+
+    def _undo_fetch(self, layer: int, lc: _Layer, miss: list, slots: list, ev_after: list, ids):
+        """A fetch whose reads failed (short read, checksum, EIO, a missing file): the store as it was but for the
+        experts evicted to make room (their slots may hold part of a miss now): the misses not cached, their slots
+        free, the experts evicted after the reads still cached in their slots, the usage counts unchanged.  Caller
+        holds the lock; no read is in flight (_read_many waits for all before raising)."""
+        idx = self.index[layer]
+        idx.cached.difference_update(miss)
+        idx.cached.update(e for e in ev_after if lc.slot_of[e] >= 0 and e not in miss)
+        for e in miss:
+            lc.slot_of[e] = -1
+        lc.free.extend(slots)
+        self._usage[layer] -= np.bincount(ids.astype(np.int64), minlength=lc.E)[:lc.E]
+
+    def _undo_prefetch(self, layer: int, lc: _Layer, experts: list, slots: list):
+        idx = self.index[layer]
+        for e, s in zip(experts, slots):
+            if lc.slot_of[e] == s:
+                lc.slot_of[e] = -1
+                idx.cached.discard(e)
+                lc.prefetched.discard(e)
+                lc.free.append(s)
+
+    def _read_failed(self, e: BaseException):
+        """Counted for /health (a store that keeps failing) and kept as the error a compiled program's host callback
+        raised (``take_error``: fetch=fused / callback runs fetch inside XLA, which wraps the error)."""
+        if not isinstance(e, Exception):
+            return
+        h = self.health
+        h["errors"] += 1
+        h["consecutive"] += 1
+        h["last"] = " ".join(str(e).split())[:300]
+        self.last_error = e if isinstance(e, GlmJaxError) else StoreError(f"expert read failed: {h['last']}")
+
+    def take_error(self):
+        """The last read error (then forgotten), or None."""
+        e, self.last_error = self.last_error, None
+        return e
 
     def replay_hits(self, layer: int, unions: list) -> bool:
         """``fetch(layer, u)`` for each ``u`` (ids without repeats) in order, where every expert of every ``u`` is
@@ -1034,7 +1086,7 @@ class ExpertStore:
             futs = [f for fs in self._submit(layer, todo, slots) for f in fs]
             if self.sim_disk_gbps > 0:      # the simulated disk time runs in the background too
                 futs.append(self._pool.submit(lambda t=self._sim_disk(len(todo)): time.sleep(t) or 0))
-            lc.pending.append(futs)
+            lc.pending.append((todo, slots, futs))
             self._stats["prefetch_loads"] += len(todo)
             self._stats["expert_loads"] += len(todo)
             self._stats["loads_per_layer"][layer] = self._stats["loads_per_layer"].get(layer, 0) + len(todo)
@@ -1051,6 +1103,9 @@ class ExpertStore:
         return s
 
     def reset_stats(self):
+        if not hasattr(self, "health"):     # expert reads that failed (/health): not a run's statistics
+            self.health = dict(errors=0, consecutive=0, last=None)
+            self.last_error = None
         self._stats = dict(bytes_read=0, expert_loads=0, hits_pinned=0, hits_cache=0, misses=0, evictions=0,
                            requested=0, fetch_calls=0, io_wait_s=0.0, read_s=0.0, fetch_s=0.0,
                            loads_per_layer={}, prefetch_loads=0, prefetch_hits=0, prefetch_unused=0,

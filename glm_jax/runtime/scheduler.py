@@ -411,6 +411,7 @@ class Scheduler:
                 self._prefill_chunk(req)
             except Exception as e:
                 self._fail(req, e)
+                self._check_cache(e)
         dec = [r for r in self.rows if r is not None and r.state == "decode"]
         if dec:
             others_wait = any(r is not None and r.state == "prefill" for r in self.rows) or (
@@ -421,6 +422,20 @@ class Scheduler:
                 for r in dec:
                     if not r.done:
                         self._fail(r, e)
+                self._check_cache(e)
+
+    def _check_cache(self, e: Exception):
+        """After a failed forward: a program that donated the K/V cache and failed inside (a host callback's expert
+        read under fetch=callback) leaves it deleted; the rows still holding it fail too and the next request gets a
+        new cache, instead of every later request failing on the deleted array."""
+        cache = self.rt._cache
+        if cache is None or not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree_util.tree_leaves(cache)):
+            return
+        for r in self.rows:
+            if r is not None and not r.done:
+                self._fail(r, e)
+        self.rt._cache = None
+        self.rt.kv_epoch += 1
 
     # ------------------------------------------------------------------ rows
     def _reap(self):
@@ -694,8 +709,15 @@ class Scheduler:
             self.rt.segment_done()
 
     def _fail(self, req: Request, e: Exception):
-        req.error = e
+        req.error = self._cause(e)
         self._finish(req, "error")
+
+    def _cause(self, e: Exception) -> Exception:
+        """The store's own error for a compiled program whose host callback failed reading experts (fetch=fused /
+        callback: XLA raises its runtime error around the callback's traceback, 74 lines); else ``e``."""
+        take = getattr(getattr(self.rt, "store", None), "take_error", None)
+        err = take() if take is not None else None
+        return err if err is not None and not isinstance(e, GlmJaxError) else e
 
     # ------------------------------------------------------------------ decode
     def _decode(self, dec: list, n: int):

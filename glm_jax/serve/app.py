@@ -233,6 +233,19 @@ def response_format_arg(body: dict):
                     param="response_format")
 
 
+def store_health(engine, body: dict):
+    """(/health's body, status): a store whose last expert read failed (a truncated, corrupt or missing expert
+    file) is "degraded" with HTTP 503 and the error, until a read succeeds again."""
+    h = getattr(getattr(engine, "store", None), "health", None)
+    if not isinstance(h, dict) or not h.get("errors"):
+        return body, 200
+    body["store"] = {"read_errors": h["errors"], "failing_fetches": h["consecutive"], "last_error": h["last"]}
+    if h["consecutive"] and body["status"] == "ok":
+        body["status"] = "degraded"
+        return body, 503
+    return body, 200
+
+
 # ----------------------------------------------------------------------------- the app
 class Server:
     def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
@@ -402,8 +415,9 @@ class Server:
             return h
 
         async def health(request):
-            return JSONResponse({"status": "draining" if server.draining else "ok",
-                                 "running": server.sched.running, "waiting": server.sched.waiting})
+            body = {"status": "draining" if server.draining else "ok",
+                    "running": server.sched.running, "waiting": server.sched.waiting}
+            return JSONResponse(*store_health(server.engine, body))
 
         async def models(request):
             server.m_requests.labels("models", "200").inc()
