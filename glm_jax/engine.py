@@ -110,6 +110,7 @@ class Tokenizer:
         return chat.chat_ids(self, self.template, msgs)
 
 
+VERIFY_READS = {"first": "first", "always": "always", "off": "none"}     # --verify_reads -> the container's mode
 SEGMENT_MAX = 2048     # a long prompt's prefill segment (segment_tokens; llama.cpp's default -b)
 
 
@@ -214,12 +215,13 @@ class Engine(Runner):
         else:
             src = None
             fitted = None
+            verify = VERIFY_READS[opts["verify_reads"]]
             try:
                 if container:     # manifest, config and sizes checked at open; the dense file's crc before use
-                    src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
+                    src = C.open_container(path, cfg, verify=verify, direct_io=opts["direct_io"])
                     C.verify_dense(path, src.manifest)
                 if plan is None:  # what fits, from headers and the manifest: refused here, before any weights
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
+                    src = src if src is not None else C.open_expert_source(path, cfg, verify=verify)
                     fitted = fit_memory(path, cfg, opts, src, dtype, kv_dtype, dense_kernel, pack)
                     if not fitted.all_fit:
                         # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
@@ -227,7 +229,7 @@ class Engine(Runner):
                         MEM.compact_heap()
                     if container and fitted.direct_io != src.direct_io:
                         src.close()
-                        src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)
+                        src = C.open_container(path, cfg, verify=verify, direct_io=fitted.direct_io)
                     opts["direct_io"] = fitted.direct_io
                     opts["dense_format"] = fitted.dense_format
                     if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
@@ -244,7 +246,7 @@ class Engine(Runner):
                     jax.clear_caches()
                 MEM.trim()
                 if plan is not None:
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first",
+                    src = src if src is not None else C.open_expert_source(path, cfg, verify=verify,
                                                                            direct_io=opts["direct_io"])
                 cap = opts["cache_cap"] or None
                 if plan is not None and cap:           # --cache_cap: per layer, split over the expert shards

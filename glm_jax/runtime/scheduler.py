@@ -428,8 +428,8 @@ class Scheduler:
         """After a failed forward: a program that donated the K/V cache and failed inside (a host callback's expert
         read under fetch=callback) leaves it deleted; the rows still holding it fail too and the next request gets a
         new cache, instead of every later request failing on the deleted array."""
-        cache = self.rt._cache
-        if cache is None or not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree_util.tree_leaves(cache)):
+        leaves = jax.tree_util.tree_leaves(self.rt._cache)
+        if not any(getattr(a, "is_deleted", lambda: False)() for a in leaves):
             return
         for r in self.rows:
             if r is not None and not r.done:
