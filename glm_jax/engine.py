@@ -339,6 +339,9 @@ class Engine(Runner):
         for s in seqs:
             if not s:
                 raise GlmJaxError("logits: empty token sequence")
+            if len(s) > self.context_limit:
+                raise GlmJaxError(f"logits: the sequence is {len(s)} tokens but the context limit is "
+                                  f"{self.context_limit} tokens")
         B = len(seqs)
         T = _bucket(max(len(s) for s in seqs))
         self._route_acc = {}

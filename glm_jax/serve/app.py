@@ -1011,6 +1011,9 @@ def main(argv):
     except GlmJaxError as e:
         print(f"glm-jax-serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:           # Ctrl-C while loading or warming up (serving drains on it instead)
+        print("\nglm-jax-serve: interrupted", file=sys.stderr)
+        return 130
     finally:
         if engine is not None:
             engine.close()
@@ -1039,7 +1042,11 @@ def _DrainingServer(cfg):
 
 def run():
     FLAGS.set_default("max_batch", SERVE_MAX_BATCH)
-    absl_app.run(main, flags_parser=parse_flags)
+    try:
+        absl_app.run(main, flags_parser=parse_flags)
+    except KeyboardInterrupt:
+        print("\nglm-jax-serve: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
