@@ -816,6 +816,25 @@ class TensorInfo:
     nbytes: int
 
 
+def _check_layout(fpath: str, hdr: dict):
+    """The tensors' byte ranges tile the data section (no two overlap: two experts would share weights) and the
+    safetensors library accepts the file (its own validation, the reader every other tool uses)."""
+    spans = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in hdr.items() if k != "__metadata__")
+    for (s0, e0, k0), (s1, e1, k1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise SourceError(f"{fpath}: tensors '{k0}' and '{k1}' overlap (data_offsets [{s0}, {e0}] and "
+                              f"[{s1}, {e1}])")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(fpath, framework="numpy"):
+            pass
+    except ImportError:
+        return
+    except Exception as e:          # noqa: BLE001  (SafetensorError and what its Rust side raises)
+        raise SourceError(f"{fpath}: the safetensors library refuses it ({' '.join(str(e).split())[:200]})") from None
+
+
 class SafeTensorsDir:
     """Raw, header-only safetensors index over a single file or a sharded directory.
 
@@ -882,6 +901,8 @@ class SafeTensorsDir:
             if int(np.prod(shape, dtype=np.int64)) * _np_dtype(_ST_DTYPES[dt]).itemsize != e - s:
                 raise bad(f"{e - s} bytes for shape {shape} of {dt}")
             self.tensors[k] = TensorInfo(k, fpath, _ST_DTYPES[dt], tuple(shape), base + s, e - s)
+        _check_layout(fpath, hdr)
+
 
     def __contains__(self, key):
         return key in self.tensors
@@ -993,6 +1014,14 @@ class HFExperts:
             raise SourceError(f"{self.st.info(key).file}: '{sk}': {err}") from None
         check_finite(w, f"{key}[{e}]", self.st.info(key).file)
         return w
+
+    def describe(self, layer: int, e: int) -> str:
+        """The file and tensor(s) expert ``e`` of ``layer`` comes from (error messages)."""
+        k = expert_keys(layer)
+        if k["fused_gate_up"] in self.st:
+            return f"{self.st.info(k['fused_gate_up']).file}: '{k['fused_gate_up']}'[{e}] / '{k['fused_down']}'[{e}]"
+        key = k["per"](e, "gate")
+        return f"{self.st.info(key).file}: '{k['per'](e, '{gate,up,down}')}'"
 
     def get(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, H], up [I, H], down [H, I]) as float32."""

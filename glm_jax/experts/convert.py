@@ -184,7 +184,10 @@ def _convert_layer(hf: HFExperts, dst: str, L: int, lay: RecordLayout, E: int, w
         with open(tmp, "wb") as f:
             for e in range(E):
                 g, u, d = hf.get(L, e)
-                buf, crc = lay.encode(g, u, d)
+                try:
+                    buf, crc = lay.encode(g, u, d)
+                except quant.FormatError as err:        # (the int4 scales' range): which tensor
+                    raise ConvertError(f"{hf.describe(L, e)}: {err}") from None
                 f.write(buf)
                 crcs.append(crc)
                 prog.update(1, f"layer {L}")
@@ -473,13 +476,14 @@ def _dst_lock(dst: str, real: str):
             f"then re-run")
     with contextlib.ExitStack() as stack:
         try:
+            os.makedirs(os.path.dirname(real) or ".", exist_ok=True)     # mkdir -p, as for --dst itself
             stack.enter_context(exclusive_lock(_lock_path(real), blocking=False, remove=True))
         except LockBusy:
             raise ConvertError(busy) from None
-        except OSError:
+        except OSError as e:
             if not os.path.isdir(real):
-                raise ConvertError(f"--dst={dst}: cannot create it (directory {os.path.dirname(real)} is not "
-                                   "writable)") from None
+                raise ConvertError(f"--dst={dst}: cannot create it ({e.filename or os.path.dirname(real)}: "
+                                   f"{e.strerror or e})") from None
             try:
                 stack.enter_context(directory_lock(real, blocking=False))
             except LockBusy:
