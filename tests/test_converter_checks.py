@@ -1,4 +1,5 @@
-"""The converter checks what the engine (and the safetensors library) check: overlapping data_offsets (two experts
+"""The converter checks what the engine (and the safetensors library) check: dense shapes against config.json (a
+transposed k_proj, an embedding larger than vocab_size: exit 0 and --verify OK, then refused by the engine); overlapping data_offsets (two experts
 silently sharing weights) were accepted; a --dst whose parent is missing was 'not writable'; the int4 scales' range
 error named no tensor."""
 
@@ -68,3 +69,24 @@ def test_int4_range_error_names_the_tensor(tmp_path, capsys):
         f.write(w.tobytes())
     rc, err = _convert(src, tmp_path / "out", capsys)
     assert rc == 2 and "experts.1" in err and "layers.1" in err and err.strip().count("\n") == 0, err
+
+
+def test_transposed_dense_projection_is_refused(tmp_path, capsys):
+    src = _copy(tmp_path)
+    st = src / "model.safetensors"
+    n, hdr = _header(st)
+    k = next(k for k, v in sorted(hdr.items()) if k.endswith("proj.weight") and ".experts." not in k
+             and len(v["shape"]) == 2 and v["shape"][0] != v["shape"][1])    # a non-square dense projection
+    hdr[k]["shape"] = hdr[k]["shape"][::-1]
+    _rewrite_header(st, hdr, n)
+    rc, err = _convert(src, tmp_path / "out", capsys)
+    assert rc == 2 and k in err and "config.json implies" in err, err
+
+
+def test_vocab_size_against_a_larger_embedding_is_refused(tmp_path, capsys):
+    src = _copy(tmp_path)
+    c = json.loads((src / "config.json").read_text())
+    c["vocab_size"] -= 1
+    (src / "config.json").write_text(json.dumps(c))
+    rc, err = _convert(src, tmp_path / "out", capsys)
+    assert rc == 2 and "embed_tokens" in err and "config.json implies" in err, err

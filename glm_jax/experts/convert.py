@@ -40,6 +40,7 @@ from ..fileio import LockBusy, directory_lock, exclusive_lock
 from ..kernels import formats as quant
 from ..model.config import load_config
 from ..options import one_line
+from . import weights as W
 from .container import (
     ALIGN,
     CONVERT_MARKER,
@@ -317,6 +318,18 @@ def safetensors_size(plan: list, metadata: dict) -> int:
                                                         for _, dt, sh, _ in plan)
 
 
+def check_dense_shapes(st: SafeTensorsDir, cfg) -> None:
+    """Every dense tensor the engine loads is in the source with the shape config.json implies (a transposed
+    k_proj, an embedding larger than vocab_size: converted and --verify'd OK before, then refused by the engine)."""
+    for k, shape in W.dense_shapes(cfg, st.__contains__).items():
+        if k not in st:
+            raise ConvertError(f"{st.path}: missing tensor '{k}' (config.json implies shape {list(shape)})")
+        got = st.info(k).shape
+        if tuple(got) != tuple(shape):
+            raise ConvertError(f"{st.info(k).file}: tensor '{k}' has shape {list(got)}, but config.json implies "
+                               f"{list(shape)}")
+
+
 # ----------------------------------------------------------------------------- files to copy
 _SKIP_COPY = {"model.safetensors.index.json", MANIFEST_NAME}
 
@@ -442,6 +455,7 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
     cfg = load_config(src)
     st = SafeTensorsDir(src)
     try:
+        check_dense_shapes(st, cfg)
         fp = source_fingerprint(st, src)
         if os.path.exists(dst) and not os.path.isdir(dst):
             raise ConvertError(f"--dst={dst}: is a file, not a directory")
