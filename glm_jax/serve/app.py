@@ -146,8 +146,11 @@ def logit_bias_arg(body: dict, vocab: int):
     lb = body.get("logit_bias")
     if lb is None:
         return None
-    if not isinstance(lb, dict) or len(lb) > vocab:
+    if not isinstance(lb, dict):
         raise HTTPError(400, "'logit_bias': expected an object {\"token id\": bias}", param="logit_bias")
+    if len(lb) > vocab:
+        raise HTTPError(400, f"'logit_bias': {len(lb)} entries, more than the vocabulary's {vocab} tokens",
+                        param="logit_bias")
     out = {}
     for k, v in lb.items():
         try:
@@ -244,6 +247,28 @@ def store_health(engine, body: dict):
         body["status"] = "degraded"
         return body, 503
     return body, 200
+
+
+def rendered_bytes(messages: list, tools: list) -> int:
+    """Bytes of every string a chat template renders of a request (message contents, tool calls' names and
+    arguments, every string in the tools' definitions): a lower bound on the rendered prompt's size."""
+    def strings(x) -> int:
+        if isinstance(x, str):
+            return len(x.encode("utf-8", "surrogatepass"))
+        if isinstance(x, dict):
+            return sum(strings(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(strings(v) for v in x)
+        return 0
+    return strings([(m.get("content"), m.get("tool_calls")) for m in messages]) + strings(tools)
+
+
+def constraint_processor(param: str, *a, **kw) -> Processor:
+    """A request's Processor; a grammar that does not compile is a 400 naming the field it came from."""
+    try:
+        return Processor(*a, **kw)
+    except GlmJaxError as e:
+        raise HTTPError(400, _one_line(e), param=param) from None
 
 
 # ----------------------------------------------------------------------------- the app
@@ -590,6 +615,8 @@ class Server:
         top_lp = logprobs_arg(body, chat)
         tools, choice = tools_arg(body) if chat else (None, "none")
         schema = response_format_arg(body) if chat else None
+        if tools is not None:       # what the template renders of them counts, before anything is tokenized
+            self._check_size(rendered_bytes(prompt, tools), "tools")
         if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
             raise HTTPError(400, "'parallel_tool_calls': expected a boolean", param="parallel_tool_calls")
         grammar = None
@@ -630,8 +657,9 @@ class Server:
                 limit = eng.context_limit
                 req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, max(0, limit - len(req.prompt)))
                 if bias or grammar is not None or top_lp is not None:
-                    req.processor = Processor(V, bias=bias, grammar=grammar, tokenizer=eng.tokenizer,
-                                              eos_ids=eng.cfg.eos_token_ids, top_logprobs=top_lp)
+                    req.processor = constraint_processor(
+                        "response_format" if schema is not None else "tools", V, bias=bias, grammar=grammar,
+                        tokenizer=eng.tokenizer, eos_ids=eng.cfg.eos_token_ids, top_logprobs=top_lp)
                 if parse_tools and self._special_markers:
                     req.stream.decode = self._decode_keeping_markers
                 req.salt = salt

@@ -62,7 +62,11 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
             continue
         params = f.get("parameters") or {}
         props = params.get("properties") or {}
-        req = [p for p in params.get("required") or [] if p in props]
+        req = params.get("required") or []
+        if not isinstance(props, dict) or not isinstance(req, list) or not all(isinstance(p, str) for p in req):
+            raise GlmJaxError(f"tools[{k}].function.parameters: 'properties' must be an object and 'required' a "
+                              f"list of names")
+        req = [p for p in req if p in props]
         opt = [p for p in props if p not in req]
         parts = [f'{mk("<tool_call>")} {_lit(f["name"] + chr(10))}']
         for j, p in enumerate(req + opt):
@@ -105,6 +109,10 @@ class Processor:
             if self.matcher.is_error():
                 raise GlmJaxError(f"the constraint does not compile ({self.matcher.get_error()})")
             self.bitmask = lln.allocate_token_bitmask(1, vocab_size)
+            self.allowed()          # the first token's mask: a grammar that fails here (a schema that only refers
+            if self.matcher.is_error():     # to itself) would end the reply at once with nothing valid in it
+                err = " ".join(self.matcher.get_error().split())[:200]
+                raise GlmJaxError(f"the constraint cannot be satisfied ({err})")
         self.top_logprobs = top_logprobs
         self.logprobs = [] if top_logprobs is not None else None     # [(token, logprob, [(token, logprob), ...])]
 
