@@ -72,6 +72,9 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
         for j, p in enumerate(req + opt):
             sch = props[p] if isinstance(props[p], dict) else {}
             if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
+                if any("<" in str(v) for v in sch["enum"]):     # the call's markup: a value would end the argument
+                    raise GlmJaxError(f"tools[{k}].function.parameters.properties.{p}.enum: a value contains '<', "
+                                      f"which GLM's tool-call format cannot hold inside a string argument")
                 val = "(" + " | ".join(_lit(str(v)) for v in sch["enum"]) + ")"
             elif sch.get("type") == "string":
                 n = sch.get("maxLength")
