@@ -167,3 +167,55 @@ def test_health_reports_a_failing_store(model):
     finally:
         eng.close()
         path.write_bytes(good)
+
+
+@pytest.mark.parametrize("fetch", ["fused", "loop"])
+def test_cli_store_error_is_one_line_in_every_fetch_mode(tmp_path, fetch):
+    """glm-jax --fetch=fused printed a 74-line traceback (JaxRuntimeError: INTERNAL: CpuCallback error ...) and
+    exited 1; --fetch=loop one line and exit 2.  Both: one line, exit 2."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "model"
+    shutil.copytree(MODEL, d)
+    _corrupt(d / "experts" / LAYER)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "glm_jax.cli", f"--model={d}", "--cache_cap=2", f"--fetch={fetch}",
+                        "--max_new_tokens=8", "--state_dir=off"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and lines[-1].startswith("glm-jax: error:") and "checksum" in lines[-1], \
+        r.stderr[-3000:]
+
+
+def test_fused_decode_callback_error_is_the_store_error(model):
+    """A read failing inside the fused decode program (the store called from XLA's host callback, not the
+    prefill's loop): the request's error is the store's one-line GlmJaxError, and the next request works."""
+    import inspect
+
+    eng = glm_jax.Engine.load(str(model), cache_cap=2, fetch="fused", prefetch=False)
+    src = eng.store.source
+    real = src.read_jobs
+    hits = {"n": 0}
+
+    def read_jobs(layer, e, dests, chunk=0):
+        if any(f.function == "_fused_host" for f in inspect.stack(0)):
+            hits["n"] += 1
+
+            def boom():
+                raise CT.TruncatedError(f"{LAYER}: layer {layer} expert {e}: file truncated (simulated)")
+            return [boom], lambda: None
+        return real(layer, e, dests, chunk)
+    try:
+        want = eng.generate(PROMPT, max_new_tokens=24, temperature=0).tokens
+        _cold(eng)
+        src.read_jobs = read_jobs
+        with pytest.raises(GlmJaxError) as e:
+            eng.generate(PROMPT, max_new_tokens=24, temperature=0)
+        assert hits["n"] and "simulated" in str(e.value) and "\n" not in str(e.value), str(e.value)[:2000]
+        src.read_jobs = real
+        assert eng.generate(PROMPT, max_new_tokens=24, temperature=0).tokens == want
+    finally:
+        eng.close()
