@@ -1,4 +1,4 @@
-"""Forward passes whose routed experts come from an ExpertStore (glm_jax/store.py).
+"""Forward passes whose routed experts come from an ExpertStore (glm_jax/experts/store.py).
 
 Three fetch modes, same math (tested to give identical outputs; loop and fused bitwise):
 
@@ -55,7 +55,7 @@ def _fns(engine):
         """attn_block on the cache, or with ``row`` (traced int32) on that row of it alone, written back in place
         (the cache is donated): one layer's row is the transient, where a copy of the row's every layer
         (Runner.row_view) took a 2600-token prefill of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its
-        budget (stop 48)."""
+        budget."""
         if row is None:
             return M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
         part = {k: jax.lax.dynamic_slice_in_dim(v, row, 1, axis=0) for k, v in cache.items()}
@@ -187,7 +187,7 @@ def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
     if fused:
         return _fused_step(engine, tokens, start, lengths, logit_rows)
     # the host's arrays go to the programs as numpy arrays (the call transfers them): a jnp.asarray / jnp op here
-    # is an eager dispatch of its own: ~9% of a 0.3x-box token (py-spy, stop 53)
+    # is an eager dispatch of its own: ~9% of a 0.3x-box token (py-spy)
     rw = None if row is None else np.int32(row)
     cfg, params, store = engine.cfg, engine.params, engine.store
     f = _fns(engine)
@@ -744,7 +744,7 @@ def segment_steps(engine, tokens: np.ndarray, start: int, chunk: int, width: int
     before it), then its routed experts over every position, ``width`` positions a call (segment_width): each expert
     the segment routes to is fetched once a layer (in rounds of ``store.call_limit``), where chunk-by-chunk prefill
     fetches a chunk's misses again for every chunk (a ~1900-token prompt in the GLM-4.5-Air slice's 0.3x box read
-    9x its experts, stop 49).  A round's call is split by rows where its (t, k) pairs pass SEGMENT_PAIR_CAP a
+    9x its experts).  A round's call is split by rows where its (t, k) pairs pass SEGMENT_PAIR_CAP a
     position (the kernel's scratch).  The routed sum is taken round by round, not in routing order: the chunked
     forward's within rounding.
 
