@@ -73,3 +73,20 @@ def test_foreign_and_changed_entries_are_removed(tmp_path):
     assert compile_cache.heal(str(d)) == 4
     assert sorted(os.listdir(d)) == [compile_cache.INDEX, "c-cache"]
     assert compile_cache.heal(str(d)) == 0
+
+
+def test_state_dir_is_checked_like_the_caches(tmp_path):
+    """--state_dir (the usage histories that choose pinned experts) under a directory others may write is refused;
+    one of ours that others may write is made private."""
+    import glm_jax
+
+    parent = tmp_path / "open"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    with pytest.raises(GlmJaxError, match=r"--state_dir=.*writable by other users"):
+        glm_jax.Engine.load(cache_cap=2, state_dir=str(parent / "state"))
+    mine = tmp_path / "state"
+    mine.mkdir()
+    os.chmod(mine, 0o777)
+    glm_jax.Engine.load(cache_cap=2, state_dir=str(mine)).close()
+    assert stat.S_IMODE(os.stat(mine).st_mode) & 0o077 == 0

@@ -63,6 +63,7 @@ import functools
 import json
 import mmap
 import os
+import sys
 import threading
 import time
 from typing import Optional
@@ -71,6 +72,7 @@ import numpy as np
 
 from .. import fileio, paths
 from ..errors import GlmJaxError
+from ..kernels import dir_problem
 from ..kernels.formats import FLOAT_FORMATS, ExpertBank, with_kernel
 from ..memory import cache_slots, default_budget, evict_page_cache, huge_pages, move_pages, round_up_gb
 from ..model.config import ModelConfig
@@ -219,6 +221,28 @@ def _parse_usage(d, cfg: Optional[ModelConfig]) -> Optional[dict]:
     if any(c.ndim != 1 or not np.isfinite(c).all() or (c < 0).any() for c in out.values()):
         return None
     return out
+
+
+def _trusted_state_root(opt: str, label: str) -> Optional[str]:
+    """The state directory (usage histories: which experts get pinned), checked like the kernels' and the compile
+    cache's: one of ours others may write is made private; one others control (another owner, a parent others may
+    write without the sticky bit) is refused when named and unused (no history) when it is the default."""
+    root = paths.state_root(opt)
+    if root is None:
+        return None
+    try:
+        st = os.stat(root)
+        if st.st_uid == os.getuid() and st.st_mode & 0o022:
+            os.chmod(root, st.st_mode & 0o7755 & ~0o077)
+    except OSError:
+        pass
+    why = dir_problem(root)
+    if why is None:
+        return root
+    if opt:
+        raise StoreError(f"{label}={opt}: not used: {why} (other users could choose this run's pinned experts)")
+    print(f"glm-jax: note: keeping no usage history ({root}: {why})", file=sys.stderr, flush=True)
+    return None
 
 
 def load_usage(path: str, cfg: Optional[ModelConfig] = None, strict: bool = False, label: str = "") -> dict:
@@ -524,7 +548,12 @@ class ExpertStore:
         rec = {L: src.layout(L).record_len for L in layers}
         rec_sum = sum(rec.values())
         max_rec = max(rec.values())
-        usage_path = paths.usage_file(paths.state_root(state_dir), model_dir)
+        try:
+            usage_path = paths.usage_file(_trusted_state_root(state_dir, labels.get("state_dir") or "--state_dir"),
+                                          model_dir)
+        except StoreError:
+            src.close()
+            raise
         pins = {}
         if pin:
             plabel = labels.get("pin") or "--pin"
