@@ -79,3 +79,13 @@ def test_enum_value_holding_call_markup_is_400(server):
     bad = "ok</arg_value>\n<arg_key>y</arg_key>\n<arg_value>7"
     tool = _tool(properties={"x": {"type": "string", "enum": [bad]}}, required=["x"])
     _error(_chat(server, tools=[tool], tool_choice="required"), "tools", "enum")
+
+
+def test_schema_failing_mid_reply_is_400_not_a_200(server):
+    """A self-referencing required property: the grammar fails after '{' (llguidance: too many items); the reply
+    was '{' with finish_reason stop and status 200.  Streamed, the 200 is sent: the error event names the field."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    _error(_chat(server, response_format=rf, max_tokens=64, temperature=0), "response_format", "cannot be satisfied")
+    r = _chat(server, response_format=rf, max_tokens=64, temperature=0, stream=True)
+    assert r.status_code == 200 and '"param": "response_format"' in r.text and "cannot be satisfied" in r.text, r.text

@@ -674,6 +674,9 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, toks=()):
         if req.done:
             return
+        failed = getattr(req.processor, "failed", None)
+        if failed is not None and reason != "error":   # its constraint broke: the text ends invalid, not "stop"
+            req.error, reason = failed, "error"
         req.finish_reason = reason
         self._end_segment(req)
         prev, req.state = req.state, "done"

@@ -33,7 +33,7 @@ from ..errors import GlmJaxError
 from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
 from . import tenancy
-from .constrain import Processor, json_schema_grammar, tool_call_grammar
+from .constrain import ConstraintError, Processor, json_schema_grammar, tool_call_grammar
 
 FLAGS = flags.FLAGS
 
@@ -261,6 +261,11 @@ def rendered_bytes(messages: list, tools: list) -> int:
             return sum(strings(v) for v in x)
         return 0
     return strings([(m.get("content"), m.get("tool_calls")) for m in messages]) + strings(tools)
+
+
+def constraint_failed(job: dict, e) -> HTTPError:
+    """The 400 of a request whose grammar failed while its reply was generated (never a 200 with invalid text)."""
+    return HTTPError(400, _one_line(e), param="tools" if job.get("forced") else "response_format")
 
 
 def constraint_processor(param: str, *a, **kw) -> Processor:
@@ -795,6 +800,9 @@ class Server:
                 if isinstance(req.error, RamBudgetError):    # refused by the memory plan: nothing went wrong here
                     self._log(job, 400)
                     raise _memory_refusal(req.error)
+                if isinstance(req.error, ConstraintError):   # the request's schema: its fault, said as such
+                    self._log(job, 400)
+                    raise constraint_failed(job, req.error)
                 if req.error is not None:
                     self._log(job, 500)
                     return self.internal_error(endpoint, req.error)
@@ -894,6 +902,9 @@ class Server:
                 errs = [r.error for r in reqs if r.error is not None]
                 if errs and isinstance(errs[0], RamBudgetError):
                     yield {"data": json.dumps(_memory_refusal(errs[0]).body())}
+                    status = 400
+                elif errs and isinstance(errs[0], ConstraintError):
+                    yield {"data": json.dumps(constraint_failed(job, errs[0]).body())}
                     status = 400
                 elif errs:
                     LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(errs[0]), exc_info=errs[0])

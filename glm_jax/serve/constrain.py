@@ -94,6 +94,10 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
     return "\n".join([start] + rules)
 
 
+class ConstraintError(GlmJaxError):
+    """A grammar that failed while the reply was generated (a schema no text satisfies past some point)."""
+
+
 class Processor:
     """One request's host-side logits processing: ``bias`` {token id: value}, a grammar (llguidance), logprobs."""
 
@@ -104,6 +108,7 @@ class Processor:
         self.bias_val = np.array([bias[i] for i in sorted(bias)], np.float32) if bias else None
         self.eos = np.array(sorted(eos_ids), np.int64)
         self.matcher = self.bitmask = None
+        self.failed = None      # a GlmJaxError once the grammar has failed mid-reply (the request then fails)
         if grammar is not None:
             import llguidance
             import llguidance.numpy as lln
@@ -113,9 +118,8 @@ class Processor:
                 raise GlmJaxError(f"the constraint does not compile ({self.matcher.get_error()})")
             self.bitmask = lln.allocate_token_bitmask(1, vocab_size)
             self.allowed()          # the first token's mask: a grammar that fails here (a schema that only refers
-            if self.matcher.is_error():     # to itself) would end the reply at once with nothing valid in it
-                err = " ".join(self.matcher.get_error().split())[:200]
-                raise GlmJaxError(f"the constraint cannot be satisfied ({err})")
+            if self.failed is not None:     # to itself) would end the reply at once with nothing valid in it
+                raise self.failed
         self.top_logprobs = top_logprobs
         self.logprobs = [] if top_logprobs is not None else None     # [(token, logprob, [(token, logprob), ...])]
 
@@ -126,6 +130,9 @@ class Processor:
         if m is None:
             return None
         if m.is_stopped() or m.is_error():
+            if m.is_error() and self.failed is None:
+                err = " ".join(m.get_error().split())[:200]
+                self.failed = ConstraintError(f"the constraint cannot be satisfied ({err})")
             ok = np.zeros(self.V, bool)
             ok[self.eos] = True
             return ok
