@@ -88,18 +88,28 @@ def encode_rendered(tokenizer, text: str, guard: Guard) -> list:
     return ids
 
 
+TEMPLATE_FILE = "chat_template.jinja"   # where transformers 5 saves a tokenizer's template (GLM-4.6 / 4.7 hub repos)
+
+
 def load_template(model_dir: str) -> Optional[dict]:
-    """{"template": str, "tokens": {name: str}} from tokenizer_config.json, or None when it has no chat_template."""
+    """{"template": str, "tokens": {name: str}} from tokenizer_config.json, the template from chat_template.jinja
+    where that file exists (it wins over the config's, as in transformers), or None when neither has one."""
     path = os.path.join(model_dir, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return None
-    try:
-        cfg = fileio.read_json(path)
-    except OSError as e:
-        raise GlmJaxError(f"{path}: cannot read ({e.strerror or e})") from None
-    if not isinstance(cfg, dict):
-        raise GlmJaxError(f"{path}: expected a JSON object")
+    jinja = os.path.join(model_dir, TEMPLATE_FILE)
+    cfg = {}
+    if os.path.exists(path):
+        try:
+            cfg = fileio.read_json(path)
+        except OSError as e:
+            raise GlmJaxError(f"{path}: cannot read ({e.strerror or e})") from None
+        if not isinstance(cfg, dict):
+            raise GlmJaxError(f"{path}: expected a JSON object")
     t = cfg.get("chat_template")
+    if os.path.exists(jinja):
+        try:
+            t, path = fileio.read_bounded(jinja, fileio.JSON_MAX).decode("utf-8"), jinja
+        except (OSError, UnicodeDecodeError) as e:
+            raise GlmJaxError(f"{jinja}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     if t is None:
         return None
     if isinstance(t, list):      # [{"name": "default", "template": ...}, ...]
@@ -221,13 +231,22 @@ def tools_system_text(tools: list) -> str:
                                      for t in tools) + "\n</tools>"
 
 
-def format_tool_call(name: str, args: dict) -> str:
-    """One call in GLM's format (string values raw, others JSON)."""
+def format_tool_call(name: str, args: dict, compact: bool = False) -> str:
+    """One call in GLM's format (string values raw, others JSON): a line a part (GLM-4.5 / 4.6), or ``compact``
+    without the newlines (GLM-4.7 / 4.7-Flash)."""
     out = [f"{TOOL_CALL}{name}"]
     for k, v in args.items():
         out.append(f"<arg_key>{k}</arg_key>")
         out.append(f"<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>")
-    return "\n".join(out) + "\n" + TOOL_CALL_END
+    sep = "" if compact else "\n"
+    return sep.join(out) + sep + TOOL_CALL_END
+
+
+def compact_tool_calls(template: Optional[dict]) -> bool:
+    """Whether the checkpoint's template writes tool calls in GLM-4.7's compact form (``</arg_key><arg_value>``,
+    no newline between a call's parts; GLM-4.5 / 4.6 put each part on its own line): constrained decoding then
+    forces that form, the one the model was trained on."""
+    return template is not None and "</arg_key><arg_value>" in template["template"]
 
 
 def parse_tool_calls(text: str, tools: Optional[list] = None):

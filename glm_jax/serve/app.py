@@ -633,7 +633,8 @@ class Server:
                 grammar = json_schema_grammar(schema)
             elif choice == "required" or isinstance(choice, dict):
                 grammar = tool_call_grammar(tools, choice["name"] if isinstance(choice, dict) else None,
-                                            marker=self._marker, multiple=body.get("parallel_tool_calls") is not False)
+                                            marker=self._marker, multiple=body.get("parallel_tool_calls") is not False,
+                                            compact=C.compact_tool_calls(getattr(eng.tokenizer, "template", None)))
         except GlmJaxError as e:
             raise HTTPError(400, _one_line(e), param="response_format" if schema is not None else "tools") from None
         if grammar is not None and eng.tokenizer is None:

@@ -47,14 +47,18 @@ def _lit(s: str) -> str:
     return json.dumps(s)
 
 
-def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True) -> str:
+def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True,
+                      compact: bool = False) -> str:
     """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects): one call of the
     function ``name``, or (``name`` None) one call of any of them, or with ``multiple`` one or more.  Each call is
     ``<tool_call>NAME\\n`` then, per argument, ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``, then
     ``</tool_call>``: the required arguments in the schema's order, then the optional ones (each optional); a string
-    value is raw text (an ``enum``: one of its values), any other value JSON matching its schema.  ``marker(text)``
-    may map a marker to a special-token reference (``<[id]>``)."""
+    value is raw text (an ``enum``: one of its values), any other value JSON matching its schema.  ``compact``:
+    GLM-4.7's form, the same without those newlines (chat.compact_tool_calls).  ``marker(text)`` may map a marker
+    to a special-token reference (``<[id]>``)."""
     mk = marker or _lit
+    nl = "" if compact else "\n"
+    sep = "" if compact else " " + _lit(nl)           # Lark has no empty literal: the newline term left out
     rules, calls = [], []
     for k, t in enumerate(tools):
         f = t["function"]
@@ -68,7 +72,7 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
                               f"list of names")
         req = [p for p in req if p in props]
         opt = [p for p in props if p not in req]
-        parts = [f'{mk("<tool_call>")} {_lit(f["name"] + chr(10))}']
+        parts = [f'{mk("<tool_call>")} {_lit(f["name"] + nl)}']
         for j, p in enumerate(req + opt):
             sch = props[p] if isinstance(props[p], dict) else {}
             if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
@@ -81,8 +85,8 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
                 val = f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) and n >= 0 else "/[^<]*/"
             else:
                 val = "%json " + json.dumps(sch or {})
-            arg = f'{mk("<arg_key>")} {_lit(p)} {mk("</arg_key>")} "\\n" {mk("<arg_value>")} {val} ' \
-                  f'{mk("</arg_value>")} "\\n"'
+            arg = f'{mk("<arg_key>")} {_lit(p)} {mk("</arg_key>")}{sep} {mk("<arg_value>")} {val} ' \
+                  f'{mk("</arg_value>")}{sep}'
             parts.append(f"({arg})" + ("" if j < len(req) else "?"))
         parts.append(mk("</tool_call>"))
         rules.append(f"call_{k}: " + " ".join(parts))
