@@ -160,6 +160,26 @@ def _prompt_problem(text: str) -> str | None:
         return f"not valid UTF-8 ({what} at position {e.start}); pass UTF-8 text, or token ids with --prompt_ids"
 
 
+def _prompt_arg():
+    """--prompt (text) or --prompt_ids (a list of ids), checked."""
+    if FLAGS.prompt_ids or FLAGS["prompt_ids"].present:
+        if FLAGS["prompt"].present:
+            raise GlmJaxError("flags --prompt and --prompt_ids: give one of them, not both")
+        try:
+            prompt = [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got "
+                              f"{O.one_line(FLAGS.prompt_ids)[:80]!r}")
+        if not prompt:
+            raise GlmJaxError("flag --prompt_ids: no token ids given (expected comma-separated integers)")
+        return prompt
+    prompt = _locale_text(FLAGS.prompt)
+    why = _prompt_problem(prompt)
+    if why:
+        raise GlmJaxError(f"flag --prompt: {why}")
+    return prompt
+
+
 def main(argv):
     from absl import logging
 
@@ -177,21 +197,7 @@ def main(argv):
         opts = O.from_flags()
         if FLAGS.output_json:      # before the generation, so that its result is never lost at the end
             O.check_writable(FLAGS.output_json, "--output_json")
-        if FLAGS.prompt_ids or FLAGS["prompt_ids"].present:
-            if FLAGS["prompt"].present:
-                raise GlmJaxError("flags --prompt and --prompt_ids: give one of them, not both")
-            try:
-                prompt = [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
-            except ValueError:
-                raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got "
-                                  f"{O.one_line(FLAGS.prompt_ids)[:80]!r}")
-            if not prompt:
-                raise GlmJaxError("flag --prompt_ids: no token ids given (expected comma-separated integers)")
-        else:
-            prompt = _locale_text(FLAGS.prompt)
-            why = _prompt_problem(prompt)
-            if why:
-                raise GlmJaxError(f"flag --prompt: {why}")
+        prompt = _prompt_arg()
         # one seed rule for glm-jax and glm-jax-serve: no --seed -> a fresh random seed (printed with the stats
         # when sampling, and in --output_json), --seed=N -> reproducible
         seed = FLAGS.seed if FLAGS.seed is not None else secrets.randbits(63)

@@ -223,7 +223,7 @@ def _parse_usage(d, cfg: Optional[ModelConfig]) -> Optional[dict]:
     return out
 
 
-def _trusted_state_root(opt: str, label: str) -> Optional[str]:
+def _trusted_state_root(opt: str, labels: dict, src) -> Optional[str]:
     """The state directory (usage histories: which experts get pinned), checked like the kernels' and the compile
     cache's: one of ours others may write is made private; one others control (another owner, a parent others may
     write without the sticky bit) is refused when named and unused (no history) when it is the default."""
@@ -240,7 +240,9 @@ def _trusted_state_root(opt: str, label: str) -> Optional[str]:
     if why is None:
         return root
     if opt:
-        raise StoreError(f"{label}={opt}: not used: {why} (other users could choose this run's pinned experts)")
+        src.close()
+        raise StoreError(f"{labels.get('state_dir') or '--state_dir'}={opt}: not used: {why} (other users could "
+                         f"choose this run's pinned experts)")
     print(f"glm-jax: note: keeping no usage history ({root}: {why})", file=sys.stderr, flush=True)
     return None
 
@@ -548,12 +550,7 @@ class ExpertStore:
         rec = {L: src.layout(L).record_len for L in layers}
         rec_sum = sum(rec.values())
         max_rec = max(rec.values())
-        try:
-            usage_path = paths.usage_file(_trusted_state_root(state_dir, labels.get("state_dir") or "--state_dir"),
-                                          model_dir)
-        except StoreError:
-            src.close()
-            raise
+        usage_path = paths.usage_file(_trusted_state_root(state_dir, labels, src), model_dir)
         pins = {}
         if pin:
             plabel = labels.get("pin") or "--pin"

@@ -263,9 +263,12 @@ def rendered_bytes(messages: list, tools: list) -> int:
     return strings([(m.get("content"), m.get("tool_calls")) for m in messages]) + strings(tools)
 
 
-def constraint_failed(job: dict, e) -> HTTPError:
-    """The 400 of a request whose grammar failed while its reply was generated (never a 200 with invalid text)."""
-    return HTTPError(400, _one_line(e), param="tools" if job.get("forced") else "response_format")
+def request_refusal(job: dict, e) -> HTTPError:
+    """The 400 of a request the memory plan refused (nothing went wrong here), or whose grammar failed while its
+    reply was generated (never a 200 with invalid text: the field it came from)."""
+    if isinstance(e, ConstraintError):
+        return HTTPError(400, _one_line(e), param="tools" if job.get("forced") else "response_format")
+    return _memory_refusal(e)
 
 
 def constraint_processor(param: str, *a, **kw) -> Processor:
@@ -445,9 +448,9 @@ class Server:
             return h
 
         async def health(request):
-            body = {"status": "draining" if server.draining else "ok",
-                    "running": server.sched.running, "waiting": server.sched.waiting}
-            return JSONResponse(*store_health(server.engine, body))
+            return JSONResponse(*store_health(server.engine, {"status": "draining" if server.draining else "ok",
+                                                              "running": server.sched.running,
+                                                              "waiting": server.sched.waiting}))
 
         async def models(request):
             server.m_requests.labels("models", "200").inc()
@@ -798,12 +801,9 @@ class Server:
                 raise
             self._observe(job)
             for req in reqs:
-                if isinstance(req.error, RamBudgetError):    # refused by the memory plan: nothing went wrong here
+                if isinstance(req.error, (RamBudgetError, ConstraintError)):   # the memory plan's / the schema's
                     self._log(job, 400)
-                    raise _memory_refusal(req.error)
-                if isinstance(req.error, ConstraintError):   # the request's schema: its fault, said as such
-                    self._log(job, 400)
-                    raise constraint_failed(job, req.error)
+                    raise request_refusal(job, req.error)
                 if req.error is not None:
                     self._log(job, 500)
                     return self.internal_error(endpoint, req.error)
@@ -901,11 +901,8 @@ class Server:
                                                                      "function": c["function"]}])}
                         yield {"data": chunk(i, None if chat else "", reason=self._finish_reason(job, req, calls))}
                 errs = [r.error for r in reqs if r.error is not None]
-                if errs and isinstance(errs[0], RamBudgetError):
-                    yield {"data": json.dumps(_memory_refusal(errs[0]).body())}
-                    status = 400
-                elif errs and isinstance(errs[0], ConstraintError):
-                    yield {"data": json.dumps(constraint_failed(job, errs[0]).body())}
+                if errs and isinstance(errs[0], (RamBudgetError, ConstraintError)):
+                    yield {"data": json.dumps(request_refusal(job, errs[0]).body())}
                     status = 400
                 elif errs:
                     LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(errs[0]), exc_info=errs[0])
