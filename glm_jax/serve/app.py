@@ -257,10 +257,9 @@ def constraint_arg(body: dict, tools, choice, marker, compact: bool = False):
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise HTTPError(400, "'parallel_tool_calls': expected a boolean", param="parallel_tool_calls")
     forced = choice == "required" or isinstance(choice, dict)
-    if schema is not None:
-        if forced:
-            raise HTTPError(400, "'response_format': cannot be combined with 'tool_choice' required or a named "
-                                 "function", param="response_format")
+    # a forced tool choice wins over a response format (its shape still checked above): that turn is the call(s)
+    # and has no text for the format to shape (agent libraries send both on an agent's first turn)
+    if schema is not None and not forced:
         g = _Grammar(lambda b: json_schema_grammar(schema, b, strict), "response_format")
     elif forced:
         name = choice["name"] if isinstance(choice, dict) else None
