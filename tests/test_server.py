@@ -395,6 +395,23 @@ def test_a_forced_tool_choice_beside_a_response_format_calls_the_tool(client):
     assert call.function.name == "time" and isinstance(json.loads(call.function.arguments)["utc"], bool)
 
 
+def test_tool_choice_auto_beside_a_response_format_can_still_call(client):
+    """tools (auto) and a json_schema format, as an agent with a structured output type sends them: the reply is a
+    call or the JSON (before: the JSON grammar alone, a call could never start).  A bias toward "<" (the
+    call's first token in the shipped vocabulary) takes the call branch; without it, the greedy reply is JSON."""
+    import json
+
+    rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    kw = dict(model="glm-jax-default", messages=USER, max_tokens=60, temperature=0, tools=[CLOCK],
+              response_format=rf)
+    ch = client.chat.completions.create(logit_bias={"33": 100}, **kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and not ch.message.content, ch
+    assert [c.function.name for c in ch.message.tool_calls][0] == "time"
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.message.tool_calls or isinstance(json.loads(ch.message.content)["ok"], bool)
+
+
 def test_pydantic_style_schemas_and_json_object_close(client):
     """Structured output with a schema as pydantic writes it (no additionalProperties) and json_object: JSON that
     parses, within max_tokens (before: an extra key whose string never ended; 0 of 5 json_object replies parsed)."""

@@ -34,7 +34,7 @@ from ..errors import GlmJaxError
 from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
 from . import replies, responses
-from .constrain import Processor, json_schema_grammar, tool_call_grammar
+from .constrain import Processor, calls_or_json_grammar, json_schema_grammar, tool_call_grammar
 from .http import HTTPError, memory_refusal
 
 FLAGS = flags.FLAGS
@@ -259,11 +259,14 @@ def constraint_arg(body: dict, tools, choice, marker, compact: bool = False):
     forced = choice == "required" or isinstance(choice, dict)
     # a forced tool choice wins over a response format (its shape still checked above): that turn is the call(s)
     # and has no text for the format to shape (agent libraries send both on an agent's first turn)
-    if schema is not None and not forced:
+    multiple = body.get("parallel_tool_calls") is not False
+    if schema is not None and not forced and choice == "auto":       # an agent's turn: call its tools or answer
+        g = _Grammar(lambda b: calls_or_json_grammar(tools, schema, strict, marker, multiple, b, compact),
+                     "response_format")
+    elif schema is not None and not forced:
         g = _Grammar(lambda b: json_schema_grammar(schema, b, strict), "response_format")
     elif forced:
         name = choice["name"] if isinstance(choice, dict) else None
-        multiple = body.get("parallel_tool_calls") is not False
         g = _Grammar(lambda b: tool_call_grammar(tools, name, marker=marker, multiple=multiple, budget=b,
                                                  compact=compact), "tools")
     else:
