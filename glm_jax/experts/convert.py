@@ -39,6 +39,7 @@ from ..fileio import LockBusy, directory_lock, exclusive_lock
 from ..kernels import formats as quant
 from ..model.config import load_config
 from ..options import one_line
+from .glm5_next_weights import TextTensors
 from .container import (
     ALIGN,
     CONVERT_MARKER,
@@ -220,7 +221,8 @@ def _dense_kind(key: str, shape: tuple, dtype: str, dense_format: str, tied: boo
         return "keep"
     last = key.split(".")[-2] if key.count(".") else key
     router = key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias")
-    if router or "norm" in last or key.endswith(".bias") or len(shape) < 2:
+    # glm5_next's short convolutions: f32 as transformers keeps them (_keep_in_fp32_modules_strict)
+    if router or "norm" in last or key.endswith(".bias") or len(shape) < 2 or "conv1d" in last:
         return "f32"
     if dense_format in ("int8", "int4_g64") and len(shape) == 2 and key.endswith(".weight"):
         head = (key == "lm_head.weight" or key.endswith("shared_head.head.weight")
@@ -438,10 +440,9 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
                            f"it runs as it is (glm-jax --model={src}), and glm-jax-convert --verify --dst={src} "
                            f"checks it")
     cfg = load_config(src)
-    if cfg.model_type == "glm5_next":       # its KDA / hyper-connection layers have no streamed path yet
-        raise ConvertError(f"--src={src}: glm5_next (GLM-5.3) checkpoints are not converted yet; they run from the "
-                           f"checkpoint itself (glm-jax --model={src}, every weight resident)")
     st = SafeTensorsDir(src)
+    if cfg.model_type == "glm5_next":       # its text part under the flat names; the vision tower is not converted
+        st = TextTensors(st)
     try:
         fp = source_fingerprint(st, src)
         if os.path.exists(dst) and not os.path.isdir(dst):
