@@ -93,7 +93,7 @@ def _compile(template: str, where: str):
 
 
 def check_messages(messages, where: str = "messages") -> list:
-    """A list of {"role": system|user|assistant|tool, "content": str} (content parts of type text are joined); an
+    """A list of {"role": system|developer|user|assistant|tool, "content": str} (developer: a system turn) (content parts of type text are joined); an
     assistant message may carry OpenAI ``tool_calls`` (kept with their arguments parsed into objects, as chat
     templates read them), a tool message its ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
@@ -103,8 +103,11 @@ def check_messages(messages, where: str = "messages") -> list:
         if not isinstance(m, dict):
             raise GlmJaxError(f"{where}[{i}]: expected an object with role and content")
         role = m.get("role")
+        if role == "developer":          # OpenAI's newer name for the system turn
+            role = "system"
         if role not in ROLES + ("tool",):
-            raise GlmJaxError(f"{where}[{i}].role: expected one of system, user, assistant, tool, got {role!r}")
+            raise GlmJaxError(f"{where}[{i}].role: expected one of system, developer, user, assistant, tool, got "
+                              f"{role!r}")
         c = m.get("content", "")
         if c is None:
             c = ""
@@ -178,35 +181,6 @@ def compact_tool_calls(template: Optional[dict]) -> bool:
     no newline between a call's parts; GLM-4.5 / 4.6 put each part on its own line): constrained decoding then
     forces that form, the one the model was trained on."""
     return template is not None and "</arg_key><arg_value>" in template["template"]
-
-
-def parse_tool_calls(text: str, tools: Optional[list] = None):
-    """GLM-format tool calls in generated text -> (the text outside them, [{"name", "arguments": JSON text}]).
-    A value is JSON when it parses as JSON and its parameter is not declared a string, else the raw text."""
-    import re
-
-    types = {}
-    for t in tools or []:
-        props = ((t.get("function") or {}).get("parameters") or {}).get("properties") or {}
-        types[t["function"]["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
-    calls, rest, pos = [], [], 0
-    for m in re.finditer(re.escape(TOOL_CALL) + r"(.*?)" + re.escape(TOOL_CALL_END), text, re.S):
-        rest.append(text[pos:m.start()])
-        pos = m.end()
-        body = m.group(1)
-        name = body.split("<arg_key>", 1)[0].strip()
-        args = {}
-        for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S):
-            k = k.strip()
-            if types.get(name, {}).get(k) != "string":
-                try:
-                    v = json.loads(v)
-                except ValueError:
-                    pass
-            args[k] = v
-        calls.append({"name": name, "arguments": json.dumps(args, ensure_ascii=False)})
-    rest.append(text[pos:])
-    return "".join(rest).strip() if calls else text, calls
 
 
 def _template_renders_tools(template: dict) -> bool:

@@ -210,6 +210,7 @@ def test_chat_template_jinja_wins_and_glm47_tool_calls_parse(tmp_path):
     """transformers 5 saves a tokenizer's template as chat_template.jinja (GLM-4.7-Flash's hub repo ships one): it is
     read, and wins over tokenizer_config.json's; GLM-4.7's compact call format (no newlines) parses."""
     from glm_jax import chat as C
+    from glm_jax.serve.toolcalls import parse
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old", "eos_token": "<|user|>"}))
     (tmp_path / "chat_template.jinja").write_text(GLM47_STYLE)
@@ -220,10 +221,11 @@ def test_chat_template_jinja_wins_and_glm47_tool_calls_parse(tmp_path):
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
     text = C.render(t, [{"role": "user", "content": "Paris?"}], tools=[tool])
     assert text.startswith("[gMASK]<sop><|system|>") and '"get_weather"' in text and text.endswith("<think></think>")
-    content, calls = C.parse_tool_calls(
+    content, calls, _ = parse(
         "ok<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
         "<arg_value>3</arg_value></tool_call>", [tool])
-    assert content == "ok" and calls == [{"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}]
+    assert content == "ok" and [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}]
     (tmp_path / "tokenizer_config.json").unlink()                  # the file alone is enough
     assert C.load_template(str(tmp_path))["template"] == GLM47_STYLE
     (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{")
@@ -239,6 +241,7 @@ def test_constrained_tool_calls_follow_the_templates_form():
 
     from glm_jax import chat as C
     from glm_jax.serve.constrain import ll_tokenizer, tool_call_grammar
+    from glm_jax.serve.toolcalls import parse
     from glm_jax.engine import Tokenizer
 
     assert C.compact_tool_calls({"template": GLM47_STYLE}) and not C.compact_tool_calls(None)
@@ -255,7 +258,7 @@ def test_constrained_tool_calls_follow_the_templates_form():
         g = tool_call_grammar([tool], "f", compact=compact)
         assert accepts(g, C.format_tool_call("f", args, compact=compact))
         assert not accepts(g, C.format_tool_call("f", args, compact=not compact))
-        assert C.parse_tool_calls(C.format_tool_call("f", args, compact=compact), [tool])[1] == [
+        assert [c["function"] for c in parse(C.format_tool_call("f", args, compact=compact), [tool])[1]] == [
             {"name": "f", "arguments": json.dumps(args)}]
 
 
