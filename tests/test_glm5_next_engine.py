@@ -1,6 +1,7 @@
 """glm5_next through the Engine (resident experts, the one-jit step, the scheduler): transformers' greedy tokens,
 rows reused by later requests (a KDA state starts afresh at position 0), what is refused, the cache's bytes."""
 
+import json
 import os
 
 import jax
@@ -140,3 +141,63 @@ def test_unsupported_options_are_one_line_errors(opt, msg):
         glm_jax.Engine.load(FIX, **opt)
     assert "\n" not in str(e.value) and "glm5_next" in str(e.value)
     jax.clear_caches()
+
+
+def _wide_checkpoint(d: str, E: int = 288, K: int = 8) -> dict:
+    """The golden checkpoint with E routed experts top-K in every MoE layer (GLM-5.3-Flash's count; random experts
+    and router rows in the fused layout save_pretrained writes): returns the fused expert tensors by key."""
+    from safetensors.numpy import load_file, save_file
+    os.makedirs(d)
+    t = load_file(os.path.join(FIX, "model.safetensors"))
+    with open(os.path.join(FIX, "config.json")) as f:
+        cfg = json.load(f)
+    tc = cfg["text_config"]
+    H, I = tc["hidden_size"], tc["moe_intermediate_size"]
+    rng = np.random.default_rng(7)
+    experts = {}
+    for L in (1, 2, 3):
+        p = f"model.language_model.layers.{L}.mlp."
+        for k in [k for k in t if k.startswith(p + "experts.")]:
+            del t[k]
+        experts[p + "experts.gate_up_proj"] = (rng.normal(size=(E, 2 * I, H)) / np.sqrt(H)).astype(np.float32)
+        experts[p + "experts.down_proj"] = (rng.normal(size=(E, H, I)) / np.sqrt(I)).astype(np.float32)
+        t[p + "gate.weight"] = rng.normal(size=(E, H)).astype(np.float32)
+        t[p + "gate.e_score_correction_bias"] = (0.1 * rng.normal(size=(E,))).astype(np.float32)
+    save_file(dict(t, **experts), os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    tc.update(n_routed_experts=E, num_experts_per_tok=K)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return experts
+
+
+def test_convert_writes_288_expert_layers_that_run_resident(tmp_path, exp):
+    """GLM-5.3-Flash's 288 experts a MoE layer (top-8; tiny widths, fused expert tensors): every layer's record file
+    holds all 288, each record the int4_g64 quantization of its source expert (within half a step), and the
+    container runs as the checkpoint does with the same expert format."""
+    from glm_jax.experts.container import open_container
+    from glm_jax.experts.convert import convert
+    from glm_jax.kernels import formats as quant
+    src, dst = str(tmp_path / "hf"), str(tmp_path / "c")
+    experts = _wide_checkpoint(src)
+    man = convert(src, dst, expert_format="int4_g64", dense_format="f32", progress=False)
+    assert {L: v["num_experts"] for L, v in man["layers"].items()} == {"1": 288, "2": 288, "3": 288}
+    c = open_container(dst)
+    try:
+        for L in (1, 2, 3):
+            for e in (0, 141, 287):
+                r = c.load_expert(L, e)
+                for name, part in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+                    w = experts[f"model.language_model.layers.{L}.mlp.experts.{part}"][e]
+                    got = quant.dequantize(r[name], r[name + "_scale"], "int4_g64")
+                    amax = np.abs(w).max(-1, keepdims=True)       # rows of 32 / 16: one group each
+                    assert (np.abs(got - w) <= amax / 7 * (1 + 2.0 ** -10) / 2 + 1e-6).all(), (L, e, name)
+    finally:
+        c.close()
+    engines = [glm_jax.Engine.load(d, dtype="float32", kv_cache_dtype="float32", **kw)
+               for d, kw in ((dst, {}), (src, {"expert_format": "int4_g64"}))]
+    try:
+        got, hf = (np.asarray(e.logits(exp["input_ids"][0].tolist())) for e in engines)
+        assert np.isfinite(got).all() and np.array_equal(got, hf)
+    finally:
+        for e in engines:
+            e.close()

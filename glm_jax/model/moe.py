@@ -63,10 +63,9 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
 def swiglu(h, limit: Optional[float] = None):
     """h [..., 2I] (gate | up) -> silu(gate) * up, with the clamp where ``limit`` is set."""
     I = h.shape[-1] // 2
-    gate, up = h[..., :I], h[..., I:]
-    if limit is not None:
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
+    if limit is None:           # traced in the order the unclamped seam always has: its programs stay as they were
+        return jax.nn.silu(h[..., :I]) * h[..., I:]
+    return jax.nn.silu(jnp.minimum(h[..., :I], limit)) * jnp.clip(h[..., I:], -limit, limit)
 
 def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None, limit: Optional[float] = None):
     """The gather path's per-(t, k) expert outputs y [T, K, H] f32 (unweighted; invalid entries read slot 0 and
