@@ -163,6 +163,9 @@ def _wide_checkpoint(d: str, E: int = 288, K: int = 8) -> dict:
         experts[p + "experts.down_proj"] = (rng.normal(size=(E, H, I)) / np.sqrt(I)).astype(np.float32)
         t[p + "gate.weight"] = rng.normal(size=(E, H)).astype(np.float32)
         t[p + "gate.e_score_correction_bias"] = (0.1 * rng.normal(size=(E,))).astype(np.float32)
+    mtp = "model.language_model.layers.4."          # an MTP layer past num_hidden_layers, as hub checkpoints carry
+    t[mtp + "eh_proj.weight"] = np.zeros((H, 2 * H), np.float32)
+    t[mtp + "mlp.experts.gate_up_proj"] = np.zeros((E, 2 * I, H), np.float32)
     save_file(dict(t, **experts), os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     tc.update(n_routed_experts=E, num_experts_per_tok=K)
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -174,13 +177,16 @@ def test_convert_writes_288_expert_layers_that_run_resident(tmp_path, exp):
     """GLM-5.3-Flash's 288 experts a MoE layer (top-8; tiny widths, fused expert tensors): every layer's record file
     holds all 288, each record the int4_g64 quantization of its source expert (within half a step), and the
     container runs as the checkpoint does with the same expert format."""
-    from glm_jax.experts.container import open_container
+    from glm_jax.experts.container import SafeTensorsDir, open_container
     from glm_jax.experts.convert import convert
     from glm_jax.kernels import formats as quant
     src, dst = str(tmp_path / "hf"), str(tmp_path / "c")
     experts = _wide_checkpoint(src)
     man = convert(src, dst, expert_format="int4_g64", dense_format="f32", progress=False)
     assert {L: v["num_experts"] for L, v in man["layers"].items()} == {"1": 288, "2": 288, "3": 288}
+    st = SafeTensorsDir(dst)
+    assert not any(k.startswith("model.layers.4.") for k in st.keys())
+    st.close()
     c = open_container(dst)
     try:
         for L in (1, 2, 3):

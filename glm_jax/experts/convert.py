@@ -442,7 +442,7 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
     cfg = load_config(src)
     st = SafeTensorsDir(src)
     if cfg.model_type == "glm5_next":       # its text part under the flat names; the vision tower is not converted
-        st = TextTensors(st)
+        st = TextTensors(st, cfg)
     try:
         fp = source_fingerprint(st, src)
         if os.path.exists(dst) and not os.path.isdir(dst):

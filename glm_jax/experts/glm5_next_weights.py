@@ -140,13 +140,17 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
 
 class TextTensors:
     """A SafeTensorsDir seen as a flat text-only checkpoint: ``model.X`` reads ``<prefix>X`` (``text_prefix``), the
-    top-level ``lm_head.weight`` as it is; the vision tower's tensors are not listed (what glm-jax-convert reads)."""
+    top-level ``lm_head.weight`` as it is; the vision tower's tensors and those of layers past ``num_hidden_layers``
+    (the MTP layer hub checkpoints carry, which transformers skips on load) are not listed (what glm-jax-convert
+    reads)."""
 
-    def __init__(self, st: SafeTensorsDir):
+    def __init__(self, st: SafeTensorsDir, cfg: ModelConfig):
         self.st, self.path = st, st.path
         prefix = text_prefix(st)
-        self._names = {("model." + k[len(prefix):] if k.startswith(prefix) else k): k
-                       for k in st.keys() if k.startswith(prefix) or not k.startswith("model.")}
+        past = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + 8))
+        names = {("model." + k[len(prefix):] if k.startswith(prefix) else k): k
+                 for k in st.keys() if k.startswith(prefix) or not k.startswith("model.")}
+        self._names = {n: k for n, k in names.items() if not n.startswith(past)}
         self.tensors = {n: st.tensors[k] for n, k in self._names.items()}
 
     def keys(self):
