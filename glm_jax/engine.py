@@ -13,6 +13,9 @@ import functools
 import math
 import numbers
 import os
+import stat
+import sys
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -22,7 +25,7 @@ import numpy as np
 import glm_jax_plugins as P
 from glm_jax_plugins import contract
 
-from . import chat, compile_cache, kernels, paths
+from . import chat, compile_cache, fileio, kernels, paths
 from . import fit as F
 from . import memory as MEM
 from . import model as M
@@ -70,13 +73,27 @@ class Tokenizer:
 
         self.path = path
         try:
-            self.tok = HFTok.from_file(path)
+            self.tok = HFTok.from_str(fileio.read_bounded(path, fileio.TOKENIZER_MAX).decode("utf-8"))
         except Exception as e:
             raise GlmJaxError(f"{path}: cannot load tokenizer ({e})") from None
         self.template = chat.load_template(os.path.dirname(path))
+        self._lock = threading.Lock()        # encode_special_tokens is the tokenizer's state: toggled under it
+        self.special_tokens = {t.content: (i, t.lstrip, t.rstrip)
+                               for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """Text -> ids, special-token texts parsed as the special tokens (a raw prompt is the caller's own)."""
+        with self._lock:
+            return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list:
+        """Text -> ids with special-token parsing off: ``<|system|>`` is its characters' tokens (a client's text)."""
+        with self._lock:
+            self.tok.encode_special_tokens = True
+            try:
+                return self.tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self.tok.encode_special_tokens = False
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
@@ -94,6 +111,7 @@ class Tokenizer:
         return chat.chat_ids(self, self.template, msgs)
 
 
+VERIFY_READS = {"first": "first", "always": "always", "off": "none"}     # --verify_reads -> the container's mode
 SEGMENT_MAX = 2048     # a long prompt's prefill segment (segment_tokens; llama.cpp's default -b)
 
 
@@ -200,12 +218,13 @@ class Engine(Runner):
         else:
             src = None
             fitted = None
+            verify = VERIFY_READS[opts["verify_reads"]]
             try:
                 if container:     # manifest, config and sizes checked at open; the dense file's crc before use
-                    src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
+                    src = C.open_container(path, cfg, verify=verify, direct_io=opts["direct_io"])
                     C.verify_dense(path, src.manifest)
                 if plan is None:  # what fits, from headers and the manifest: refused here, before any weights
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
+                    src = src if src is not None else C.open_expert_source(path, cfg, verify=verify)
                     fitted = fit_memory(path, cfg, opts, src, dtype, kv_dtype, dense_kernel, pack)
                     if not fitted.all_fit:
                         # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
@@ -213,7 +232,7 @@ class Engine(Runner):
                         MEM.compact_heap()
                     if container and fitted.direct_io != src.direct_io:
                         src.close()
-                        src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)
+                        src = C.open_container(path, cfg, verify=verify, direct_io=fitted.direct_io)
                     opts["direct_io"] = fitted.direct_io
                     opts["dense_format"] = fitted.dense_format
                     if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
@@ -230,7 +249,7 @@ class Engine(Runner):
                     jax.clear_caches()
                 MEM.trim()
                 if plan is not None:
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first",
+                    src = src if src is not None else C.open_expert_source(path, cfg, verify=verify,
                                                                            direct_io=opts["direct_io"])
                 cap = opts["cache_cap"] or None
                 if plan is not None and cap:           # --cache_cap: per layer, split over the expert shards
@@ -354,6 +373,9 @@ class Engine(Runner):
         for s in seqs:
             if not s:
                 raise GlmJaxError("logits: empty token sequence")
+            if len(s) > self.context_limit:
+                raise GlmJaxError(f"logits: the sequence is {len(s)} tokens but the context limit is "
+                                  f"{self.context_limit} tokens")
         B = len(seqs)
         T = _bucket(max(len(s) for s in seqs))
         self._route_acc = {}
@@ -765,12 +787,11 @@ def _check_mesh_options(opts, plan, fetch: str):
 
 def declared_dtype(path: str) -> str:
     """The checkpoint's declared dtype (config.json ``dtype`` / ``torch_dtype``), "" if none."""
-    import json
-
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            c = json.load(f)
-    except (OSError, ValueError):
+        c = fileio.read_json(os.path.join(path, "config.json"))
+    except OSError:
+        return ""
+    if not isinstance(c, dict):
         return ""
     d = c.get("dtype") or c.get("torch_dtype") or ""
     return d if isinstance(d, str) else ""
@@ -884,6 +905,28 @@ _COMPILE_CACHE = [None]      # the persistent-cache directory this process set (
 _HEALED: set = set()
 
 
+def _trusted_cache_dir(d: str, opt: str, label: str) -> Optional[str]:
+    """The compilation cache's entries are native code this process loads: the directory must be this user's, like
+    the kernels' (kernels.dir_problem: owner and no group / world write, up to the root); one of ours that others
+    may write is made private (and said so).  Otherwise an explicit one is an error and the default one unused."""
+    try:
+        st = os.stat(d)
+        if st.st_uid == os.getuid() and st.st_mode & 0o022:
+            os.chmod(d, stat.S_IMODE(st.st_mode) & ~0o077)
+            print(f"glm-jax: note: {label} {d} was writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                  f"made it mode {stat.S_IMODE(st.st_mode) & ~0o077:o}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    why = kernels.dir_problem(d)
+    if why is None:
+        return d
+    if opt:
+        raise GlmJaxError(f"{label}={opt}: not used as the compilation cache: {why} (its entries are code this "
+                          f"process would run)")
+    print(f"glm-jax: note: running without the compilation cache {d} ({why})", file=sys.stderr, flush=True)
+    return None
+
+
 def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
     """Point JAX's persistent compilation cache at the per-user cache dir (``paths.cache_root``), another directory,
     or nowhere ('off').  Every program is cached (min compile time 0), so a second start compiles nothing.  An
@@ -898,6 +941,8 @@ def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
             if opt:
                 raise GlmJaxError(f"{label}={opt}: cannot use it as the compilation cache ({e.strerror or e})") from None
             d = None
+    if d is not None:
+        d = _trusted_cache_dir(d, opt, label)
     cur = jax.config.jax_compilation_cache_dir
     if d is not None and d not in _HEALED:      # unreadable entries removed, once per directory and process
         _HEALED.add(d)

@@ -215,7 +215,9 @@ def test_non_ascii_bearer_keys(server, monkeypatch):
         return int(head.split()[1]), rest
     status, rest = send("clé".encode())
     assert status == 401 and json.loads(rest)["error"]["code"] == "invalid_api_key"
-    monkeypatch.setattr(server, "api_key", "clé-ü".encode("utf-8"))
+    from glm_jax.serve.tenancy import Keys
+
+    monkeypatch.setattr(server, "keys", Keys("clé-ü"))
     assert send("clé-ü".encode())[0] == 200
     assert send("cle-u".encode())[0] == 401
     assert send("clé-ü".encode("latin-1"))[0] == 401

@@ -34,11 +34,14 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 from ..fileio import LockBusy, directory_lock, exclusive_lock
 from ..kernels import formats as quant
 from ..model.config import load_config
 from ..options import one_line
+from . import weights as W
+from . import glm5_next_weights as G5W
 from .glm5_next_weights import TextTensors
 from .container import (
     ALIGN,
@@ -131,17 +134,15 @@ def _atomic_json(path: str, obj):
 
 def _load_json(path: str) -> Optional[dict]:
     try:
-        with open(path, "rb") as f:
-            d = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        d = fileio.read_json(path)
+    except OSError:
         return None
     return d if isinstance(d, dict) else None
 
 
 def source_fingerprint(st: SafeTensorsDir, src: str) -> str:
     h = hashlib.sha256()
-    with open(os.path.join(src, "config.json"), "rb") as f:
-        h.update(f.read())
+    h.update(fileio.read_bounded(os.path.join(src, "config.json"), fileio.JSON_MAX))
     for k in sorted(st.tensors):
         t = st.tensors[k]
         h.update(f"{k}|{t.dtype}|{t.shape}|{t.nbytes}\n".encode())
@@ -186,7 +187,10 @@ def _convert_layer(hf: HFExperts, dst: str, L: int, lay: RecordLayout, E: int, w
         with open(tmp, "wb") as f:
             for e in range(E):
                 g, u, d = hf.get(L, e)
-                buf, crc = lay.encode(g, u, d)
+                try:
+                    buf, crc = lay.encode(g, u, d)
+                except quant.FormatError as err:        # (the int4 scales' range): which tensor
+                    raise ConvertError(f"{hf.describe(L, e)}: {err}") from None
                 f.write(buf)
                 crcs.append(crc)
                 prog.update(1, f"layer {L}")
@@ -317,6 +321,19 @@ def safetensors_size(plan: list, metadata: dict) -> int:
                                                         for _, dt, sh, _ in plan)
 
 
+def check_dense_shapes(st: SafeTensorsDir, cfg) -> None:
+    """Every dense tensor the engine loads is in the source with the shape config.json implies (a transposed
+    k_proj, an embedding larger than vocab_size: converted and --verify'd OK before, then refused by the engine)."""
+    shapes = G5W.dense_shapes if cfg.model_type == "glm5_next" else W.dense_shapes     # each family's key map
+    for k, shape in shapes(cfg, st.__contains__).items():
+        if k not in st:
+            raise ConvertError(f"{st.path}: missing tensor '{k}' (config.json implies shape {list(shape)})")
+        got = st.info(k).shape
+        if tuple(got) != tuple(shape):
+            raise ConvertError(f"{st.info(k).file}: tensor '{k}' has shape {list(got)}, but config.json implies "
+                               f"{list(shape)}")
+
+
 # ----------------------------------------------------------------------------- files to copy
 _SKIP_COPY = {"model.safetensors.index.json", MANIFEST_NAME}
 
@@ -444,6 +461,7 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
     if cfg.model_type == "glm5_next":       # its text part under the flat names; the vision tower is not converted
         st = TextTensors(st, cfg)
     try:
+        check_dense_shapes(st, cfg)
         fp = source_fingerprint(st, src)
         if os.path.exists(dst) and not os.path.isdir(dst):
             raise ConvertError(f"--dst={dst}: is a file, not a directory")
@@ -478,13 +496,14 @@ def _dst_lock(dst: str, real: str):
             f"then re-run")
     with contextlib.ExitStack() as stack:
         try:
+            os.makedirs(os.path.dirname(real) or ".", exist_ok=True)     # mkdir -p, as for --dst itself
             stack.enter_context(exclusive_lock(_lock_path(real), blocking=False, remove=True))
         except LockBusy:
             raise ConvertError(busy) from None
-        except OSError:
+        except OSError as e:
             if not os.path.isdir(real):
-                raise ConvertError(f"--dst={dst}: cannot create it (directory {os.path.dirname(real)} is not "
-                                   "writable)") from None
+                raise ConvertError(f"--dst={dst}: cannot create it ({e.filename or os.path.dirname(real)}: "
+                                   f"{e.strerror or e})") from None
             try:
                 stack.enter_context(directory_lock(real, blocking=False))
             except LockBusy:
@@ -612,8 +631,7 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
         linfo[str(L)] = {"file": layer_file_name(L), "format": lay.fmt, "layout": lay.to_json(),
                          "num_experts": rec["num_experts"], "size": rec["num_experts"] * lay.record_len}
         experts += expert_records(L, lay, rec["crcs"])
-    with open(os.path.join(src, "config.json"), "rb") as f:
-        src_cfg_sha = hashlib.sha256(f.read()).hexdigest()
+    src_cfg_sha = hashlib.sha256(fileio.read_bounded(os.path.join(src, "config.json"), fileio.JSON_MAX)).hexdigest()
     man = {
         "format_version": FORMAT_VERSION,
         "created_by": "glm-jax-convert",

@@ -138,6 +138,24 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
 
 
 
+def dense_shapes(cfg: ModelConfig, has_key=None) -> dict:
+    """{flat key: shape} of every dense tensor ``load_params`` reads for ``cfg`` (its key map with a ``get`` that
+    records: the converter refuses what the engine would refuse).  ``has_key``: unused (no MTP layer is built)."""
+    want = {}
+
+    def get(key, shape=None):
+        want[key] = tuple(shape)
+        return np.broadcast_to(np.zeros((), np.float32), shape)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    get("model.embed_tokens.weight", (V, H))
+    get("model.norm.weight", (H,))
+    if not cfg.tie_word_embeddings:
+        get("lm_head.weight", (V, H))
+    for i in range(cfg.num_hidden_layers):
+        load_layer(get, cfg, i)
+    return want
+
+
 class TextTensors:
     """A SafeTensorsDir seen as a flat text-only checkpoint: ``model.X`` reads ``<prefix>X`` (``text_prefix``), the
     top-level ``lm_head.weight`` as it is; the vision tower's tensors and those of layers past ``num_hidden_layers``

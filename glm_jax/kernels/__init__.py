@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import paths
+from .. import fileio, paths
 
 FMT_CODE = {"f32": 0, "bf16": 1, "int8_row": 2, "int4": 3}
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qkernels.cc")
@@ -103,8 +103,7 @@ def file_problem(lib: str) -> str | None:
     if st.st_mode & 0o022:
         return f"writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
     try:
-        with open(_stamp_path(lib)) as f:
-            stamp = json.load(f)
+        stamp = fileio.read_json(_stamp_path(lib), 1 << 20)
         want_size, want_hash = int(stamp["size"]), str(stamp["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return "no valid build stamp"

@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 from . import bounds as B
 
@@ -28,8 +29,7 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
     key = (tokenizer.path, vocab_size, tuple(sorted(eos_ids)))
     t = _TOKENIZERS.get(key)
     if t is None:
-        with open(tokenizer.path) as f:
-            text = f.read()
+        text = fileio.read_bounded(tokenizer.path, fileio.TOKENIZER_MAX).decode("utf-8")
         t = _TOKENIZERS[key] = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
     return t
 
@@ -64,13 +64,20 @@ def _call(f: dict, L: int, lean: bool, mk, compact: bool = False):
     params = f.get("parameters") or {}
     props = params.get("properties") or {}
     strict = f.get("strict") is True
-    req = [p for p in params.get("required") or [] if p in props]
+    req = params.get("required") or []
+    if not isinstance(props, dict) or not isinstance(req, list) or not all(isinstance(p, str) for p in req):
+        raise GlmJaxError(f"tool {f['name']}: parameters: 'properties' must be an object and 'required' a list of "
+                          f"names")
+    req = [p for p in req if p in props]
     opt = [] if lean else [p for p in props if p not in req]
     parts = [f'{mk("<tool_call>")} {_lit(f["name"] + nl)}']
     size = len(f"<tool_call>{f['name']}\n</tool_call>".encode())      # the newlines counted either way: a bound
     for j, p in enumerate(req + opt):
         sch = props[p] if isinstance(props[p], dict) else {}
         if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
+            if any("<" in str(v) for v in sch["enum"]):     # the call's markup: a value would end the argument
+                raise GlmJaxError(f"tool {f['name']}: parameter {p}: an enum value contains '<', which GLM's "
+                                  f"tool-call format cannot hold inside a string argument")
             val = "(" + " | ".join(_lit(str(v)) for v in sch["enum"]) + ")"
             vsize = max(len(str(v).encode()) for v in sch["enum"])
         elif sch.get("type") == "string" and not {"pattern", "format", "const"} & set(sch):
@@ -127,6 +134,10 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
     return "\n".join([start] + rules)
 
 
+class ConstraintError(GlmJaxError):
+    """A grammar that failed while the reply was generated (a schema no text satisfies past some point)."""
+
+
 class Processor:
     """One request's host-side logits processing: ``bias`` {token id: value}, a grammar (llguidance), logprobs."""
 
@@ -137,6 +148,7 @@ class Processor:
         self.bias_val = np.array([bias[i] for i in sorted(bias)], np.float32) if bias else None
         self.eos = np.array(sorted(eos_ids), np.int64)
         self.matcher = self.bitmask = None
+        self.failed = None      # a ConstraintError once the grammar has failed mid-reply (the request then fails)
         if grammar is not None:
             import llguidance
             import llguidance.numpy as lln
@@ -145,6 +157,9 @@ class Processor:
             if self.matcher.is_error():
                 raise GlmJaxError(f"the constraint does not compile ({self.matcher.get_error()})")
             self.bitmask = lln.allocate_token_bitmask(1, vocab_size)
+            self.allowed()          # the first token's mask: a grammar that fails here (a schema that only refers
+            if self.failed is not None:     # to itself) would end the reply at once with nothing valid in it
+                raise self.failed
         self.top_logprobs = top_logprobs
         self.logprobs = [] if top_logprobs is not None else None     # [(token, logprob, [(token, logprob), ...])]
 
@@ -155,6 +170,9 @@ class Processor:
         if m is None:
             return None
         if m.is_stopped() or m.is_error():
+            if m.is_error() and self.failed is None:
+                err = " ".join(m.get_error().split())[:200]
+                self.failed = ConstraintError(f"the constraint cannot be satisfied ({err})")
             ok = np.zeros(self.V, bool)
             ok[self.eos] = True
             return ok

@@ -14,7 +14,8 @@ import json
 import logging
 
 from ..experts.store import RamBudgetError
-from .http import HTTPError, memory_refusal, one_line
+from .constrain import ConstraintError
+from .http import HTTPError, one_line, request_refusal
 from .toolcalls import ToolCallParser
 
 LOG = logging.getLogger("glm_jax.server")
@@ -89,9 +90,9 @@ async def wait_all(server, request, job, q) -> bool:
 def failure(server, job):
     """A finished job's error as a response (memory refusal: raised as its 400), or None."""
     for req in job["reqs"]:
-        if isinstance(req.error, RamBudgetError):    # refused by the memory plan: nothing went wrong here
+        if isinstance(req.error, (RamBudgetError, ConstraintError)):    # the memory plan's / the schema's refusal
             server._log(job, 400)
-            raise memory_refusal(req.error)
+            raise request_refusal(job, req.error)
         if req.error is not None:
             server._log(job, 500)
             return server.internal_error(job["endpoint"], req.error)
@@ -231,8 +232,8 @@ async def _stream_end(server, job, obj: str):
     """The end of a stream: the error, or the usage chunk when asked; then [DONE]; yields the status last."""
     reqs = job["reqs"]
     errs = [r.error for r in reqs if r.error is not None]
-    if errs and isinstance(errs[0], RamBudgetError):
-        yield {"data": json.dumps(memory_refusal(errs[0]).body())}
+    if errs and isinstance(errs[0], (RamBudgetError, ConstraintError)):
+        yield {"data": json.dumps(request_refusal(job, errs[0]).body())}
         status = 400
     elif errs:
         LOG.error("glm-jax-serve: %s: internal error: %s", job["endpoint"], one_line(errs[0]), exc_info=errs[0])

@@ -188,7 +188,8 @@ async def respond(server, request):
     chat = chat_body(body)
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    job = await run_in_threadpool(server.submit_body, chat, True, "responses", loop, q, "resp_")
+    job = await run_in_threadpool(server.submit_body, chat, True, "responses", loop, q, "resp_",
+                                  getattr(request.state, "tenant", None))      # the prefix cache's tenant
     server.m_prompt.inc(job["prompt_tokens"])
     if job["stream"]:
         return replies.sse(_events(server, job, body, q))
