@@ -33,7 +33,7 @@ from ..errors import GlmJaxError
 from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
 from . import replies, responses, tenancy
-from .constrain import Processor, json_schema_grammar, tool_call_grammar
+from .constrain import Processor, calls_or_json_grammar, json_schema_grammar, tool_call_grammar
 from .http import HTTPError, memory_refusal
 
 FLAGS = flags.FLAGS
@@ -262,14 +262,16 @@ def constraint_arg(body: dict, tools, choice, marker, compact: bool = False):
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise HTTPError(400, "'parallel_tool_calls': expected a boolean", param="parallel_tool_calls")
     forced = choice == "required" or isinstance(choice, dict)
-    if schema is not None:
-        if forced:
-            raise HTTPError(400, "'response_format': cannot be combined with 'tool_choice' required or a named "
-                                 "function", param="response_format")
+    # a forced tool choice wins over a response format (its shape still checked above): that turn is the call(s)
+    # and has no text for the format to shape (agent libraries send both on an agent's first turn)
+    multiple = body.get("parallel_tool_calls") is not False
+    if schema is not None and not forced and choice == "auto":       # an agent's turn: call its tools or answer
+        g = _Grammar(lambda b: calls_or_json_grammar(tools, schema, strict, marker, multiple, b, compact),
+                     "response_format")
+    elif schema is not None and not forced:
         g = _Grammar(lambda b: json_schema_grammar(schema, b, strict), "response_format")
     elif forced:
         name = choice["name"] if isinstance(choice, dict) else None
-        multiple = body.get("parallel_tool_calls") is not False
         g = _Grammar(lambda b: tool_call_grammar(tools, name, marker=marker, multiple=multiple, budget=b,
                                                  compact=compact), "tools")
     else:

@@ -153,6 +153,15 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
     return "\n".join([start] + rules)
 
 
+def calls_or_json_grammar(tools: list, schema, strict: bool = False, marker=None, multiple: bool = True,
+                          budget: int = 1 << 20, compact: bool = False) -> str:
+    """tool_choice auto beside a JSON response format: the reply is either tool calls (``tool_call_grammar``) or
+    the format's JSON (``json_schema_grammar``), each fitting ``budget``; the model's first token picks which."""
+    calls = tool_call_grammar(tools, marker=marker, multiple=multiple, budget=budget, compact=compact)
+    answer = json.dumps(B.fitted(schema, budget, strict))
+    return f"start: calls | answer\nanswer: %json {answer}\n" + calls.replace("start:", "calls:", 1)
+
+
 class ConstraintError(GlmJaxError):
     """A grammar that failed while the reply was generated (a schema no text satisfies past some point)."""
 
