@@ -112,3 +112,14 @@ def test_satisfiable_bounds_are_not_refused():
     assert B.shortest({"type": "array", "items": {"type": "integer"}, "minItems": 3}) == len("[1,2,3]")
     assert B.unfit({"type": "string", "minLength": 4000}, 4) is None
     assert B.unfit({"$ref": "#"}, 0) is None and B.unfit({"type": "string", "pattern": "("}, 1) is None
+
+
+def test_unfit_format_beside_auto_tools_is_refused_only_when_no_call_fits():
+    from glm_jax.errors import GlmJaxError
+    from glm_jax.serve.constrain import calls_or_json_grammar
+    big = {"type": "string", "minLength": 100000}
+    tool = _tool(properties={"x": {"type": "string"}}, required=["x"])
+    assert "calls" in calls_or_json_grammar([tool], big, budget=4)       # a call still fits: not refused
+    huge = _tool(properties={"x": big}, required=["x"])
+    with pytest.raises(GlmJaxError, match="more than"):
+        calls_or_json_grammar([huge], big, budget=4)

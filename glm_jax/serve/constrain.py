@@ -132,7 +132,7 @@ def _check_fits(fns: list, budget: int):
 
 
 def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True,
-                      budget: int = 1 << 20, compact: bool = False) -> str:
+                      budget: int = 1 << 20, compact: bool = False, must_fit: bool = True) -> str:
     """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects), then the end of
     the turn: one call of the function ``name``, or (``name`` None) one call of any of them, or with ``multiple``
     one or more (at most MAX_CALLS).  Each call is ``<tool_call>NAME\\n`` then, per argument,
@@ -145,7 +145,8 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not fns:
         raise GlmJaxError(f"no tool named {name!r}")
-    _check_fits(fns, budget)
+    if must_fit:                 # the calls are the whole reply: refuse where none can fit
+        _check_fits(fns, budget)
     k, L, lean = _fit_calls(fns, budget, multiple)
     rules = [f"call_{i}: " + _call(f, L, lean, mk, compact)[0] for i, f in enumerate(fns)]
     body = " | ".join(f"call_{i}" for i in range(len(fns)))
@@ -157,7 +158,11 @@ def calls_or_json_grammar(tools: list, schema, strict: bool = False, marker=None
                           budget: int = 1 << 20, compact: bool = False) -> str:
     """tool_choice auto beside a JSON response format: the reply is either tool calls (``tool_call_grammar``) or
     the format's JSON (``json_schema_grammar``), each fitting ``budget``; the model's first token picks which."""
-    calls = tool_call_grammar(tools, marker=marker, multiple=multiple, budget=budget, compact=compact)
+    why = B.unfit(schema, budget)
+    if why:                      # refused only where neither the JSON nor any call fits
+        _check_fits([t["function"] for t in tools], budget)
+    calls = tool_call_grammar(tools, marker=marker, multiple=multiple, budget=budget, compact=compact,
+                              must_fit=False)
     answer = json.dumps(B.fitted(schema, budget, strict))
     return f"start: calls | answer\nanswer: %json {answer}\n" + calls.replace("start:", "calls:", 1)
 
