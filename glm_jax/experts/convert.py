@@ -328,10 +328,19 @@ def check_dense_shapes(st: SafeTensorsDir, cfg) -> None:
     for k, shape in shapes(cfg, st.__contains__).items():
         if k not in st:
             raise ConvertError(f"{st.path}: missing tensor '{k}' (config.json implies shape {list(shape)})")
-        got = st.info(k).shape
+        got = _stored_shape(st, k)
         if tuple(got) != tuple(shape):
             raise ConvertError(f"{st.info(k).file}: tensor '{k}' has shape {list(got)}, but config.json implies "
                                f"{list(shape)}")
+
+
+def _stored_shape(st: SafeTensorsDir, k: str) -> tuple:
+    """The unquantized shape of ``k``: a container's int4 dense weight (uint8 beside a ``_scale``) packs two
+    values a byte, so its rows hold twice the stored columns."""
+    ti = st.info(k)
+    if ti.dtype == "uint8" and k + DENSE_SCALE_SUFFIX in st and len(ti.shape) == 2:
+        return (ti.shape[0], 2 * ti.shape[1])
+    return tuple(ti.shape)
 
 
 # ----------------------------------------------------------------------------- files to copy
@@ -677,7 +686,8 @@ def verify(dst: str) -> str:
         verify_dense(dst, c.manifest)
     finally:
         c.close()
-    return f"{dst}: OK (all record and dense checksums verified)"
+    check_dense_shapes(SafeTensorsDir(dst), cfg)
+    return f"{dst}: OK (all record and dense checksums and dense shapes verified)"
 
 
 _one_line = one_line
