@@ -326,17 +326,15 @@ class Engine(Runner):
 
     @classmethod
     def _from_glm5_next(cls, path: str, opts: "O.Options", cfg: ModelConfig, container: bool) -> "Engine":
-        """glm5_next (GLM-5.3 text): every weight resident, read from its HF checkpoint; the resident one-jit step.
+        """glm5_next (GLM-5.3 text): every weight resident, read from its HF checkpoint or a converted container
+        (read whole); the resident one-jit step.
         Its KDA layers' state holds every token a row has seen and cannot be rolled back or cut back to a shorter
         prefix: no speculative decoding; a row's cache is reused only by a prompt extending everything it holds
         (Runner.recurrent_state)."""
         what = f"{path}: glm5_next (GLM-5.3)"
-        if container:
-            raise GlmJaxError(f"{what}: converted containers (streamed experts) are not supported yet; load its "
-                              f"Hugging Face checkpoint")
         if opts["fetch"] not in ("auto", "resident"):
             raise GlmJaxError(f"{what}: {opts.label('fetch')}={opts['fetch']} is not supported yet (every expert "
-                              f"resident: fetch=resident)")
+                              f"resident: fetch=resident{', the container read whole into RAM' if container else ''})")
         if opts["mesh"]:
             raise GlmJaxError(f"{what}: {opts.label('mesh')} is not supported yet")
         if opts["dense_format"] != "native":
@@ -348,7 +346,10 @@ class Engine(Runner):
         opts["fetch"] = "resident"
         dtype = _pick_dtype(opts["dtype"], path, cfg)
         kernel = _pick_kernel(opts["kernels"])
-        params = G5W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel)
+        if container:       # every expert read into RAM in the container's format (no streamed path yet)
+            params = G5W.load_container_params(path, cfg, dtype=dtype, kernel=kernel)
+        else:
+            params = G5W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel)
         tok_path = os.path.join(path, "tokenizer.json")
         eng = cls(path, cfg, params, opts, Tokenizer(tok_path) if os.path.exists(tok_path) else None, None, kernel)
         eng._fit, eng._refit_pending, eng._kv_planned = None, False, None

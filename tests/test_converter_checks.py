@@ -90,3 +90,24 @@ def test_vocab_size_against_a_larger_embedding_is_refused(tmp_path, capsys):
     (src / "config.json").write_text(json.dumps(c))
     rc, err = _convert(src, tmp_path / "out", capsys)
     assert rc == 2 and "embed_tokens" in err and "config.json implies" in err, err
+
+
+
+def test_verify_checks_dense_shapes_against_config(tmp_path, capsys, monkeypatch):
+    """A container written without the shape check (by an older converter): --verify refuses it as the engine does."""
+    import glm_jax.experts.convert as conv
+    src = _copy(tmp_path)
+    st = src / "model.safetensors"
+    n, hdr = _header(st)
+    k = next(k for k, v in sorted(hdr.items()) if k.endswith("proj.weight") and ".experts." not in k
+             and len(v["shape"]) == 2 and v["shape"][0] != v["shape"][1] and v["shape"][0] % 2 == 0)
+    hdr[k]["shape"] = hdr[k]["shape"][::-1]
+    _rewrite_header(st, hdr, n)
+    dst = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(conv, "check_dense_shapes", lambda st, cfg: None)
+        rc, err = _convert(src, dst, capsys)
+    assert rc == 0, err
+    rc = cli_main(["glm-jax-convert", "--verify", f"--dst={dst}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and k in err and "config.json implies" in err, err

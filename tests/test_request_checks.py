@@ -89,3 +89,37 @@ def test_schema_failing_mid_reply_is_400_not_a_200(server):
     _error(_chat(server, response_format=rf, max_tokens=64, temperature=0), "response_format", "cannot be satisfied")
     r = _chat(server, response_format=rf, max_tokens=64, temperature=0, stream=True)
     assert r.status_code == 200 and '"param": "response_format"' in r.text and "cannot be satisfied" in r.text, r.text
+
+
+def test_pattern_longer_than_the_token_budget_is_400(server):
+    """'^(a{1000}){1000}$' (shortest match 1,000,000 characters) was a 200 cut at max_tokens."""
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string",
+                                                                       "pattern": "^(a{1000}){1000}$"}}}
+    _error(_chat(server, response_format=rf), "response_format", "cannot be satisfied")
+    arr = {"type": "array", "items": {"type": "string", "minLength": 100000}, "minItems": 10}
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": arr}}
+    _error(_chat(server, response_format=rf), "response_format", "cannot be satisfied")
+    tool = _tool(properties={"x": {"type": "string", "pattern": "^(a{1000}){1000}$"}}, required=["x"])
+    _error(_chat(server, tools=[tool], tool_choice="required"), "tools", "more than the request's")
+
+
+def test_satisfiable_bounds_are_not_refused():
+    """The check refuses only what no token count can hold: short minimums and unknowns ($ref) pass."""
+    from glm_jax.serve import bounds as B
+    assert B.shortest({"type": "string", "pattern": "^(a{1000}){1000}$"}) == 1_000_002
+    assert B.shortest({"type": "object", "properties": {"a": {"type": "string", "minLength": 5}},
+                       "required": ["a"]}) == len('{"a":"xxxxx"}')
+    assert B.shortest({"type": "array", "items": {"type": "integer"}, "minItems": 3}) == len("[1,2,3]")
+    assert B.unfit({"type": "string", "minLength": 4000}, 4) is None
+    assert B.unfit({"$ref": "#"}, 0) is None and B.unfit({"type": "string", "pattern": "("}, 1) is None
+
+
+def test_unfit_format_beside_auto_tools_is_refused_only_when_no_call_fits():
+    from glm_jax.errors import GlmJaxError
+    from glm_jax.serve.constrain import calls_or_json_grammar
+    big = {"type": "string", "minLength": 100000}
+    tool = _tool(properties={"x": {"type": "string"}}, required=["x"])
+    assert "calls" in calls_or_json_grammar([tool], big, budget=4)       # a call still fits: not refused
+    huge = _tool(properties={"x": big}, required=["x"])
+    with pytest.raises(GlmJaxError, match="more than"):
+        calls_or_json_grammar([huge], big, budget=4)

@@ -41,6 +41,8 @@ from ..kernels import formats as quant
 from ..model.config import load_config
 from ..options import one_line
 from . import weights as W
+from . import glm5_next_weights as G5W
+from .glm5_next_weights import TextTensors
 from .container import (
     ALIGN,
     CONVERT_MARKER,
@@ -223,7 +225,8 @@ def _dense_kind(key: str, shape: tuple, dtype: str, dense_format: str, tied: boo
         return "keep"
     last = key.split(".")[-2] if key.count(".") else key
     router = key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias")
-    if router or "norm" in last or key.endswith(".bias") or len(shape) < 2:
+    # glm5_next's short convolutions: f32 as transformers keeps them (_keep_in_fp32_modules_strict)
+    if router or "norm" in last or key.endswith(".bias") or len(shape) < 2 or "conv1d" in last:
         return "f32"
     if dense_format in ("int8", "int4_g64") and len(shape) == 2 and key.endswith(".weight"):
         head = (key == "lm_head.weight" or key.endswith("shared_head.head.weight")
@@ -321,13 +324,23 @@ def safetensors_size(plan: list, metadata: dict) -> int:
 def check_dense_shapes(st: SafeTensorsDir, cfg) -> None:
     """Every dense tensor the engine loads is in the source with the shape config.json implies (a transposed
     k_proj, an embedding larger than vocab_size: converted and --verify'd OK before, then refused by the engine)."""
-    for k, shape in W.dense_shapes(cfg, st.__contains__).items():
+    shapes = G5W.dense_shapes if cfg.model_type == "glm5_next" else W.dense_shapes     # each family's key map
+    for k, shape in shapes(cfg, st.__contains__).items():
         if k not in st:
             raise ConvertError(f"{st.path}: missing tensor '{k}' (config.json implies shape {list(shape)})")
-        got = st.info(k).shape
+        got = _stored_shape(st, k)
         if tuple(got) != tuple(shape):
             raise ConvertError(f"{st.info(k).file}: tensor '{k}' has shape {list(got)}, but config.json implies "
                                f"{list(shape)}")
+
+
+def _stored_shape(st: SafeTensorsDir, k: str) -> tuple:
+    """The unquantized shape of ``k``: a container's int4 dense weight (uint8 beside a ``_scale``) packs two
+    values a byte, so its rows hold twice the stored columns."""
+    ti = st.info(k)
+    if ti.dtype == "uint8" and k + DENSE_SCALE_SUFFIX in st and len(ti.shape) == 2:
+        return (ti.shape[0], 2 * ti.shape[1])
+    return tuple(ti.shape)
 
 
 # ----------------------------------------------------------------------------- files to copy
@@ -453,10 +466,9 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
                            f"it runs as it is (glm-jax --model={src}), and glm-jax-convert --verify --dst={src} "
                            f"checks it")
     cfg = load_config(src)
-    if cfg.model_type == "glm5_next":       # its KDA / hyper-connection layers have no streamed path yet
-        raise ConvertError(f"--src={src}: glm5_next (GLM-5.3) checkpoints are not converted yet; they run from the "
-                           f"checkpoint itself (glm-jax --model={src}, every weight resident)")
     st = SafeTensorsDir(src)
+    if cfg.model_type == "glm5_next":       # its text part under the flat names; the vision tower is not converted
+        st = TextTensors(st, cfg)
     try:
         check_dense_shapes(st, cfg)
         fp = source_fingerprint(st, src)
@@ -674,7 +686,8 @@ def verify(dst: str) -> str:
         verify_dense(dst, c.manifest)
     finally:
         c.close()
-    return f"{dst}: OK (all record and dense checksums verified)"
+    check_dense_shapes(SafeTensorsDir(dst), cfg)
+    return f"{dst}: OK (all record and dense checksums and dense shapes verified)"
 
 
 _one_line = one_line

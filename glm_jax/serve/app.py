@@ -708,7 +708,8 @@ class Server:
         job = dict(chat=chat, endpoint=endpoint, stream=stream, include_usage=include_usage, top_lp=top_lp,
                    tools=tools, drop_calls=choice == "none", reqs=[], created=int(time.time()),
                    rid=(prefix or ("chatcmpl-" if chat else "cmpl-")) + secrets.token_hex(12),
-                   grammar_param=getattr(grammar, "param", None))
+                   grammar_param=getattr(grammar, "param", None),
+                   check_calls=getattr(grammar, "param", None) != "tools")    # calls no grammar held to a schema
         self._start(job, prompts, n, args, dict(chat=chat and not with_tools, loop=loop, q=q, bias=bias,
                                                  grammar=grammar, parse_tools=parse_tools, salt=salt))
         if not chat and body.get("echo"):

@@ -41,6 +41,9 @@ def json_schema_grammar(schema, budget: int = 1 << 20, strict: bool = False) -> 
 
     if not isinstance(schema, dict):
         raise GlmJaxError("invalid JSON schema (expected an object)")
+    why = B.unfit(schema, budget)
+    if why:
+        raise GlmJaxError(f"the schema cannot be satisfied within the request's tokens ({why})")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(B.fitted(schema, budget, strict),
                                                              defaults={"whitespace_flexible": False})
@@ -113,8 +116,23 @@ def _fit_calls(fns: list, budget: int, multiple: bool):
     return 1, 0, True
 
 
+def _check_fits(fns: list, budget: int):
+    """Refuse where no call fits ``budget`` tokens: each function's required arguments (raw strings: no quotes)
+    at their shortest (bounds.shortest) exceed what the tokens can hold even at the most bytes a token takes."""
+    need = []
+    for f in fns:
+        params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        req = params.get("required") if isinstance(params.get("required"), list) else []
+        need.append(sum(max(0, B.shortest(B.inline_refs(props[p])) - 2) for p in req
+                        if isinstance(p, str) and p in props))
+    if min(need) > max(0, int(budget)) * B.TOKEN_BYTES_MAX:
+        raise GlmJaxError(f"tool {fns[need.index(min(need))]['name']}: parameters: the required arguments' shortest "
+                          f"values take {min(need)} bytes, more than the request's {budget} tokens can hold")
+
+
 def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True,
-                      budget: int = 1 << 20, compact: bool = False) -> str:
+                      budget: int = 1 << 20, compact: bool = False, must_fit: bool = True) -> str:
     """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects), then the end of
     the turn: one call of the function ``name``, or (``name`` None) one call of any of them, or with ``multiple``
     one or more (at most MAX_CALLS).  Each call is ``<tool_call>NAME\\n`` then, per argument,
@@ -127,6 +145,8 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not fns:
         raise GlmJaxError(f"no tool named {name!r}")
+    if must_fit:                 # the calls are the whole reply: refuse where none can fit
+        _check_fits(fns, budget)
     k, L, lean = _fit_calls(fns, budget, multiple)
     rules = [f"call_{i}: " + _call(f, L, lean, mk, compact)[0] for i, f in enumerate(fns)]
     body = " | ".join(f"call_{i}" for i in range(len(fns)))
@@ -138,7 +158,11 @@ def calls_or_json_grammar(tools: list, schema, strict: bool = False, marker=None
                           budget: int = 1 << 20, compact: bool = False) -> str:
     """tool_choice auto beside a JSON response format: the reply is either tool calls (``tool_call_grammar``) or
     the format's JSON (``json_schema_grammar``), each fitting ``budget``; the model's first token picks which."""
-    calls = tool_call_grammar(tools, marker=marker, multiple=multiple, budget=budget, compact=compact)
+    why = B.unfit(schema, budget)
+    if why:                      # refused only where neither the JSON nor any call fits
+        _check_fits([t["function"] for t in tools], budget)
+    calls = tool_call_grammar(tools, marker=marker, multiple=multiple, budget=budget, compact=compact,
+                              must_fit=False)
     answer = json.dumps(B.fitted(schema, budget, strict))
     return f"start: calls | answer\nanswer: %json {answer}\n" + calls.replace("start:", "calls:", 1)
 

@@ -23,11 +23,12 @@ LOG = logging.getLogger("glm_jax.server")
 
 class Choice:
     """One request's reply as it streams; ``drop_calls`` (tool_choice none): calls are neither content nor
-    tool_calls."""
+    tool_calls; ``check_calls`` (no grammar forced the calls): a call whose arguments do not validate against its
+    tool's schema is dropped and logged (we promise arguments that validate)."""
 
-    def __init__(self, req, tools, drop_calls: bool = False):
+    def __init__(self, req, tools, drop_calls: bool = False, check_calls: bool = False):
         self.req, self.drop = req, drop_calls
-        self.parser = ToolCallParser(tools) if tools is not None else None
+        self.parser = ToolCallParser(tools, check_calls) if tools is not None else None
         self.sent_tok = 0
         self.whole = None
 
@@ -41,6 +42,8 @@ class Choice:
             if self.parser.truncated:
                 LOG.warning("glm-jax-serve: request %d: a tool call cut off (finish_reason %s) was dropped",
                             self.req.id, self.req.finish_reason)
+            for name, why in self.parser.invalid:
+                LOG.warning("glm-jax-serve: request %d: a call of tool %r was dropped: its %s", self.req.id, name, why)
             if self.drop and self.parser.calls:
                 LOG.warning("glm-jax-serve: request %d: %d tool call(s) dropped (tool_choice none)", self.req.id,
                             len(self.parser.calls))
@@ -113,7 +116,7 @@ async def respond(server, request, job, q):
         return bad
     choices = []
     for i, req in enumerate(job["reqs"]):
-        ch = Choice(req, job["tools"], job["drop_calls"])
+        ch = Choice(req, job["tools"], job["drop_calls"], job["check_calls"])
         text, calls = ch.result()
         lp = server._logprobs(job, req, 0, len(req.out))
         if job["chat"]:
@@ -191,7 +194,7 @@ def stream(server, job, q):
 
     async def events():
         status = 499
-        choices = [Choice(r, job["tools"], job["drop_calls"]) for r in reqs]
+        choices = [Choice(r, job["tools"], job["drop_calls"], job["check_calls"]) for r in reqs]
         try:
             for i in range(len(reqs)):
                 if job["chat"]:
