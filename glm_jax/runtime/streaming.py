@@ -40,6 +40,22 @@ def _layer_key(cfg, i):
     return M.variant_layer(cfg, i) if cfg.model_type == "glm_moe_dsa" else 0
 
 
+def row_attention(row):
+    """The attention a streamed layer runs: attn_block on the cache, or with ``row`` (traced int32) on that row of
+    it alone, written back in place (the cache is donated): one layer's row is the transient, where a copy of the
+    row's every layer (Runner.row_view) took a 2600-token prefill of 2 rows in the GLM-4.5-Air slice's 0.3x box
+    50 MB past its budget."""
+    if row is None:
+        return M.attn_block
+
+    def attend(cfg, lp, x, cache, start, layer, prev_sel, valid_bt):
+        part = {k: jax.lax.dynamic_slice_in_dim(v, row, 1, axis=0) for k, v in cache.items()}
+        h, part, sel = M.attn_block(cfg, lp, x, part, start, layer, prev_sel, valid_bt)
+        return h, {k: jax.lax.dynamic_update_slice_in_dim(v, part[k].astype(v.dtype), row, axis=0)
+                   for k, v in cache.items()}, sel
+    return attend
+
+
 def _fns(engine):
     fns = getattr(engine, "_stream_fns", None)
     if fns is not None:
@@ -51,54 +67,27 @@ def _fns(engine):
     def embed(params, tokens):
         return M.embed(params, tokens)
 
-    def attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row):
-        """attn_block on the cache, or with ``row`` (traced int32) on that row of it alone, written back in place
-        (the cache is donated): one layer's row is the transient, where a copy of the row's every layer
-        (Runner.row_view) took a 2600-token prefill of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its
-        budget (stop 48)."""
-        if row is None:
-            return M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
-        part = {k: jax.lax.dynamic_slice_in_dim(v, row, 1, axis=0) for k, v in cache.items()}
-        h, part, sel = M.attn_block(cfg, lp, x, part, start, layer, prev_sel, valid_bt)
-        return h, {k: jax.lax.dynamic_update_slice_in_dim(v, part[k].astype(v.dtype), row, axis=0)
-                   for k, v in cache.items()}, sel
-
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
     def dense(layer, lp, x, cache, start, prev_sel, valid_bt, row=None):
-        h, cache, sel = attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row)
-        return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps), valid_bt), cache, sel
+        return M.dense_layer(cfg, lp, x, cache, start, layer, prev_sel, valid_bt, row_attention(row))
 
     @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
     def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router, layer_id, row=None):
         """``layer`` (static) picks the compiled variant (_layer_key); ``layer_id`` (traced) is the true index the
         plugins see."""
         B, T, H = x.shape
-        h, cache, sel = attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row)
-        hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-        flat = hn.reshape(B * T, H)
-        before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident, layer_id, M.positions_of(start, T))
-        after = plugin(before)
+        h, hn, cache, sel, before, after = M.moe_route(cfg, lp, x, cache, start, layer, prev_sel, valid_bt,
+                                                       resident, plugin, layer_id, row_attention(row))
         pred = None
         if next_router is not None:   # router lookahead: layer L+1's router on layer L's post-attention state
-            pred = M.route(cfg, next_router, flat, valid_bt.reshape(B * T), resident).ids
+            pred = M.route(cfg, next_router, hn.reshape(B * T, H), valid_bt.reshape(B * T), resident).ids
         summ = _routing_summary([(before, after)], want_stats)
         return h, hn, cache, sel, after.ids, after.weights, after.valid, pred, summ
-
-    def routed_rows(rows, h, hn, ids, w, valid, bank, slot_of):
-        """The seam; with static ``rows`` only rows [:rows] can be real (a padded decode / verify, see
-        model.layer_forward's moe_rows: same gather-path products, one row's experts instead of T)."""
-        B, T, H = h.shape
-        flat = hn.reshape(B * T, H)
-        if rows is None:
-            return M.moe_routed(flat, ids, w, valid, bank, slot_of).reshape(B, T, H)
-        part = M.moe_routed(flat[:rows], ids[:rows], w[:rows], valid[:rows], bank, slot_of, gather=True)
-        return jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, H)
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def moe_part(rows, mp, h, hn, ids, w, valid, bank, slot_of):
         """The seam + shared expert: the layer's output."""
-        real = valid.any(-1).reshape(h.shape[:2])   # a real position routes to >= 1 expert (plugins never empty one)
-        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of), real)
+        return M.moe_output(mp, h, hn, ids, w, valid, bank, slot_of, rows)
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def moe_early(rows, mp, hn, ids, hit, bank, slot_of):
@@ -120,8 +109,7 @@ def _fns(engine):
         flat = hn.reshape(B * T, H)
         y = jnp.where(hit[:r, :, None], y_hit, M.moe_terms(flat[:r], ids[:r], valid[:r] & ~hit[:r], bank, slot_of))
         part = M.moe_combine(y, w[:r], valid[:r]).astype(flat.dtype)
-        routed = part if rows is None else jnp.zeros_like(flat).at[:r].set(part)
-        return h + routed.reshape(B, T, H) + shared
+        return h + M.real_rows(part, flat, rows).reshape(B, T, H) + shared
 
     @functools.partial(jax.jit, static_argnums=(0,))
     def terms_merge(rows, y, hn, ids, m, bank, slot_of):
@@ -364,43 +352,45 @@ def _build_callback_step(engine, n_pos, rows=None):
         compact[union] = np.arange(len(union), dtype=np.int32)
         return out, compact, np.int32(len(union))
 
+    class HostExperts(M.ExpertSource):
+        """Each MoE layer's experts from the store through an ordered io_callback (host_fetch): a compact bank of
+        the union's experts, gathered on the host."""
+
+        def __init__(self, resident):
+            self.masks, self.unions = resident, []
+
+        def resident(self, mi):
+            return self.masks[mi]
+
+        def experts(self, mi, lp, hn, after, valid_bt):
+            layer = cfg.moe_layers[mi]
+            r = hn.shape[0] * hn.shape[1] if rows is None else rows
+            shapes = (specs[layer], jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, layer), shapes, after.ids[:r],
+                                                 after.valid[:r], ordered=True)
+            self.unions.append(n_union)
+            b0 = store._layer(layer).bank
+            bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
+                              fmt=store._layer(layer).layout.fmt, kernel=b0.kernel, layout=b0.layout,
+                              hidden=b0.hidden, inter=b0.inter)
+            return bank, slot_of, rows      # the real rows: the same gather-path products as fetch=loop's
+
     def f(params, cache, tokens, start, lengths, resident):
-        B, T = tokens.shape
+        T = tokens.shape[1]
         valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
         x = M.embed(params, tokens)
+        experts = HostExperts(resident)
         sel = None
         new_cache = list(cache)
-        summs, unions = [], []
-        mi = 0
+        summs = []
         for i, lp in enumerate(params["layers"]):
-            h, new_cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, i, sel)
-            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-            if "moe" not in lp:
-                x = h + M.mlp(lp["mlp"], hn)
-                continue
-            flat = hn.reshape(B * T, -1)
-            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident[mi], i, M.positions_of(start, T))
-            mi += 1
-            after = plugin(before)
-            r = B * T if rows is None else rows
-            shapes = (specs[i], jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, i), shapes, after.ids[:r],
-                                                 after.valid[:r], ordered=True)
-            fmt = store._layer(i).layout.fmt
-            b0 = store._layer(i).bank
-            bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
-                              fmt=fmt, kernel=b0.kernel, layout=b0.layout, hidden=b0.hidden, inter=b0.inter)
-            if rows is None:
-                routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
-            else:   # same gather-path products as fetch=loop's real-row path
-                part = M.moe_routed(flat[:r], after.ids[:r], after.weights[:r], after.valid[:r], bank, slot_of,
-                                    gather=True)
-                routed = jnp.zeros_like(flat).at[:r].set(part)
-            x = M.moe_finish(lp["moe"], h, hn, routed.reshape(h.shape))
-            summs.append((before, after))
-            unions.append(n_union)
+            x, new_cache[i], sel, r = M.layer_forward(cfg, lp, x, cache[i], start, i, sel, valid_bt, experts, plugin,
+                                                      len(summs))
+            if r is not None:
+                summs.append(r)
         hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
-        return M.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats), jnp.stack(unions)
+        return (M.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats),
+                jnp.stack(experts.unions))
 
     return jax.jit(f, donate_argnums=(1,))
 
@@ -562,33 +552,29 @@ def fused_forward(engine, B: int, T: int, short_rows=None, optimistic: bool = Fa
               jax.ShapeDtypeStruct((E,), jnp.bool_), jax.ShapeDtypeStruct((E,), jnp.bool_))
     slots = {i: store._layer(i).S for i in moe_idx}
 
-    def f(params, banks, cache, tokens, start, lengths, st, logit_rows=None):
-        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
-        x = M.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
-        cache = list(cache)
-        sel, summs, mi = None, [], 0
-        cur, resm, step, miss = st["cur"], st["res"], st["step"], st["miss"]
-        log_ids, log_valid = st["log_ids"], st["log_valid"]
-        layers = params["layers"]
-        for i, lp in enumerate(layers):
-            k = _layer_key(cfg, i)
-            h, cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, k, sel, valid_bt)
-            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-            if "moe" not in lp:
-                x = h + M.mlp(lp["mlp"], hn, valid_bt)
-                continue
-            flat = hn.reshape(B * T, -1)
-            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resm[mi], jnp.int32(i),
-                             M.positions_of(start, T))
-            after = plugin(before)
+    class StoreExperts(M.ExpertSource):
+        """Each MoE layer's experts from the store's arenas (the program's ``banks``), the store called from inside
+        the program only for a layer with a miss (or every layer with --prefetch); carries the store's state
+        (slot maps, resident masks, the routing log) through the program."""
+
+        def __init__(self, banks, layers, st):
+            self.banks, self.layers = banks, layers
+            self.st = dict(st)
+
+        def resident(self, mi):
+            return self.st["res"][mi]
+
+        def experts(self, mi, lp, hn, after, valid_bt):
+            st = self.st
+            cur, resm, step = st["cur"], st["res"], st["step"]
             ids, valid = after.ids, after.valid
-            log_ids = log_ids.at[step, mi].set(ids)
-            log_valid = log_valid.at[step, mi].set(valid)
-            later = [j for j in moe_idx if j > i]
-            nxt = later[0] if later else None
-            args = (step, ids, valid, log_ids, log_valid)
+            st["log_ids"] = st["log_ids"].at[step, mi].set(ids)
+            st["log_valid"] = st["log_valid"].at[step, mi].set(valid)
+            nxt = moe_idx[mi + 1] if mi + 1 < len(moe_idx) else None
+            args = (step, ids, valid, st["log_ids"], st["log_valid"])
             if prefetch and nxt is not None:
-                pred = M.route(cfg, layers[nxt]["moe"], flat, valid_bt.reshape(B * T), resm[mi]).ids
+                pred = M.route(cfg, self.layers[nxt]["moe"], hn.reshape(B * T, -1), valid_bt.reshape(B * T),
+                               resm[mi]).ids
                 args += (pred, valid_bt.reshape(-1))
             host = functools.partial(_fused_host, engine, mi, nxt)
             call = lambda: io_callback(host, shapes, *args, ordered=True)     # noqa: E731
@@ -598,30 +584,33 @@ def fused_forward(engine, B: int, T: int, short_rows=None, optimistic: bool = Fa
             else:               # every routed expert resident: no host call (its bookkeeping is replayed)
                 have = jnp.all(jnp.where(valid, cur[mi][jnp.clip(ids, 0, E - 1)] >= 0, True))
                 if optimistic:  # a missing expert's slot is -1: the kernels skip it, the step is discarded
-                    miss, got = miss | ~have, hit()
+                    st["miss"], got = st["miss"] | ~have, hit()
                 else:
                     got = jax.lax.cond(have, hit, call)
             slot_of, now, mres, nres = got
-            cur = cur.at[mi].set(now)
-            resm = resm.at[mi].set(mres)
+            st["cur"] = cur.at[mi].set(now)
+            st["res"] = resm = resm.at[mi].set(mres)
             if prefetch and nxt is not None:           # the next layer's mask after this layer's prefetch
-                resm = resm.at[mi + 1].set(nres)
+                st["res"] = resm.at[mi + 1].set(nres)
             # the bank is read only after this layer's fetch: every use of it depends on slot_of
-            slot_of, bank = jax.lax.optimization_barrier((slot_of, banks[mi]))
-            rows = short_rows if short_rows is not None and B * T * K <= slots[i] else None
-            real = valid.any(-1).reshape(B, T)
-            if rows is None:
-                routed = M.moe_routed(flat, ids, after.weights, valid, bank, slot_of).reshape(B, T, -1)
-            else:
-                part = M.moe_routed(flat[:rows], ids[:rows], after.weights[:rows], valid[:rows], bank, slot_of,
-                                    gather=True)
-                routed = jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, -1)
-            x = M.moe_finish(lp["moe"], h, hn, routed, real)
-            summs.append((before, after))
-            mi += 1
+            slot_of, bank = jax.lax.optimization_barrier((slot_of, self.banks[mi]))
+            rows = short_rows if short_rows is not None and B * T * K <= slots[moe_idx[mi]] else None
+            return bank, slot_of, rows
+
+    def f(params, banks, cache, tokens, start, lengths, st, logit_rows=None):
+        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+        x = M.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
+        cache = list(cache)
+        experts = StoreExperts(banks, params["layers"], st)
+        sel, summs = None, []
+        for i, lp in enumerate(params["layers"]):
+            x, cache[i], sel, r = M.layer_forward(cfg, lp, x, cache[i], start, _layer_key(cfg, i), sel, valid_bt,
+                                                  experts, plugin, len(summs), jnp.int32(i))
+            if r is not None:
+                summs.append(r)
         hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
         logits = M.head_logits(hidden, params["lm_head"], valid_bt if logit_rows is None else logit_rows)
-        st = dict(cur=cur, res=resm, step=step + 1, miss=miss, log_ids=log_ids, log_valid=log_valid)
+        st = dict(experts.st, step=experts.st["step"] + 1)
         return logits, hidden, cache, _routing_summary(summs, want_stats), st
 
     return f
