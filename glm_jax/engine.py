@@ -13,6 +13,7 @@ import functools
 import math
 import numbers
 import os
+import sys
 from typing import Optional, Sequence
 
 import jax
@@ -35,6 +36,7 @@ from .experts.store import RamBudgetError
 from .model.config import ModelConfig, load_config
 from .model.modules import GlmModel
 from .runtime import mesh as MESH
+from .runtime.backends import backend_for
 from .runtime.mesh import broadcast_ids
 from .runtime.runner import GenerationResult, Runner  # noqa: F401  (re-exported)
 from .runtime.runner import bucket as _bucket  # noqa: F401  (tests, tools)
@@ -120,6 +122,7 @@ class Engine(Runner):
         self.lossy = self.plugin is not None
         if self.plugin_names:
             _preflight(self.plugin, cfg)
+        self.backend = backend_for(opts["fetch"], cfg, self.plugin, store)     # the fetch mode, chosen once
         self._scheduler = None
         self.kernel = kernel                                # who computes the experts / dense products
         self.checkpoint_dtype = declared_dtype(path) or "unknown"
@@ -157,12 +160,7 @@ class Engine(Runner):
         """``load`` with options already resolved (the CLIs: their flags, with where each value came from)."""
         if not isinstance(opts, O.Options):
             opts = O.resolve(opts)
-        if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise GlmJaxError(f"Engine.load: path must be a directory name (str), got {type(path).__name__}")
-        path = os.fspath(path) if path else default_model_path()
-        if not os.path.isdir(path):
-            raise GlmJaxError(f"{path}: model directory not found" if not os.path.exists(path)
-                              else f"{path}: not a directory (expected a model directory)")
+        path = _model_dir(path)
         # before anything touches a backend: join the cluster (a no-op for one process)
         MESH.init_distributed(opts["coordinator"], opts["num_processes"], opts["process_id"],
                               {k: opts.label(k) for k in ("coordinator", "num_processes", "process_id")})
@@ -174,130 +172,26 @@ class Engine(Runner):
         if not container:
             C.check_not_partial(path)
         cfg = load_config(path)
-        fetch = opts["fetch"]
-        if fetch == "auto" and not container:
-            fetch = "resident"
-        opts["fetch"] = fetch
-        dtype = _pick_dtype(opts["dtype"], path, cfg)
-        kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], dtype)
-        kernel = _pick_kernel(opts["kernels"])
-        plan = MESH.plan_for(opts, cfg, opts.label("mesh"))
-        # a tensor-parallel mesh: dense weights unfused, on the XLA path (mesh.py); the experts keep ``kernel``
-        dense_kernel = kernel if plan is None or plan.model == 1 else "xla"
-        fuse = plan is None or plan.model == 1
-        pack = None if fuse else True           # tensor-parallel: stored bf16 / int8 dense weights stay so
+        if opts["fetch"] == "auto" and not container:
+            opts["fetch"] = "resident"
+        how = _Weights.choose(path, cfg, opts)
+        plan = how.plan
         if plan is not None:
-            _check_mesh_options(opts, plan, fetch)
-        store = None
-        if fetch == "resident" and not container:   # a plain HF dir: experts straight into params
-            params = W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=dense_kernel,
-                                   dense_fmt=opts["dense_format"], fuse=fuse, pack=pack, expert_kernel=kernel,
+            _check_mesh_options(opts, plan, opts["fetch"])
+        store = fitted = None
+        if opts["fetch"] == "resident" and not container:   # a plain HF dir: experts straight into params
+            params = W.load_params(path, cfg, dtype=how.dtype, expert_fmt=opts["expert_format"],
+                                   kernel=how.dense_kernel, dense_fmt=opts["dense_format"], fuse=how.fuse,
+                                   pack=how.pack, expert_kernel=how.kernel,
                                    expert_bank=None if plan is None else
                                    (lambda load, fmt, k: plan.resident_bank(cfg.n_routed_experts, load, fmt, k)))
         else:
-            src = None
-            fitted = None
-            try:
-                if container:     # manifest, config and sizes checked at open; the dense file's crc before use
-                    src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
-                    C.verify_dense(path, src.manifest)
-                if plan is None:  # what fits, from headers and the manifest: refused here, before any weights
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
-                    fitted = fit_memory(path, cfg, opts, src, dtype, kv_dtype, dense_kernel, pack)
-                    if not fitted.all_fit:
-                        # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
-                        # the room the refit measures for it (memory.compact_heap)
-                        MEM.compact_heap()
-                    if container and fitted.direct_io != src.direct_io:
-                        src.close()
-                        src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)
-                    opts["direct_io"] = fitted.direct_io
-                    opts["dense_format"] = fitted.dense_format
-                    if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
-                        opts["prefill_chunk"] = fitted.prefill_chunk
-                if container:
-                    params = W.load_dense_params(path, cfg, dtype=dtype, file=src.dense_path, kernel=dense_kernel,
-                                                 dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
-                else:
-                    params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=dense_kernel,
-                                           dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
-                if fitted is not None:
-                    # a RAM budget: the loader's programs (quantize, pack) never run again in this run, and
-                    # what they hold would count against the expert cache (~20 MB in the 0.3x slice box)
-                    jax.clear_caches()
-                MEM.trim()
-                if plan is not None:
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify="first",
-                                                                           direct_io=opts["direct_io"])
-                cap = opts["cache_cap"] or None
-                if plan is not None and cap:           # --cache_cap: per layer, split over the expert shards
-                    cap = max(1, -(-cap // plan.expert))
-                opener = S.ExpertStore.open if plan is None else functools.partial(S.ShardedStore.open, plan)
-                store = opener(path, cfg, cache_cap=cap,
-                                           ram_gb=opts["ram_gb"] or None,
-                                           direct_io=opts["direct_io"], io_threads=opts["io_threads"],
-                                           read_chunk_mb=opts["read_chunk_mb"],
-                                           pin=opts["pin"] or None, pin_gb=opts["pin_gb"],
-                                           policy=opts["cache_policy"],
-                                           # the whole process counts: what it holds now (runtime + dense
-                                           # weights) and a reserve for compilation and the step's buffers
-                                           used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None
-                                                                         else fitted.workspace)
-                                           + prefix_store_reserve(opts),
-                                           kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(kv_dtype).itemsize) *
-                                                     (opts["max_seq_len"] or F.KV_DEFAULT_TOKENS) * opts["max_batch"]
-                                                     if fitted is None else fitted.kv_bytes),
-                                           # slots for one decode / verify's union; a larger one (a prefill) is
-                                           # fetched and computed in chunks of this many experts (streaming.py)
-                                           max_working_set=(fitted.working_set if fitted is not None
-                                                            and fitted.working_set else working_set(cfg, opts)),
-                                           source=src,
-                                           state_dir=opts["state_dir"],
-                                           labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel,
-                                           **({} if fitted is None or cap else    # an explicit --cache_cap stays
-                                              {"headroom_bytes": F.COMPILE_TRANSIENT}))
-            except BaseException:
-                if src is not None and store is None:
-                    src.close()
-                raise
-            store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
-            # every expert cached, and (the plan's) room for the resident run's whole-model programs too
-            resident = store.can_hold_all() and (fitted is None or fitted.all_fit)
-            if fitted is not None and (fitted.notes or (not resident and not opts["cache_cap"])):
-                import sys  # the memory plan in one line, whenever memory decided something
-
-                print(fitted.line(fitted.inputs, store.cache_cap, resident), file=sys.stderr)
-            if fetch == "resident" and container and store.can_hold_all() and not resident:
-                code = fitted.inputs.resident_code
-                store.close(save_usage=False)
-                fl = opts.label("fetch")
-                raise RamBudgetError(f"{path}: {fl}=resident: every expert fits, but not the compiled programs of a "
-                                     f"resident run ({code / 1e9:.2f} GB at {cfg.num_hidden_layers} layers; raise "
-                                     f"{opts.label('ram_gb')}, or leave {fl} unset: every expert cached, streamed)")
-            if fetch in ("auto", "resident") and container:
-                # every expert fits the RAM budget: load them all now, then run one compiled step per token over
-                # the store's slot arenas (no per-layer host round trip); otherwise stream them: fetch=fused where
-                # the banks alias the store's arenas on one device (its decode runs without a host call while
-                # every expert it meets is cached), else fetch=loop
-                if resident:
-                    store.preload_all()
-                    fetch = "resident"
-                elif fetch == "resident":
-                    cap, E = store.cache_cap, cfg.n_routed_experts
-                    store.close(save_usage=False)
-                    raise RamBudgetError(f"{path}: --fetch=resident needs every expert in RAM, but the budget "
-                                         f"holds {cap} of {E} per layer (raise {opts.label('ram_gb')} or "
-                                         f"--cache_cap, or use --fetch=loop)")
-                else:
-                    fetch = ("fused" if store.aliased and plan is None and (fitted is None or fitted.fused)
-                             else "loop")
-            elif fetch == "resident":
-                raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint or a container")
-            opts["fetch"] = fetch
+            params, store, fitted = _load_with_store(path, cfg, opts, container, how)
+            opts["fetch"] = _settle_fetch(path, cfg, opts, container, store, fitted, plan)
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
-        eng = cls(path, cfg, params, opts, tok, store, kernel, plan)
-        eng._fit = fitted if store is not None and fetch != "resident" else None
+        eng = cls(path, cfg, params, opts, tok, store, how.kernel, plan)
+        eng._fit = fitted if store is not None and opts["fetch"] != "resident" else None
         eng._refit_pending = eng._fit is not None   # the first generation's refit (_refit_memory)
         eng._kv_planned = fitted.kv_tokens if store is not None and fitted is not None else None
         return eng
@@ -491,7 +385,7 @@ class Engine(Runner):
         all where the cache holds every expert."""
         if self._kept_plan() is None:
             return
-        if (self.opts["fetch"] == "loop" and self.plan is None and jax.config.jax_compilation_cache_dir
+        if (self.backend.shared_programs and self.plan is None and jax.config.jax_compilation_cache_dir
                 and not self.store.can_hold_all()):
             self._drop_programs()
         self._refit_memory()
@@ -541,7 +435,7 @@ class Engine(Runner):
         2-3 more experts a layer (docs/real-scale.md, stops 44-45).  fetch=fused's programs also follow the
         attention window, which grows during a decode, and speculation's drafts their sampling parameters: they
         keep fit.LATER_COMPILE free throughout."""
-        loop = self.opts["fetch"] == "loop" and draft_plan(self) is None
+        loop = self.backend.shared_programs and draft_plan(self) is None
         return F.LATER_COMPILE_WARM if loop else F.LATER_COMPILE
 
     def before_new_shapes(self):
@@ -574,7 +468,7 @@ class Engine(Runner):
         that back first (``_keep_free``), and ``segment_done``'s refit returns it.  None (chunk by chunk) where that is
         not two chunks, on a mesh, or with every expert resident."""
         st = self.store
-        if (st is None or self.plan is not None or self.opts["fetch"] not in ("loop", "fused") or st.can_hold_all()
+        if (st is None or self.plan is not None or not self.backend.segments or st.can_hold_all()
                 or remaining < 2 * chunk):
             return None
         item = jnp.dtype(self.dtype).itemsize
@@ -627,7 +521,7 @@ class Engine(Runner):
         # 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its budget, and its compile
         # 270 s with the cgroup at its limit (stop 48)
         view = (self._cache_len + max(0, int(kv_positions))) * per if self._cache_batch > 1 else 0
-        if self.opts["fetch"] == "loop":
+        if self.backend.row_in_place:
             view //= max(1, self.cfg.num_hidden_layers)
         self._keep_free(grow, self._later_compile(), refuse=(kv_positions, rows) if grow else None, transient=view)
 
@@ -711,6 +605,151 @@ class Engine(Runner):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _model_dir(path) -> str:
+    """The model directory ``Engine.load`` was given (default: the shipped model), checked to be one."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise GlmJaxError(f"Engine.load: path must be a directory name (str), got {type(path).__name__}")
+    path = os.fspath(path) if path else default_model_path()
+    if not os.path.isdir(path):
+        raise GlmJaxError(f"{path}: model directory not found" if not os.path.exists(path)
+                          else f"{path}: not a directory (expected a model directory)")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """How the weights load: dtypes, who computes (the experts' kernel, the dense weights'), the mesh plan."""
+    dtype: object
+    kv_dtype: object
+    kernel: str
+    plan: object
+    dense_kernel: str
+    fuse: bool
+    pack: Optional[bool]
+
+    @staticmethod
+    def choose(path: str, cfg: ModelConfig, opts) -> "_Weights":
+        dtype = _pick_dtype(opts["dtype"], path, cfg)
+        kernel = _pick_kernel(opts["kernels"])
+        plan = MESH.plan_for(opts, cfg, opts.label("mesh"))
+        # a tensor-parallel mesh: dense weights unfused, on the XLA path (mesh.py); the experts keep ``kernel``
+        fuse = plan is None or plan.model == 1
+        return _Weights(dtype=dtype, kv_dtype=pick_kv_dtype(opts["kv_cache_dtype"], dtype), kernel=kernel,
+                        plan=plan, dense_kernel=kernel if fuse else "xla", fuse=fuse,
+                        pack=None if fuse else True)    # tensor-parallel: stored bf16 / int8 dense weights stay so
+
+
+def _load_with_store(path: str, cfg: ModelConfig, opts, container: bool, how: _Weights):
+    """The dense weights into params and the routed experts behind an expert store (a container, or an HF dir
+    streamed / on a mesh), fitted to the RAM budget.  Returns (params, store, fitted: the memory plan or None)."""
+    src = store = fitted = None
+    try:
+        if container:     # manifest, config and sizes checked at open; the dense file's crc before use
+            src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
+            C.verify_dense(path, src.manifest)
+        if how.plan is None:  # what fits, from headers and the manifest: refused here, before any weights
+            src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
+            fitted = fit_memory(path, cfg, opts, src, how.dtype, how.kv_dtype, how.dense_kernel, how.pack)
+            if not fitted.all_fit:
+                # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
+                # the room the refit measures for it (memory.compact_heap)
+                MEM.compact_heap()
+            if container and fitted.direct_io != src.direct_io:
+                src.close()
+                src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)
+            opts["direct_io"] = fitted.direct_io
+            opts["dense_format"] = fitted.dense_format
+            if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
+                opts["prefill_chunk"] = fitted.prefill_chunk
+        if container:
+            params = W.load_dense_params(path, cfg, dtype=how.dtype, file=src.dense_path, kernel=how.dense_kernel,
+                                         dense_fmt=opts["dense_format"], fuse=how.fuse, pack=how.pack)
+        else:
+            params = W.load_params(path, cfg, dtype=how.dtype, expert_fmt=None, kernel=how.dense_kernel,
+                                   dense_fmt=opts["dense_format"], fuse=how.fuse, pack=how.pack)
+        if fitted is not None:
+            # a RAM budget: the loader's programs (quantize, pack) never run again in this run, and
+            # what they hold would count against the expert cache (~20 MB in the 0.3x slice box)
+            jax.clear_caches()
+        MEM.trim()
+        if how.plan is not None:
+            src = src if src is not None else C.open_expert_source(path, cfg, verify="first",
+                                                                   direct_io=opts["direct_io"])
+        store = _open_store(path, cfg, opts, src, fitted, how)
+    except BaseException:
+        if src is not None and store is None:
+            src.close()
+        raise
+    store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
+    return params, store, fitted
+
+
+def _open_store(path: str, cfg: ModelConfig, opts, src, fitted, how: _Weights):
+    """The expert store over ``src``, sized by the memory plan ``fitted`` (None: by the options)."""
+    plan = how.plan
+    cap = opts["cache_cap"] or None
+    if plan is not None and cap:           # --cache_cap: per layer, split over the expert shards
+        cap = max(1, -(-cap // plan.expert))
+    opener = S.ExpertStore.open if plan is None else functools.partial(S.ShardedStore.open, plan)
+    kv_item = jnp.dtype(how.kv_dtype).itemsize
+    return opener(path, cfg, cache_cap=cap,
+                  ram_gb=opts["ram_gb"] or None,
+                  direct_io=opts["direct_io"], io_threads=opts["io_threads"],
+                  read_chunk_mb=opts["read_chunk_mb"],
+                  pin=opts["pin"] or None, pin_gb=opts["pin_gb"],
+                  policy=opts["cache_policy"],
+                  # the whole process counts: what it holds now (runtime + dense weights) and a reserve for
+                  # compilation and the step's buffers
+                  used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None else fitted.workspace)
+                  + prefix_store_reserve(opts),
+                  kv_bytes=(M.kv_bytes_per_token(cfg, kv_item) *
+                            (opts["max_seq_len"] or F.KV_DEFAULT_TOKENS) * opts["max_batch"]
+                            if fitted is None else fitted.kv_bytes),
+                  # slots for one decode / verify's union; a larger one (a prefill) is fetched and computed in
+                  # chunks of this many experts (streaming.py)
+                  max_working_set=(fitted.working_set if fitted is not None
+                                   and fitted.working_set else working_set(cfg, opts)),
+                  source=src,
+                  state_dir=opts["state_dir"],
+                  labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=how.kernel,
+                  **({} if fitted is None or cap else    # an explicit --cache_cap stays
+                     {"headroom_bytes": F.COMPILE_TRANSIENT}))
+
+
+def _settle_fetch(path: str, cfg: ModelConfig, opts, container: bool, store, fitted, plan) -> str:
+    """The fetch mode of a store-backed load (Engine builds its backend from it): under --fetch=auto / resident
+    with a container, every expert cached and (the plan's) room for the resident run's whole-model programs too:
+    the store preloaded, one compiled step per token over its slot arenas (no per-layer host round trip);
+    otherwise streamed: fused where the banks alias the store's arenas on one device (its decode runs without a
+    host call while every expert it meets is cached), else loop.  --fetch=resident refused where it can't hold."""
+    fetch = opts["fetch"]
+    resident = store.can_hold_all() and (fitted is None or fitted.all_fit)
+    if fitted is not None and (fitted.notes or (not resident and not opts["cache_cap"])):
+        # the memory plan in one line, whenever memory decided something
+        print(fitted.line(fitted.inputs, store.cache_cap, resident), file=sys.stderr)
+    if fetch == "resident" and container and store.can_hold_all() and not resident:
+        code = fitted.inputs.resident_code
+        store.close(save_usage=False)
+        fl = opts.label("fetch")
+        raise RamBudgetError(f"{path}: {fl}=resident: every expert fits, but not the compiled programs of a "
+                             f"resident run ({code / 1e9:.2f} GB at {cfg.num_hidden_layers} layers; raise "
+                             f"{opts.label('ram_gb')}, or leave {fl} unset: every expert cached, streamed)")
+    if fetch in ("auto", "resident") and container:
+        if resident:
+            store.preload_all()
+            return "resident"
+        if fetch == "resident":
+            cap, E = store.cache_cap, cfg.n_routed_experts
+            store.close(save_usage=False)
+            raise RamBudgetError(f"{path}: --fetch=resident needs every expert in RAM, but the budget "
+                                 f"holds {cap} of {E} per layer (raise {opts.label('ram_gb')} or "
+                                 f"--cache_cap, or use --fetch=loop)")
+        return "fused" if store.aliased and plan is None and (fitted is None or fitted.fused) else "loop"
+    if fetch == "resident":
+        raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint or a container")
+    return fetch
+
+
 def _check_mesh_options(opts, plan, fetch: str):
     """What a mesh does not run (one line naming the option)."""
     if fetch in ("callback", "fused"):

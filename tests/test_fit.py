@@ -636,7 +636,7 @@ out["cap2"] = eng.store.cache_cap
 calls.clear()
 eng.generate([1 + i % 250 for i in range(400)], max_new_tokens=2, stop_on_eos=False)
 out["calls3"], out["len3"], out["kv3"] = list(calls), eng._cache_len, eng._kv_bytes()
-step = eng._stream_fns["attn_route"]                   # one program per cache length (and chunk shape)
+step = eng.backend.programs.attn_route              # one program per cache length (and chunk shape)
 out["programs3"] = step._cache_size()
 # the long prompt done, a short one: the KV cache goes back to the planned 256 positions
 calls.clear()
@@ -952,6 +952,7 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
     from glm_jax import memory as MEM
     from glm_jax.engine import SEGMENT_MAX, Engine
     from glm_jax.runtime import streaming as ST
+    from glm_jax.runtime.backends import backend_for
 
     monkeypatch.setattr(MEM, "trim", lambda: None)
     inp = inputs(budget=800 * MB, kv_tokens=1024, kv_fixed=True, rec_sum=20 * MB, max_rec=10 * MB, working_set=8,
@@ -966,6 +967,7 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
         stub.cfg, stub.dtype, stub.plan, stub._cache_len, stub._cache_batch = cfg, np.float32, None, 2048, 2
         stub._shapes_run = {(1, 32, 2048, None, True, False)}            # the chunk's programs ran at this length
         stub.opts = glm_jax.options.resolve({"fetch": "loop"})
+        stub.backend = backend_for("loop", cfg)
         stub.segment_tokens = Engine.segment_tokens.__get__(stub)
         stub._stream_shapes = Engine._stream_shapes.__get__(stub)
         return stub

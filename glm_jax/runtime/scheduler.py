@@ -543,7 +543,7 @@ class Scheduler:
     def _windowed(self) -> bool:
         """Decode reads a window of the cache (GQA, every expert resident): its cost does not grow with the cache's
         length (DSA and a streamed store's step run over the whole cache)."""
-        return self.rt.cfg.model_type != "glm_moe_dsa" and self.rt.opts["fetch"] == "resident"
+        return self.rt.cfg.model_type != "glm_moe_dsa" and not self.rt.backend.streamed
 
     def _window(self, end: int) -> int:
         return min(self.rt._cache_len, bucket(end, MIN_WINDOW))
@@ -552,7 +552,7 @@ class Scheduler:
         """Whether a 1-4-token chunk may run at SHORT_PREFILL rows: where its rows' results are bitwise those of the
         16-row bucket (GQA, every expert resident; tested).  The streamed store's fused path gave other tokens from
         a 1-token suffix at 4 rows (b, fetch=fused: the 43rd greedy token), so it and MLA / DSA keep 16 rows."""
-        return self.rt.opts["fetch"] == "resident" and self.rt.cfg.model_type == "glm4_moe"
+        return not self.rt.backend.streamed and self.rt.cfg.model_type == "glm4_moe"
 
     def _prefill_chunk(self, req: Request):
         rt = self.rt
@@ -700,10 +700,10 @@ class Scheduler:
         hosted = [r for r in dec if r.spec is None and r.processor is not None]
         spec = [r for r in dec if r.spec is not None]
         c0, t0 = rt.compile_s, time.perf_counter()
-        if rt.opts["fetch"] != "resident":         # one batched forward for all of them (the store's union)
+        if rt.backend.streamed:                    # one batched forward for all of them (the store's union)
             plain, hosted = plain + hosted, []
         if plain:
-            if rt.opts["fetch"] == "resident" or self._fused_streams(plain, W):
+            if not rt.backend.streamed or self._fused_streams(plain, W):
                 self._fused(plain, n, W)
             else:
                 self._one_step(plain, W)
@@ -770,14 +770,15 @@ class Scheduler:
         inside it (every row plain -- no host-side logits processor --, the store's banks aliased, each step's
         union within one fetch); else one forward per step."""
         rt = self.rt
-        if rt.opts["fetch"] != "fused" or not rt.store.aliased or any(r.processor is not None for r in rows):
+        if not rt.backend.fused_decode or any(r.processor is not None for r in rows):
             return False
         return fused_applies(rt, self.B, W, self._rows_arrays(rows)[0].astype(np.int32))
 
-    def _fused(self, rows, n, W):
+    def _fused_dispatch(self, rows, n: int, W: int, budget, streamed_store: bool):
+        """The shape of a multi-step decode dispatch of ``rows``: (steps, the KV window, the rows it runs on (None:
+        all), the streaming interval (0: none), the native sink or None, optimistic: the store's program without
+        host calls)."""
         rt = self.rt
-        streamed_store = rt.opts["fetch"] == "fused"
-        active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
         # the host callback where someone reads tokens as they come (a stream; its stop strings, its cancel): the
         # loop then hands them over, stops rows and ends early for a newcomer itself, so it may run FUSED_CHUNK
         # steps; without it a dispatch runs what fits in --dispatch_ms.  A streamed dispatch of fewer steps (a
@@ -794,13 +795,20 @@ class Scheduler:
         # the store's path runs at max_batch over the whole cache, as fetch=loop's one step does (bitwise its output)
         window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" and not streamed_store else rt._cache_len
         rmap = None if streamed_store else self.decode_rows(rows, W)
-        w = self.B if rmap is None else len(rmap)
-        sel = slice(None) if rmap is None else rmap
         every = self.stream_interval if streamed else 0
         sink = self._native_sink() if every else None
         # the store's program without host calls first; after a dispatch it ended at a miss, the one with them,
         # until one of those runs without a miss (a cold cache: every optimistic try would end at its first step)
         optimistic = streamed_store and not rt.opts["prefetch"] and not self._missed
+        return n, window, rmap, every, sink, optimistic
+
+    def _fused(self, rows, n, W):
+        rt = self.rt
+        streamed_store = rt.backend.fused_decode
+        active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
+        n, window, rmap, every, sink, optimistic = self._fused_dispatch(rows, n, W, budget, streamed_store)
+        w = self.B if rmap is None else len(rmap)
+        sel = slice(None) if rmap is None else rmap
         misses0 = _store_misses(rt)
         compiled = _fused_key(self.B, W, window, w, every, sink is not None, optimistic) in rt._jits
         fn = _fused_fn(rt, self.B, W, window, w, every, sink is not None, optimistic)
@@ -865,6 +873,11 @@ class Scheduler:
             out = full
         self.counters["dispatches"] += 1
         self.counters["decode_steps"] += steps
+        self._fused_deliver(rows, out, cnt, sel, live)
+
+    def _fused_deliver(self, rows, out, cnt, sel, live):
+        """A dispatch's tokens (``out`` [steps, B], ``cnt`` [B] per row, in row order) to their requests, past what
+        the loop streamed already (``live["sent"]``)."""
         sent = np.zeros(self.B, np.int64)
         sent[sel] = live["sent"]
         for r in rows:
@@ -1077,7 +1090,7 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     # store's state (fused_state: slot maps, resident masks, the routing log its bookkeeping is replayed from),
     # carried step to step
     fwd = (fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None, optimistic)
-           if rt.opts["fetch"] == "fused" else None)
+           if rt.backend.fused_decode else None)
 
     def one(params, part, tok, pos, active, resident):
         toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)
