@@ -380,7 +380,7 @@ class Engine(Runner):
         cache on disk at its first use (0.6-0.7 s of the first request in the GLM-4.5-Air slice's 0.3x box), and only
         the ones the requests use come back.  There, kept, the warm-up's programs held ~130 MB and left the cache at
         1-2 experts a layer (decode 12-14 tok/s); dropped, 8 after the warm-up (22-23 tok/s), and glm-jax-serve's
-        time a token at one client fell from 64-75 to 40 ms (docs/real-scale.md, stop 52).  Programs holding a
+        time a token at one client fell from 64-75 to 40 ms (docs/real-scale.md, memory guard).  Programs holding a
         Python host callback (fetch=callback / fused, meshes) cannot come back from the cache and stay, and so do
         all where the cache holds every expert."""
         if self._kept_plan() is None:
@@ -432,7 +432,7 @@ class Engine(Runner):
         speculation compiles only where a forward's shapes are new (Runner.before_new_shapes), and takes
         fit.LATER_COMPILE back from the expert cache right then, so between requests it keeps only
         fit.LATER_COMPILE_WARM (the sampler's programs of a new case): in the GLM-4.5-Air slice's 0.3x box that is
-        2-3 more experts a layer (docs/real-scale.md, stops 44-45).  fetch=fused's programs also follow the
+        2-3 more experts a layer (docs/real-scale.md, memory guard).  fetch=fused's programs also follow the
         attention window, which grows during a decode, and speculation's drafts their sampling parameters: they
         keep fit.LATER_COMPILE free throughout."""
         loop = self.backend.shared_programs and draft_plan(self) is None
@@ -448,7 +448,7 @@ class Engine(Runner):
     def shrink_cache(self, batch: int, cap: int):
         """Runner.shrink_cache, and the programs compiled for the longer cache dropped with it: every step's shapes
         follow the cache's length, so they never run again, and in the GLM-4.5-Air slice's 0.3x box they held
-        ~100 MB after a 1500-token prompt (docs/real-scale.md, stop 42).  The ones still needed are compiled again
+        ~100 MB after a 1500-token prompt (docs/real-scale.md, memory guard).  The ones still needed are compiled again
         (from the compilation cache on disk: ~0.7 s there)."""
         before = self._cache_len
         super().shrink_cache(batch, cap)
@@ -506,10 +506,10 @@ class Engine(Runner):
         plan reserved, or the programs compiled since the last refit (other prompt buckets, longer attention
         windows: each keeps its code) -- by taking the deficit back from the expert cache (``shrink_cap``) while
         keeping what ``_later_compile`` says free for the next compile.  Without it a long prompt in a tight memory
-        cgroup drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, stop 41).
+        cgroup drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, memory guard).
         Where the growth and its compile do not fit even with the cache at one expert a layer, the request is
         refused (RamBudgetError, one line; nothing changed): 8 rows of glm-jax-serve grown for a ~920-token prompt,
-        and 2 rows for a ~1900-token one, in the GLM-4.5-Air slice's 0.3x box were OOM-killed (stop 47).
+        and 2 rows for a ~1900-token one, in the GLM-4.5-Air slice's 0.3x box were OOM-killed.
         A no-op for a run without a fitted store or with an explicit --cache_cap."""
         if self._kept_plan() is None:
             return
@@ -519,7 +519,7 @@ class Engine(Runner):
         # time (streaming.stream_step's row), the whole-model programs on a copy of the row's every layer
         # (Runner.row_view), held beside the cache through the prefill and its compile.  That copy took a
         # 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its budget, and its compile
-        # 270 s with the cgroup at its limit (stop 48)
+        # 270 s with the cgroup at its limit
         view = (self._cache_len + max(0, int(kv_positions))) * per if self._cache_batch > 1 else 0
         if self.backend.row_in_place:
             view //= max(1, self.cfg.num_hidden_layers)
@@ -531,7 +531,7 @@ class Engine(Runner):
         ``refuse`` (memory_guard's positions, rows): a growth that, with its programs' compile
         (fit.LATER_COMPILE), does not fit the budget even with the cache at its floor raises RamBudgetError before
         anything is given up (the budget's own margin, 0.1 of a cgroup's limit, is the process's file pages': 48 MB
-        short in the GLM-4.5-Air slice's 0.3x box was OOM-killed, stop 47).  ``transient``: bytes the coming
+        short in the GLM-4.5-Air slice's 0.3x box was OOM-killed).  ``transient``: bytes the coming
         forward holds beside the cache besides its compile (memory_guard: a row view's copy), kept free too."""
         free = self._free_bytes(grow, later) - transient
         if free < 0:
@@ -565,7 +565,7 @@ class Engine(Runner):
         if short > 0:
             # before a refusal, as the plan lowers it before refusing a load.  The f16 K/V cache's plan in the
             # GLM-4.5-Air slice's 0.3x box spends the bytes it saved on a working set of 8 (one round a decode) where
-            # f32's had 4; without this its 2 rows refused a ~920-token request that f32's served (stop 48)
+            # f32's had 4; without this its 2 rows refused a ~920-token request that f32's served
             w, short = lowered(lacking, short)
             if short <= 0:
                 self._set_working_set(w)
@@ -583,7 +583,7 @@ class Engine(Runner):
         if free < 0 and uncovered(free) > 0:
             # the cap's steps below the working set free one expert of every layer less the fetched layer's
             # transient slot, so with one streamed layer nothing: where they cannot cover what is short, the working
-            # set is lowered first (the GLM-5.2 slice's server gave its whole cache, 32 -> 1, for 34 MB; stop 49)
+            # set is lowered first (the GLM-5.2 slice's server gave its whole cache, 32 -> 1, for 34 MB)
             w, _ = lowered(uncovered, uncovered(free))
             if w != self._fit.inputs.working_set:
                 self._set_working_set(w)
@@ -937,8 +937,8 @@ def _pick_dtype(name: str, path: str, cfg: ModelConfig):
 def pick_kv_dtype(name: str, dtype):
     """The K/V cache's storage dtype (--kv_cache_dtype).  auto: float16 where the compute dtype is float32 (half a
     float32 cache's bytes, llama.cpp's default; float16's 10-bit mantissa against bfloat16's 7, and K/V values sit
-    far inside its range), GQA and MLA models alike.  (Stop 48 kept float32 for MLA on a slower f16 decode; that
-    was the expert cache giving all its experts for a few MB, fixed in ExpertStore.shrink_cap, stop 49.)  Else the
+    far inside its range), GQA and MLA models alike (an MLA f16 decode once measured slower only because the expert
+    cache gave all its experts for a few MB; ExpertStore.shrink_cap no longer steps where that frees nothing).  Else the
     compute dtype."""
     if name != "auto":
         return jnp.dtype(name).type
@@ -963,7 +963,7 @@ def prefix_store_reserve(opts) -> int:
 
 
 RUNTIME_RESERVE = 150 << 20   # compile workspace + the step's buffers beyond the resident set at open (measured:
-                              # 15-60 MB on the 1.9 GB synthetic model; tools/bench.py --mode=lowram)
+                              # 15-60 MB on the 1.9 GB synthetic model; python -m tools.bench --mode=lowram)
 
 
 def fit_memory(path: str, cfg: ModelConfig, opts: "O.Options", src, dtype, kv_dtype, dense_kernel: str, pack):

@@ -46,7 +46,7 @@ KV_DEFAULT_TOKENS = 4096                      # reserved when the run's length i
 KV_FLOOR_TOKENS = 256                         # the reservation is never lowered below this (nor below the run's)
 CHUNK_FLOOR = 32                              # nor the prefill chunk below this (where only that lets it start)
 CACHE_CHUNK_FLOOR = 32                        # nor below this to give a streamed run's cache two tokens' experts
-                                              # (64 until stop 48: the f16 cache's 3 MB then kept a 64-token chunk
+                                              # (at 64 the f16 cache's 3 MB kept a 64-token chunk
                                               # and 2 fewer experts a layer in the GLM-4.5-Air slice's 0.3x box)
 CACHE_CHUNK_TOKENS = 2                        # ... (CACHE_CHUNK_TOKENS x top-k a layer)
 COMPILE_BYTES = 100 << 20                     # compiled programs, kept (see workspace_bytes)
@@ -63,11 +63,11 @@ RESIDENT_CODE_PER_LAYER = {"glm_moe_dsa": 14 << 20, "glm4_moe": 8 << 20}
 ROW_TOKENS = 1024                             # rows the run did not ask for (glm-jax-serve's --max_batch): fewer
                                               # rows of this many positions before more rows of fewer (plan_rows)
 FUSED_CODE_SHARE = 0.15                       # fetch=fused where its code costs at most this share of the cache:
-                                              # measured at the boundary (stop 54, docs/real-scale.md), fused
+                                              # measured at the boundary (docs/real-scale.md), fused
                                               # against loop where the plan gave fused 2 of 19 / 3 of 28 slots
                                               # a layer (the GLM-5.2 slice's 24 GB box, hit 1.00; the streaming
                                               # model at 1400 MB): +14-23% / +29-39%; where 3 of 16 (1000 MB, hit
-                                              # 0.97 -> 0.93): -17-23%.  Was 0.1, a guess (stop 32)
+                                              # 0.97 -> 0.93): -17-23%
 LOAD_OVERHEAD = 32 << 20                      # what loading adds besides the weights (measured on the shipped model:
                                               # NNX model, tokenizer, device copies' bookkeeping: 25 MB private)
 
@@ -241,7 +241,7 @@ def plan_rows(inputs_at, rows: int) -> tuple:
     traded for positions at the same KV bytes and prefill chunk (no smaller cache, no more rounds of a decode's
     fetch): the cache is [rows, positions], so a request longer than the reservation grows every row's K/V inside
     the box -- 8 rows of 256 positions in the GLM-4.5-Air slice's 0.3x box were OOM-killed by a ~920-token prompt
-    (docs/real-scale.md, stop 47); 2 rows of 1024 in the same bytes served it.  Where they could grow, the plan stays
+    (docs/real-scale.md); 2 rows of 1024 in the same bytes served it.  Where they could grow, the plan stays
     (Engine.memory_guard takes a growth's room from the cache when it comes, and gives it back after)."""
     r = rows
     while True:
@@ -334,7 +334,7 @@ def _plan(inp: FitInputs) -> FitPlan:
     # smaller prefill chunk (llama.cpp's -ub) only re-reads a long prompt's experts once more per chunk.  So the
     # chunk's activations go to the cache first, halved down to CACHE_CHUNK_FLOOR.  Measured (docs/real-scale.md):
     # the 3-layer GLM-4.5-Air slice at 0.45x, 256 -> 64 tokens took the cache from 8 to 12 experts a layer and
-    # decode 9.4 -> 15.3 tok/s (stop 34); the 6-layer slice at 0.3x (cache 8 = top-8 at 256) gave decode 8.5-11.1
+    # decode 9.4 -> 15.3 tok/s; the 6-layer slice at 0.3x (cache 8 = top-8 at 256) gave decode 8.5-11.1
     # -> 15.9 tok/s with a 64-token prompt, 8.6 -> 11.1 with a 512-token one, whose prefill went 55.8 -> 46.6
     want_cached = CACHE_CHUNK_TOKENS * inp.top_k
     while (not inp.chunk_fixed and inp.act_per_position and inp.top_k and chunk > CACHE_CHUNK_FLOOR

@@ -75,7 +75,7 @@ def compact_heap(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
     block freed so far (up to 32 MiB), so after loading and compiling, XLA's multi-MB buffers are carved out of the
     heap and its arenas, where freeing them leaves holes ``malloc_trim`` cannot return.  In the GLM-4.5-Air slice's
     0.3x box that drift cost the expert cache 1-3 experts a layer, one generation after another; with the threshold
-    fixed the cache held 9 (docs/real-scale.md, stop 45).  For a run inside a RAM budget (Engine.load).  False where
+    fixed the cache held 9 (docs/real-scale.md).  For a run inside a RAM budget (Engine.load).  False where
     the C library has no mallopt (not glibc)."""
     try:
         return bool(_libc().mallopt(M_MMAP_THRESHOLD, int(threshold)))

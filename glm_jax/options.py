@@ -172,7 +172,7 @@ OPTIONS = [
     Opt("overlap", True, "bool", "The loop's layers (fetch=loop; fused programs have no host step between layers): "
         "compute the layer's resident (hit) experts and the shared expert while its misses are read (decode-sized "
         "forwards; bitwise the same output). Decode 1.07-1.14x in the GLM-4.5-Air slice's 0.3x box "
-        "(docs/real-scale.md, stop 52).", env=("PIPE",)),
+        "(docs/real-scale.md).", env=("PIPE",)),
     Opt("read_chunk_mb", 1.0, "float", "Where a fetch misses fewer experts than --io_threads, split each expert "
         "read into a multiple of io_threads near-equal byte ranges of at most this many MB, so a layer's few large "
         "misses keep every I/O thread busy to the end; with as many misses as threads or more, each is one read "
@@ -185,7 +185,7 @@ OPTIONS = [
     Opt("pin_gb", 0.0, "float", "RAM for the pinned hot set in GB.", env=("PIN_GB",), lo=0.0),
     Opt("cache_policy", "lfu", "enum", "Expert cache eviction policy: lfu (use counts decayed with a half-life of 64 "
         "layer calls, ties by recency; the default: a higher hit rate than lru at every cache size in the replays "
-        "and low-RAM runs of docs/benchmarks.md, stop 33) or lru.", ("lru", "lfu"),
+        "and low-RAM runs of docs/benchmarks.md) or lru.", ("lru", "lfu"),
         env=("COLI_POLICY_CACHE",)),
     Opt("sim_disk_gbps", 0.0, "float", "Benchmark aid: after each expert read, also wait as if every loaded expert "
         "were --sim_expert_mb MB on a disk of this bandwidth (reported as sim_io_s; bytes_read stays real). 0 = off.",
@@ -220,7 +220,7 @@ OPTIONS = [
         "expert_budget. Lossy."),
     Opt("mtp", False, "bool", "Speculative decoding with the model's MTP layer when it has one (--mtp; off by "
         "default: on the shipped model it decoded 3.3x slower than plain decode on CPU, 529 vs 1756 tok/s with "
-        "44% acceptance, README). Greedy output is identical either way.", env=("MTP",), main=True),
+        "44% acceptance, docs/flags.md). Greedy output is identical either way.", env=("MTP",), main=True),
     Opt("draft", -1, "int", "Draft tokens per step (-1: 3 with --mtp and an MTP layer, else 0).",
         env=("DRAFT",), lo=-1, hi=63, main=True),
     Opt("draft_source", "auto", "enum", "Where drafts come from: auto (mtp if present), mtp, ngram (prompt lookup).",

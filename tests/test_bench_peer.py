@@ -146,7 +146,7 @@ def test_a_peer_whose_defaults_crash_is_named_and_one_that_runs_is_not(tmp_path)
 
 
 def test_a_llama_server_that_dies_at_start_is_a_bench_error_not_a_process_lookup_error(tmp_path):
-    # stop 33: the server crashed at start; the cleanup's killpg on its gone process group raised
+    # a server that crashed at start: the cleanup's killpg on its gone process group raised
     # ProcessLookupError, which hid the BenchError naming the crash
     prefix = _fake_llamacpp(tmp_path, "exit 0", "exit 7")
     with pytest.raises(P.BenchError, match="exited 7"):

@@ -1,4 +1,4 @@
-"""tools/cache_sim.py: the offline optimum (Belady) against the shipped policies on the same traces."""
+"""tools/bench/cache_sim.py: the offline optimum (Belady) against the shipped policies on the same traces."""
 
 import pytest
 
@@ -28,7 +28,7 @@ def test_belady_bounds_the_shipped_policies(cap):
 
 
 def test_the_engines_default_policy_is_the_one_that_hits_more():
-    """--cache_policy defaults to lfu (stop 33): on skewed routing (and on the shipped model's own trace, the replays
+    """--cache_policy defaults to lfu: on skewed routing (and on the shipped model's own trace, the replays
     in docs/benchmarks.md) it hits more often than lru at every cache size.  Before, the default was lru."""
     trace = cache_sim.synthetic_trace(n_tokens=400, layers=2, E=64, k=8, zipf=1.1, repeat=0.3, seed=1)
     for cap in (4, 16, 32):       # (cap 8 = the working set of 8: every policy keeps the last union)

@@ -102,7 +102,7 @@ def test_a_streamed_runs_prefill_chunk_gives_its_activations_to_a_cache_below_tw
     """The GLM-4.5-Air slice at 0.45x of its size: the plan kept a 256-token prefill chunk (0.36 GB of activations)
     and left the cache 2 experts a layer (8 after the first run) against top-8 routing: hits 0.60, 54 MB read a
     token.  The 6-layer slice at 0.3x: 8 a layer, hits 0.75.  The chunk now halves (to 32 at least, CHUNK_FLOOR:
-    stop 48, where the f16 K/V cache's 3 MB left a 64-token chunk and 2 fewer cached experts a layer than the f32
+    at 64 the f16 K/V cache's 3 MB left a 64-token chunk and 2 fewer cached experts a layer than the f32
     cache's plan at 32 in the GLM-4.5-Air slice's 0.3x box) while the cache holds fewer experts than two tokens
     route to."""
     # 600 - runtime 100 - int8 dense 100 - KV 10.24 (1024 positions) - buffers 20 - workspace 150 + (512 - chunk) x 0.4 MB
@@ -384,7 +384,7 @@ def test_streamed_runs_fused_only_where_its_programs_cost_little_of_the_cache():
 
 
 def test_fused_where_its_programs_take_up_to_15_percent_of_the_cache_slots():
-    """Stop 54 measured the boundary: fused beat loop by 14-39% where its programs took 2 of 19 (the GLM-5.2 slice's
+    """Measured at the boundary: fused beat loop by 14-39% where its programs took 2 of 19 (the GLM-5.2 slice's
     24 GB box) and 3 of 28 slots a layer (the streaming model at 1400 MB), and lost 17-23% at 3 of 16 (1000 MB).  The
     old share (0.1) streamed the first two with loop."""
     # int8 dense at 605 MB: 194 MB -> 19 experts a layer (64 of them)
@@ -397,8 +397,8 @@ def test_fused_where_its_programs_take_up_to_15_percent_of_the_cache_slots():
 
 
 def test_an_asked_fetch_decides_whether_the_unrolled_programs_are_reserved():
-    # --fetch=loop shares one program per layer kind: no whole-model code is taken from the cache (stop 32 reserved
-    # it whatever --fetch said); --fetch=fused / callback reserve it even where auto would stream with loop
+    # --fetch=loop shares one program per layer kind: no whole-model code is taken from the cache (reserving it
+    # whatever --fetch said cost loop slots); --fetch=fused / callback reserve it even where auto would stream with loop
     p = F.plan(inputs(budget=450 * MB, resident_code=1 * MB, fetch="loop"))
     assert (p.cap_fits, p.fused, p.workspace) == (3, False, 150 * MB)
     p = F.plan(inputs(budget=450 * MB, resident_code=10 * MB, fetch="fused"))
@@ -465,7 +465,7 @@ def _rows(**kw):
 def test_rows_nobody_asked_for_are_traded_for_positions_at_the_same_kv_bytes():
     """glm-jax-serve's 8 default rows in the GLM-4.5-Air slice's 0.3x box: the plan kept 8 rows and lowered each
     to 256 positions, so the first ~230-token prompt + 48 tokens grew every row's K/V to 512 (+50 MB) and compiled
-    the longer cache's programs with the expert cache at its floor (docs/real-scale.md, stop 46).  Where the rows
+    the longer cache's programs with the expert cache at its floor (docs/real-scale.md, memory guard).  Where the rows
     are the run's to choose (fit.plan_rows) and 8 rows could not grow to ROW_TOKENS even with one expert a layer,
     the same KV bytes go to fewer rows of ROW_TOKENS positions."""
     f = _rows(budget=380 * MB)                   # int4 dense: 380 - 100 - 150 - 60 - 20 = 50 MB for KV + experts
@@ -530,7 +530,7 @@ print("RESULT", json.dumps(out))
 def test_a_request_whose_kv_growth_does_not_fit_even_at_the_cache_floor_is_refused(over_budget_container):
     """glm-jax-serve's 8 rows in the GLM-4.5-Air slice's 0.3x box, a ~920-token prompt: the K/V cache grew from 256
     to 1024 positions for every row (+150 MB), the guard took the expert cache to its floor (58 MB), and the
-    process was OOM-killed (docs/real-scale.md, stop 47).  Now Engine.memory_guard refuses such a request before
+    process was OOM-killed (docs/real-scale.md, memory guard).  Now Engine.memory_guard refuses such a request before
     anything is given up: one line naming the growth, the shortfall and the flags; the engine serves on."""
     r = subprocess.run([sys.executable, "-c", _REFUSE_CHILD, over_budget_container(max_position_embeddings=8192)],
                        capture_output=True, text=True, timeout=300)
@@ -652,7 +652,7 @@ def test_a_run_that_outgrows_its_plan_takes_the_room_from_the_expert_cache_and_g
     """The plan reserves KV for the run it knows of (here 256 positions) and hands the rest to the expert cache.
     A later, longer prompt grows the KV cache (and compiles programs for the longer window) past that plan: in the
     GLM-4.5-Air slice's 836 MB cgroup a 1500-token prompt then made the process reclaim its own code pages while
-    compiling, and it did not finish in 40 minutes (docs/real-scale.md, stop 41).  Before each request's prefill
+    compiling, and it did not finish in 40 minutes (docs/real-scale.md, memory guard).  Before each request's prefill
     the scheduler now asks the engine to make room (Engine.memory_guard): the cache gives back what the growth
     needs (its cap lowered, the victims evicted), and the next generation's refit hands back what is measured free
     again.  A fresh process, so that the budget above its runtime is what the test says."""
@@ -776,7 +776,7 @@ def test_the_cache_holds_the_compile_reserve_between_requests_whose_programs_are
     """fetch=loop compiles one program per forward shape (a prefill chunk's positions, the decode width) and cache
     length.  The refit after a generation used to keep LATER_COMPILE (64 MB) free for later programs for the run's
     whole life: in the GLM-4.5-Air slice's 0.3x box that was 3 of the 9 experts a layer the cache could hold
-    (docs/real-scale.md, stops 44-45).  Now the refit hands it to the cache (only LATER_COMPILE_WARM stays free),
+    (docs/real-scale.md, memory guard).  Now the refit hands it to the cache (only LATER_COMPILE_WARM stays free),
     and a streamed forward whose shapes have not run at this cache length takes it back before its programs
     compile (Runner.before_new_shapes); the next generation's refit hands it back again."""
     import subprocess
@@ -792,7 +792,7 @@ def test_the_cache_holds_the_compile_reserve_between_requests_whose_programs_are
     # the refit left the cache what was free beyond the warm reserve: the LATER_COMPILE it used to keep is not left
     # over (a measurement a moment later moves by a few MB on a loaded machine) -- unless the cache already fills
     # the slots its arenas have (grow_cap's limit: the process measured less than the plan counted; 31 MB over on
-    # the AVX-512 EPYC, stop 53); the grown slots, not read into yet, are counted as full
+    # the AVX-512 EPYC); the grown slots, not read into yet, are counted as full
     assert -per <= out["free_warm"] and out["unfilled"] >= 0, out
     assert out["free_warm"] < (F.LATER_COMPILE - F.LATER_COMPILE_WARM) // 2 or out["at_slots"], out
     # the same shapes again (another 16-token prompt): no forward compiles, the cache keeps its room
@@ -863,7 +863,7 @@ def _guard_stub(inp, private, cap=3, W=8):
 
 def test_the_guard_lowers_the_working_set_before_it_refuses_a_growth_and_the_refit_puts_it_back(monkeypatch):
     """The f16 K/V cache's plan in the GLM-4.5-Air slice's 0.3x box spent the bytes it saved on a working set of 8
-    where f32's had 4, and its 2 rows then refused a ~920-token request main served (stop 48).  Before refusing,
+    where f32's had 4, and its 2 rows then refused a ~920-token request f32's served.  Before refusing,
     Engine.memory_guard now halves the working set (the store fetches a decode's experts in rounds) down to one
     expert, to the largest one that makes the growth fit, and changes nothing where none does; the refit after the
     request puts the opened working set back where the memory measured free allows."""
@@ -909,7 +909,7 @@ def test_where_the_caps_steps_free_too_little_the_guard_lowers_the_working_set(m
     """Below the working set, a cap step frees one expert of every layer less the fetched layer's transient slot:
     with one streamed layer, nothing.  glm-jax-serve on the GLM-5.2 slice (one MoE layer, cache 32 = working set
     32) was 34 MB short before a compile and gave its whole cache for it (cap 32 -> 1), at half the decode speed
-    until the refits grew it back (stop 49).  The guard now halves the working set where the cap's steps cannot
+    until the refits grew it back.  The guard now halves the working set where the cap's steps cannot
     cover the deficit, asks the cache only for what its steps free, and the refit puts the working set back."""
     from glm_jax import memory as MEM
 
@@ -999,7 +999,7 @@ def test_the_warmup_hands_its_programs_memory_to_the_expert_cache(over_budget_co
     """glm-jax-serve's warm-up compiles what the first requests would; where a RAM budget streams the experts through
     fetch=loop and the compilation cache on disk holds those programs, Engine.warmed_up drops them from memory and
     the (first) refit hands what they held to the expert cache.  Kept, in the GLM-4.5-Air slice's 0.3x box, they
-    left the cache at 1-2 experts a layer (docs/real-scale.md, stop 52).  Without the compile cache they stay (they
+    left the cache at 1-2 experts a layer (docs/real-scale.md, memory guard).  Without the compile cache they stay (they
     would compile again in the box)."""
     import jax
     import glm_jax

@@ -243,7 +243,7 @@ def test_portable_build_computes_the_quantized_formats_bitwise_like_the_native_o
 
 @pytest.mark.parametrize("fmt", ["int4_g64", "int4_g128"])
 def test_f16_scales_compute_as_their_f32_values_and_f32_scales_still_work(fmt):
-    """int4_g scales are f16 since stop 40 (5.6% fewer bytes a decode step at G = 64); the kernels take f16 or f32.
+    """int4_g scales are f16 (5.6% fewer bytes a decode step at G = 64); the kernels take f16 or f32.
     The f16 scales widened to f32 give bitwise the same products (the widening is exact) in qlinear, the grouped
     qlinear and the MoE seam, native and portable builds; f32 scales no f16 holds (a container written before) are
     read as they are: the products match the emulation with those values."""

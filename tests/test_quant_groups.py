@@ -40,7 +40,7 @@ def test_shorter_last_group_equals_two_row_quantizations():
 
 def test_dividing_groups_scales_are_the_f16_at_or_above_amax_over_7():
     """Where G divides the row: s = amax / 7 rounded up to an f16 (so |w| / s <= 7: nothing clipped beyond the int4
-    rounding), the f16 below it under amax / 7; f32 scales of data written before (containers before stop 40) are
+    rounding), the f16 below it under amax / 7; f32 scales of data written before (older containers) are
     read as they are."""
     w = _w(1, (O, 128))
     q, s = quant.quantize(w, "int4_g64")

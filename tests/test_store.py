@@ -235,7 +235,7 @@ def test_working_set_beyond_cap_and_errors(cont, tmp_path):
 
 
 def test_limit_rounds_lowers_the_fetch_size_and_what_the_cap_can_give_then_puts_it_back(cont, tmp_path):
-    """Engine.memory_guard lowers the working set at run time before refusing a longer K/V cache (stop 48): the
+    """Engine.memory_guard lowers the working set at run time before refusing a longer K/V cache: the
     store then serves at most that many experts a fetch (call_limit: a larger union is fetched in rounds), counts
     the cap's steps below the new working set as what they free (shrink_room), and limit_rounds(None) restores
     the working set it was opened with."""
@@ -670,7 +670,7 @@ def test_shrink_cap_takes_no_step_that_frees_nothing(tmp_path):
     """Below the working set, a cap step frees one expert of every layer less the fetched layer's transient slot
     (memory.cache_slots); with one streamed layer that is nothing.  glm-jax-serve on the GLM-5.2 slice (one MoE
     layer, cache 32 = working set 32) was asked for 34 MB and went to one expert a layer: every cached expert
-    evicted for no byte, and decode at half speed until the refits grew it back (stop 49).  shrink_cap stops where
+    evicted for no byte, and decode at half speed until the refits grew it back.  shrink_cap stops where
     its steps stop freeing anything."""
     d, cfg = _paged_container(tmp_path, layers=2)      # layer 0 dense: one streamed layer
     st = ExpertStore.open(d, cfg, ram_gb=10.0, used_bytes=0, io_threads=1, max_working_set=4, headroom_bytes=0,

@@ -73,7 +73,7 @@ def test_int4_tracks_f32_model(int4_dir, exp, kernels, min_agree):
     """int4_g64 experts vs the f32 oracle: top-1 agreement and KL on the fixture inputs.  This random-init fixture
     has nearly flat logits, so rounding flips many argmaxes; the native kernels also quantize activations to int8
     (as llama.cpp's Q4_0 x Q8_0 does), which moved agreement from 0.75 to 0.72 here.  On the trained shipped model
-    both kernels score the same (tools/bench.py --mode=formats: KL 1.7e-4 vs 1.9e-4, top-1 0.990 vs 0.992)."""
+    both kernels score the same (python -m tools.bench --mode=formats: KL 1.7e-4 vs 1.9e-4, top-1 0.990 vs 0.992)."""
     eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=8, kernels=kernels)
     agree, kls = [], []
     for row in range(exp["input_ids"].shape[0]):
@@ -136,8 +136,8 @@ def test_glm5_dsa_layout_converts_and_streams(tmp_path):
 def test_overlapped_hits_and_misses_give_the_same_output(int4_dir, exp):
     """--overlap dispatches the resident experts once the misses' reads are issued, and each group of the misses but
     the last once it has landed; same tokens, same bytes, and the
-    split really happened in the decode forwards (padded to DECODE_WIDTH positions, one of them real: until stop 52
-    the padded rows' (t, k) pairs were counted against the slots and no decode forward ever overlapped)."""
+    split really happened in the decode forwards (padded to DECODE_WIDTH positions, one of them real: counting
+    the padded rows' (t, k) pairs against the slots once kept every decode forward from overlapping)."""
     runs = {}
     for ov in (True, False):
         eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=2, overlap=ov, draft=0)
@@ -324,7 +324,7 @@ def test_dsa_layers_share_compiled_programs(tmp_path):
 def test_a_rows_prefill_runs_on_the_batch_cache_in_place_with_oracle_parity(exp, monkeypatch):
     """A streamed (fetch=loop) prefill on one row of several writes that row of each layer's cache in place
     (stream_step's ``row``); before, it ran on a copy of the row's every layer (Runner.row_view), held beside the
-    cache: 50 MB past the budget for a 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box (stop 48).
+    cache: 50 MB past the budget for a 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box.
     Row 1's logits are transformers', row 0's cache is untouched, and no row copy is taken."""
     eng = glm_jax.Engine.load(SRC, fetch="loop", cache_cap=2, kv_cache_dtype="float32")
     try:
@@ -364,8 +364,8 @@ def test_a_working_set_below_top_k_decodes_in_rounds_with_oracle_parity(exp, mon
 def test_a_long_prompt_prefills_layer_by_layer_reading_each_expert_once(monkeypatch, src, working_set):
     """streaming.segment_steps: a prompt's attention in blocks (here 4 blocks of 4), then each layer's routed
     experts over every position at once, so no expert is fetched twice in a layer (chunk by chunk fetched a chunk's
-    misses again for every chunk: 9x the experts for a ~1900-token prompt in the GLM-4.5-Air slice's 0.3x box,
-    stop 49).  The last position's logits are transformers' (GLM-4.5's GQA; GLM-5's MLA + DSA, whose blocks pass
+    misses again for every chunk: 9x the experts for a ~1900-token prompt in the GLM-4.5-Air slice's 0.3x box).
+    The last position's logits are transformers' (GLM-4.5's GQA; GLM-5's MLA + DSA, whose blocks pass
     the indexer's selection on), with the union fetched in rounds of a working set of 2 as well."""
     exp = dict(np.load(os.path.join(src, "expected.npz")))
     if working_set:
@@ -417,7 +417,7 @@ def test_other_rows_keep_decoding_while_a_segment_prefills(int4_dir, monkeypatch
     """While one row's long streamed prompt is prefilled in a segment, the other rows go on decoding: the segment
     pauses every SEGMENT_SLICE_S of its work (here at every point it can) where nothing it dispatched is in flight,
     and they take a step in between.  Before, the whole segment ran first: the other rows' next token waited
-    1-1.5 s in the GLM-4.5-Air slice's 0.3x box (stop 50).  Both requests give the tokens each gives alone, and the
+    1-1.5 s in the GLM-4.5-Air slice's 0.3x box.  Both requests give the tokens each gives alone, and the
     segment still reads each expert once a layer."""
     from glm_jax.runtime import scheduler as S
 

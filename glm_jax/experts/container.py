@@ -14,7 +14,7 @@ read fetches an expert.  Inside a record the sections follow each other, each st
 (so O_DIRECT can scatter a record straight into page-aligned slot arrays)::
 
     gate_up        [2I, H] in the storage format (rows [:I] gate, [I:] up; int4: [2I, H/2] packed uint8)
-    gate_up_scale  f16 [2I, ceil(H/g)] (int4_g; f32 in containers before stop 40, read as they are) |
+    gate_up_scale  f16 [2I, ceil(H/g)] (int4_g; f32 in older containers, read as they are) |
                    f32 [2I, 1] (int4_row, int8_row) | absent (bf16, f32)
     down           [H, I] likewise
     down_scale     likewise
@@ -203,7 +203,7 @@ def normalize_format(fmt: str, group_size: int = 64) -> str:
 def make_layout(fmt: str, hidden: int, inter: int, group_size: int = 64,
                 scale_dtype: Optional[str] = None) -> RecordLayout:
     """The record layout glm-jax-convert writes for ``fmt``; ``scale_dtype`` "float32" for int4_g: the layout of a
-    container written before stop 40 (f32 scales), still read."""
+    container written with f32 scales (older glm-jax-convert), still read."""
     fmt = normalize_format(fmt, group_size)
     kind, g = quant.parse_format(fmt)
     H, I = hidden, inter
@@ -656,7 +656,7 @@ def _check_manifest(path: str, man: dict, mpath: str, cfg: Optional[ModelConfig]
         E = _int(info.get("num_experts"), f"layers[{key}].num_experts", mpath, 1)
         if cfg is not None:
             sec = lay.section("gate_up_scale")
-            old = sec is not None and sec.dtype == "float32"         # int4_g written before stop 40: f32 scales
+            old = sec is not None and sec.dtype == "float32"         # older int4_g containers: f32 scales
             ref = make_layout(lay.fmt, cfg.hidden_size, cfg.moe_intermediate_size,
                               scale_dtype="float32" if old else None)
             if lay != ref:

@@ -5,7 +5,7 @@
 
 Reads the source tensor by tensor (raw safetensors headers + pread; one expert or one dense tensor in memory at
 a time), writes one experts/layer_LLL.bin per MoE layer (fixed-size, 4096-aligned records, one per expert, see
-glm_jax/container.py), dense.safetensors (HF key names) and manifest.json LAST.  Every file is written to a temp
+glm_jax/experts/container.py), dense.safetensors (HF key names) and manifest.json LAST.  Every file is written to a temp
 name then renamed.  Each finished layer leaves a done record with per-record crc32s; a re-run skips a layer only
 if its done record matches the requested format/source AND every record's checksum re-verifies (a corrupted or
 truncated finished layer is redone).  ``--verify`` re-checks an existing container (all checksums) and exits.

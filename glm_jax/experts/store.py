@@ -259,7 +259,7 @@ def fetch_chunk(record_len: int, n: int, threads: int, chunk: int) -> int:
     only where the records are fewer than the I/O threads, so that a lone miss is read by every thread; with at least
     as many records as threads each thread reads whole records.  Measured on the GLM-5.2 slice (20 MB records, 6.5
     misses a token at 7 of 256 cached): decode 1.07-1.17x with whole records against 1 MB ranges, three interleaved
-    rounds; neutral where a layer misses one or two (docs/real-scale.md, stop 55)."""
+    rounds; neutral where a layer misses one or two (docs/real-scale.md, disk reads)."""
     return 0 if n >= max(1, threads) else balanced_chunk(record_len, threads, chunk)
 
 
@@ -906,7 +906,7 @@ class ExpertStore:
             c -= 1
             saved += self._step_bytes(c)
         # no step that frees nothing: below the working set of one streamed layer, the fetched layer's transient
-        # slots take every evicted expert's room again (GLM-5.2 slice: cache 32 -> 1 for 34 MB, stop 49)
+        # slots take every evicted expert's room again (GLM-5.2 slice: cache 32 -> 1 for 34 MB)
         while c < self.cache_cap and self._step_bytes(c) <= 0:
             c += 1
         n = self.cache_cap - c

@@ -104,7 +104,7 @@ class TensorSource:
         a = self.raw(key)
         if a.dtype in (np.int8, np.uint8) and key + INT8_SCALE_SUFFIX in self._files:   # --dense_format=int8|int4
             sc = self.raw(key + INT8_SCALE_SUFFIX)
-            if sc.dtype not in (np.float16, np.float32):     # int4: f16 since stop 40 (f32 before), int8: f32
+            if sc.dtype not in (np.float16, np.float32):     # int4: f16 (f32 in older containers), int8: f32
                 sc = sc.astype(np.float32)
             if a.dtype == np.int8:
                 qt = QTensor(a, sc, "int8_row")

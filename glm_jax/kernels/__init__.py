@@ -10,9 +10,9 @@ stamp is written beside the library, and a cached library is loaded only after t
 ``dir_problem`` (owner, mode, stamp: below); anything failing them is rebuilt, never handed to dlopen.  Where no compiler is found or the build fails, ``available()`` is False and the
 engine runs its XLA path (``--kernels=auto``; ``--kernels=native`` makes that an error).
 
-Formats (glm_jax/quant.py is the numpy reference): f32, bf16 row-major (f32 activations, exact dot products); int8_row
-and int4_g<G>/int4_row in the tiles layout (quant.to_tiles; activations quantized to int8 per 64-block, integer dot
-products with AVX-512 VNNI where present, the same integer sums in portable C++ elsewhere).
+Formats (glm_jax/kernels/formats.py is the numpy reference): f32, bf16 row-major (f32 activations, exact dot
+products); int8_row and int4_g<G>/int4_row in the tiles layout (formats.to_tiles; activations quantized to int8
+per 64-block, integer dot products with AVX-512 VNNI where present, the same integer sums in portable C++ elsewhere).
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def supported(fmt: str, in_dim: int, group: int) -> bool:
 
 # ----------------------------------------------------------------------------- jax-facing calls
 def _scales(scale, rank: int):
-    """A weight's scales as the kernels take them: f16 or f32 as stored (f16: the int4_g formats' since stop 40; an
+    """A weight's scales as the kernels take them: f16 or f32 as stored (f16: the int4_g formats'; an
     astype here would add an f32 copy of every scale to each step), anything else as f32; none: an f32 placeholder."""
     import jax.numpy as jnp
 

@@ -16,7 +16,7 @@ byte); ``fit_format`` picks int8_row for a layer where it is odd, and says so.
 
 Scales: int4_g{G} keeps them in f16 (``s`` rounded up to the next f16, so no weight is clipped), as llama.cpp's Q4_0
 does: 4.25 bits a weight at G = 64 instead of 4.5 with f32 scales, the bytes a decode step streams 5.6% fewer.  int4_row
-and int8_row (one scale a row) keep f32.  Data written with f32 int4_g scales (containers before stop 40) is read as
+and int8_row (one scale a row) keep f32.  Data written with f32 int4_g scales (older containers) is read as
 it is: the kernels take either.
 """
 

@@ -7,7 +7,7 @@
 //   glmjax_attn    : GQA attention of a few query rows over the [B, S, nkv, hd] f32 / f16 K/V cache (see "attention")
 //   glmjax_sink    : a running decode loop hands its tokens to the host without calling Python (see "Stream sink")
 //
-// Weight formats and layouts (glm_jax/quant.py is the reference: quantize / to_tiles):
+// Weight formats and layouts (glm_jax/kernels/formats.py is the reference: quantize / to_tiles):
 //   0 f32, 1 bf16 : row-major [out, in]; activations stay f32 (exact f32 FMA dot products)
 //   2 int8_row, 3 int4_g<G>/int4_row : the "tiles" layout: rows in tiles of 16; for tile t the input is cut into
 //     units of 4 (int8) or 8 (int4) elements, one 64-byte vector per unit holding its 16 rows: byte 4i+j =
@@ -74,7 +74,7 @@ inline int64_t ceil_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // ------------------------------------------------------------------------------------------------ weights
 struct WMat {
   const uint8_t* q = nullptr;
-  const void* s = nullptr;      // scales [tiles, ng, 16]: f32, or f16 where `half` (the int4_g formats since stop 40)
+  const void* s = nullptr;      // scales [tiles, ng, 16]: f32, or f16 where `half` (the int4_g formats)
   bool half = false;
   int64_t out = 0, in = 0, ng = 1, G = 0;
   int fmt = kF32;
@@ -409,7 +409,7 @@ void gemm_float(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps,
   int64_t r = r0;
 #if GLMJAX_VNNI
   // 1-3 tokens (decode): a row at a time, one sequential stream of weights.  Four rows at once are four streams 4 KB
-  // apart; from DRAM a row at a time read 19-24 GB/s a core against 15-18 (tools/bench/tiles_vnni.cc, stop 36).  The
+  // apart; from DRAM a row at a time read 19-24 GB/s a core against 15-18 (tools/bench/tiles_vnni.cc).  The
   // same accumulator per (row, token) either way, so the same results.
   if (n < 4) {
     if (n <= 0) return;             // every row padding
@@ -446,7 +446,7 @@ void gemm_float(const WMat& W, int64_t r0, int64_t r1, const Prep* const* preps,
 // Software prefetch 8 KiB ahead in the weight stream (one 64-byte line per unit), as the AVX2 build does at 4 KiB:
 // tools/bench/tiles_vnni.cc on one core of an AVX-512 EPYC, 36 experts of 2048 x 1024 rotating (38 MB, only just
 // beyond its 32 MB L3): int4 one token 31.5 -> 47.7 GB/s, two tokens 31.4 -> 46.7, four 27.0 -> 35.8; int8 one token
-// 32.6 -> 42.2 (4 KiB: 38.8 / 38.6 / 31.3 / 36.1).  With 192 (204 MB, stop 39) int4 one token ran 25.3-25.9 -> 27.8-28.5
+// 32.6 -> 42.2 (4 KiB: 38.8 / 38.6 / 31.3 / 36.1).  With 192 (204 MB) int4 one token ran 25.3-25.9 -> 27.8-28.5
 // GB/s, the weight stream's loads alone 24.3-24.8: there the loop runs at what memory streams to one core.  A prefetch
 // past the end of a buffer is harmless (it never faults)
 constexpr int64_t kPrefetchAhead = 8192;
@@ -790,7 +790,7 @@ inline int64_t now_ns() {
 // With as many runnable threads as cores or more (2 vCPUs: a kernel's caller, its helper, the Python thread of the
 // streamed layer loop, XLA's own threads), a pure spin can hold the very CPU that the thread it waits for was preempted
 // from, until the scheduler's time slice ends: 8-12 ms stalls of a 1.5 ms MoE call, 13-17 of them in 64 tokens of the
-// GLM-4.5-Air slice's fetch=loop decode (jax.profiler trace, stop 54).  A yield returns at once where nothing else is
+// GLM-4.5-Air slice's fetch=loop decode (jax.profiler; docs/kernels.md).  A yield returns at once where nothing else is
 // runnable, so a free machine loses nothing.
 constexpr int64_t kYieldAfterNs = 20000;
 struct Backoff {
@@ -1008,7 +1008,7 @@ ffi::Error QLinearGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 // ------------------------------------------------------------------------------------------------ MoE seam
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-// The cache's elements: f32, or f16 (--kv_cache_dtype; GQA models' default since stop 48), each converted exactly to
+// The cache's elements: f32, or f16 (--kv_cache_dtype; the default where compute is f32), each converted exactly to
 // f32 before use, so an f16 cache gives bitwise the f32 kernel's numbers over the same values widened to f32.
 inline float kv_at(const float* p, int64_t i) { return p[i]; }
 inline float kv_at(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }

@@ -2,7 +2,7 @@
 
 One definition says what each parameter is and how it shards: the ``AXES`` table of each module class names the
 logical axis of every dimension of every parameter it holds ("heads", "kv_heads", "mlp", "expert", "embed",
-"vocab", ...); ``glm_jax/mesh.py`` maps logical axes to mesh axes (THE SHARDING RULES, one table) and places the
+"vocab", ...); ``glm_jax/runtime/mesh.py`` maps logical axes to mesh axes (THE SHARDING RULES, one table) and places the
 state.  A module's parameters are exactly one entry of the params pytree documented in WORKSPACE.md (attribute name
 = dict key), and ``params()`` returns that pytree (the same arrays, no copy): the forward math stays the pure
 functions of model.py / mla.py that the streaming loop also calls layer by layer; ``GlmModel.__call__`` is

@@ -50,7 +50,7 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
     out[t] = sum_k valid[t,k] * weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k].
     Small T*K gathers the selected slots; otherwise every slot is computed for every token and each token's K
     outputs are picked from those (no data-dependent shapes either way); ``gather`` forces the choice.
-    A mesh bank (``bank.mesh`` set; glm_jax/parallel.py) holds its slots sharded over the mesh's ``expert`` axis and
+    A mesh bank (``bank.mesh`` set; glm_jax/runtime/mesh.py) holds its slots sharded over the mesh's ``expert`` axis and
     takes a slot map ``[n, E]`` (shard d's slot of each expert, -1 elsewhere) as ``slot_of``."""
     dt = x.dtype
     if bank.mesh is not None:

@@ -1,12 +1,12 @@
 """Device meshes (runtime layer): ``--mesh`` parsing, THE SHARDING RULES, placement on the mesh, multi-process start.
 
 A mesh has two axes: ``expert`` (routed experts: each device row holds E/n of every MoE layer's experts, and the MoE
-seam runs in shard_map, glm_jax/parallel.py) and ``model`` (tensor parallelism: attention heads and the dense /
+seam runs in shard_map, glm_jax/model/moe.py) and ``model`` (tensor parallelism: attention heads and the dense /
 shared-expert MLPs split over it; XLA's SPMD partitioner inserts the collectives).  Default: every device on
 ``expert``.  A one-device mesh is no mesh: the engine runs its single-device code unchanged.
 
 The rules (logical axis -> mesh axis) are ``RULES``; the logical axes of every parameter are declared by the NNX
-modules (glm_jax/nnx_model.py, each class's ``AXES``) and of the KV cache by ``CACHE_AXES`` here.  A dimension is
+modules (glm_jax/model/modules.py, each class's ``AXES``) and of the KV cache by ``CACHE_AXES`` here.  A dimension is
 sharded only when its size (for "heads" / "kv_heads": the head count) divides by the mesh axis; otherwise it is
 replicated (e.g. 2 KV heads on model:8).  What the rules do not name is replicated: embeddings, norms, the router
 (f32), the MLA low-rank projections and latent KV cache (shared by all heads), the DSA indexer.

@@ -83,7 +83,7 @@ PREFILL_MIN_WINDOW = 128
 SHORT_PREFILL = 4
 # a long streamed prompt's prefill segment (Runner.segment_steps) pauses after about this much of its work where other
 # rows are decoding, and they take a decode step: one segment of a ~1900-token prompt's ~20 s in the GLM-4.5-Air
-# slice's 0.3x box otherwise held every other row's next token for 1-1.5 s (stop 50)
+# slice's 0.3x box otherwise held every other row's next token for 1-1.5 s
 SEGMENT_SLICE_S = 0.5
 
 
@@ -194,7 +194,7 @@ class Request:
         self.store_prefill = None
         self.route_prefill = {}      # the routing counters when its prefill ended: its stats cover decode only
         self.hidden = []
-        # a host-side logits processor (logit_bias, a grammar's token mask, logprobs: glm_jax/constrain.py), or None:
+        # a host-side logits processor (logit_bias, a grammar's token mask, logprobs: serve/constrain.py), or None:
         # a row with one is sampled on the host path (_sample_hosted) each step; rows without one are untouched
         self.processor = None
 

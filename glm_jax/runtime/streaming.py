@@ -1,4 +1,4 @@
-"""Forward passes whose routed experts come from an ExpertStore (glm_jax/store.py).
+"""Forward passes whose routed experts come from an ExpertStore (glm_jax/experts/store.py).
 
 Three fetch modes, same math (tested to give identical outputs; loop and fused bitwise):
 

@@ -1,5 +1,5 @@
 """`glm-jax-serve`: an OpenAI-compatible HTTP server (starlette + uvicorn, SSE through sse-starlette, Prometheus
-metrics through prometheus-client) over the engine's continuous-batching scheduler (glm_jax/scheduler.py).
+metrics through prometheus-client) over the engine's continuous-batching scheduler (glm_jax/runtime/scheduler.py).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream`` true/false; SSE chunks end with
 ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics.  One engine thread drives the scheduler; request

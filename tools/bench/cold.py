@@ -1,4 +1,4 @@
-"""Cold streaming end to end: is a cold token max(read, compute) or their sum?  (tools/bench.py --mode=cold)
+"""Cold streaming end to end: is a cold token max(read, compute) or their sum?  (python -m tools.bench --mode=cold)
 
     python -m tools.bench --mode=cold --model=CONTAINER [--cache_cap=2] [--new_tokens=32] [--reps=3]
                           [--prefetch=0,1] [--direct_io] [--fetches=loop,fused] [--dispatch_ms=50]

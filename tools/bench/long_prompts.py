@@ -2,7 +2,7 @@
 sequence of requests whose prompts grow past the KV the memory plan reserved (64, 220, 700, 1500 tokens, then 64
 again); prints a line per request (decode tok/s, expert cache cap, hit rate, private MB, the cgroup's usage, its
 mapped file pages and failcnt) and a summary line.  A request that outgrows the plan must neither OOM-kill the
-process nor leave it reclaiming its own code pages (Engine.memory_guard; docs/real-scale.md, stop 41).  Not part
+process nor leave it reclaiming its own code pages (Engine.memory_guard; docs/real-scale.md, memory guard).  Not part
 of CI.
 
     python tools/bench/long_prompts.py MODEL        # run by tools/bench/long_prompts.sh

@@ -6,7 +6,7 @@
 //
 //   g++ -O3 -march=native -std=c++17 -pthread tools/bench/mem_stream.cc -o /tmp/mem_stream && /tmp/mem_stream
 //
-// Stop 40, the AVX-512 EPYC VM (2 vCPU), six runs in 45 minutes: one thread 26-33 GB/s, two 28-59 (the second
+// 2026-12-05, the AVX-512 EPYC VM (2 vCPU), six runs in 45 minutes: one thread 26-33 GB/s, two 28-59 (the second
 // thread's share swings by the minute: the host's other guests).
 #include <immintrin.h>
 #include <chrono>

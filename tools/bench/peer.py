@@ -1178,7 +1178,7 @@ def _serve(one):
 def cold_generate(eng, prompt, max_new_tokens: int):
     """eng.generate with a cold prefill, as llama-bench's: the scheduler's prefix cache would otherwise find the
     prompt's K/V from the previous run still in its row and prefill one token (every glm-jax prefill rate the benches
-    printed from f742171, 2026-12-01 09:37, to stop 30's fix)."""
+    printed from f742171, 2026-12-01 09:37, until that was fixed)."""
     eng.scheduler.forget()
     r = eng.generate(prompt, max_new_tokens=max_new_tokens, stop_on_eos=False)
     if r.stats.get("cached_tokens", 0):
@@ -1259,7 +1259,7 @@ def main(argv):
         print(f"bench_peer: error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
         return 2
     if not (F.make_b or F.make_stream):
-        print("bench_peer: error: give --make_b=DIR and/or --make_stream=DIR (the benches run from tools/bench.py "
+        print("bench_peer: error: give --make_b=DIR and/or --make_stream=DIR (the benches run from tools.bench "
               "--mode=peer|lowram)", file=sys.stderr)
         return 2
     if F.make_b:

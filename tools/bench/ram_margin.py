@@ -1,7 +1,7 @@
 """One glm-jax run in the memory cgroup ram_margin.sh made for it: Engine.load(MODEL, ram_gb=RAM or the default), two
 2-token warm-up generations, then three generations of 32 tokens after a PROMPT-token random prompt; prints one JSON
 line (decode tok/s of each, the cache cap and hit rate, the peak RSS).  What the default budget's margin (0.9 x the
-cgroup's limit) costs: docs/real-scale.md, stop 40.  Not part of CI.
+cgroup's limit) costs: docs/real-scale.md, memory guard.  Not part of CI.
 
     python tools/bench/ram_margin.py MODEL RAM_GB [PROMPT]       # run by tools/bench/ram_margin.sh
 """

@@ -38,7 +38,7 @@ from typing import Optional
 from tools.bench import peer as bp
 from tools.fixtures import reskew, synth_slice
 
-# colibri's published GLM-5.2 points (../shared/reference/limits-and-peers.md §7): box GB -> (tok/s, setup)
+# colibri's published GLM-5.2 points (github.com/JustVugg/colibri: README, #200, #254, #280): box GB -> (tok/s, setup)
 COLIBRI = {24: (0.16, "24 GB laptop, cache 2 experts/layer, hit 10-31% (seed PR #254)"),
            64: (1.25, "9950X3D + 64 GB + 5090, Gen5 SSD 10.7 GB/s, hit 64-71% (#280)"),
            128: (1.8, "128 GB, CPU only, warm (README / #200)")}
@@ -322,7 +322,7 @@ def run_slice(arch: str, layers: int, llamacpp: str, workdir: str, threads: int,
     model_mb = engines[0][4]["total"] / 1e6
     for box in list(boxes) + [("frac", f) for f in fracs]:
         # without a limit llama.cpp's own default (repack: its weights repacked into RAM) runs too, beside the
-        # --repack 0 row every limit uses (repack never finishes under a limit: docs/real-scale.md, stop 33)
+        # --repack 0 row every limit uses (repack never finishes under a limit: docs/real-scale.md)
         todo = list(engines)
         if box == 0 and engines[0][2] == "llama":
             todo.insert(0, ("llama-defaults", "llama.cpp Q4_0 defaults (mmap, repack)") + engines[0][2:])

@@ -1,4 +1,4 @@
-"""Streaming benchmark of the ExpertStore (the streaming part of tools/bench.py).
+"""Streaming benchmark of the ExpertStore (python -m tools.bench.stream).
 
     python -m tools.bench.stream --model=CONTAINER_DIR [--cap=16] [--tokens=48] [--io_threads=4]
                                          [--read_chunk_mb=1] [--direct_io] [--policy=lru] [--compute]

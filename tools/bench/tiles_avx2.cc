@@ -1,5 +1,5 @@
 // Standalone microbenchmark of the AVX2 int4 tile loop (glm_jax/kernels/qkernels.cc's tile_i4 layout: tiles of 16
-// rows, one 64-byte vector per unit of 8 inputs) for 1-4 tokens: the variants before and after stop 30's one-pass /
+// rows, one 64-byte vector per unit of 8 inputs) for 1-4 tokens: the variants before and after the one-pass /
 // prefetch change, interleaved, medians of 8 reps.  Not part of the build or of CI.
 //
 //   g++ -O3 -march=native -std=c++17 tools/bench/tiles_avx2.cc -o /tmp/tiles && taskset -c 1 /tmp/tiles [EXPERTS]

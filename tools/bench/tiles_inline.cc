@@ -5,7 +5,7 @@
 //
 //   g++ -O3 -march=native -std=c++17 -pthread tools/bench/tiles_inline.cc -o /tmp/tinl && /tmp/tinl
 //
-// Stop 40, the AVX-512 EPYC VM, two runs: one thread separate 26.2 / 29.1 GB/s, inline 21.2 / 22.3 (two threads:
+// 2026-12-05, the AVX-512 EPYC VM, two runs: one thread separate 26.2 / 29.1 GB/s, inline 21.2 / 22.3 (two threads:
 // 50.6 / 29.6 against 40.4 / 27.8, the VM's two-thread rate swinging): inline scales are slower, not pursued.
 #include <immintrin.h>
 #include <algorithm>

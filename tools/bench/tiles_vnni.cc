@@ -7,7 +7,7 @@
 //
 // EXPERTS (default 36) matrices of 2048 x 1024 (int4: 1.06 MB, int8: 2.1 MB each with scales) are cycled through, 9
 // per "call".  36 int4 matrices (38 MB) are only just beyond a 32 MB L3, so part of the stream still hits it: 192
-// (204 MB) is the decode regime of a real model.  Stop 39, one core of the AVX-512 EPYC VM, 2 MB pages, medians: int4
+// (204 MB) is the decode regime of a real model.  2026-12-04, a core of the AVX-512 EPYC VM, 2 MB pages, medians: int4
 // one token with 8K prefetch 30.7 GB/s at 36, 27.8 / 28.5 at 192, where the loads alone (the stream-only row) ran
 // 24.3 / 24.8: the tile loop runs at the rate the memory system streams to one core.
 #include <immintrin.h>
@@ -31,7 +31,7 @@ struct W {
 struct P { const int8_t* xq; const float* sx; const int32_t* corr; const uint8_t* xa; const uint64_t* neg; };
 
 // S accumulator pairs per token (S = 2: even / odd units, summed at the block's end: the same exact int32 sums, so
-// bitwise the same output, with four dependency chains of vpdpbusd instead of two; it gained nothing, stop 38)
+// bitwise the same output, with four dependency chains of vpdpbusd instead of two; it gained nothing)
 template <int C, int PF, int S = 1>
 void tile_i4(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
   const uint8_t* wt = Wm.tile(t);
@@ -118,7 +118,7 @@ void tile_i8(const W& Wm, int64_t t, const P* const* Pp, float (*out)[16]) {
 }
 
 
-// f32 rows (the float kernel's dot_float<4, 1> before stop 36): 4 rows x 1 token, one 16-lane accumulator per row; prefetch PF rows
+// f32 rows (a former dot_float<4, 1>): 4 rows x 1 token, one 16-lane accumulator per row; prefetch PF rows
 // ahead (PF * row bytes) at the same offset
 template <int PFR>
 void rows_f32(const float* w, int64_t in, int64_t r0, const float* x, float* out) {
@@ -134,7 +134,7 @@ void rows_f32(const float* w, int64_t in, int64_t r0, const float* x, float* out
   for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-// f32, a row at a time (the AVX-512 build's decode since stop 36): one sequential stream, prefetch PFB bytes ahead
+// f32, a row at a time (the AVX-512 build's decode): one sequential stream, prefetch PFB bytes ahead
 template <int PFB>
 void rows_f32_seq(const float* w, int64_t in, int64_t r0, const float* x, float* out) {
   for (int r = 0; r < 4; ++r) {
