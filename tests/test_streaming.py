@@ -323,7 +323,7 @@ def test_dsa_layers_share_compiled_programs(tmp_path):
 
 def test_a_rows_prefill_runs_on_the_batch_cache_in_place_with_oracle_parity(exp, monkeypatch):
     """A streamed (fetch=loop) prefill on one row of several writes that row of each layer's cache in place
-    (stream_step's ``row``); before, it ran on a copy of the row's every layer (Runner.row_view), held beside the
+    (loop_step's ``row``); before, it ran on a copy of the row's every layer (Runner.row_view), held beside the
     cache: 50 MB past the budget for a 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box.
     Row 1's logits are transformers', row 0's cache is untouched, and no row copy is taken."""
     eng = glm_jax.Engine.load(SRC, fetch="loop", cache_cap=2, kv_cache_dtype="float32")

@@ -193,11 +193,11 @@ class Runner:
 
     def memory_guard(self, kv_positions: int = 0, rows: int = 1):
         """Called by the scheduler before a request's prefill, with the positions the KV cache is about to grow by
-        (x ``rows``): where the run has a RAM budget the engine keeps inside it (``Engine.memory_guard``)."""
+        (x ``rows``): where the run has a RAM budget the engine keeps inside it (``MemoryGuard.memory_guard``)."""
 
     def memory_settled(self):
         """Called by a server's scheduler when it goes idle after work: the engine may hand what is measured free
-        back to the expert cache (``Engine._refit_memory``)."""
+        back to the expert cache (``MemoryGuard.refit``)."""
 
     def warmed_up(self):
         """Called at the end of ``Scheduler.warmup``: the engine may drop the programs it compiled and hand the

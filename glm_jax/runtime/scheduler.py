@@ -525,13 +525,13 @@ class Scheduler:
         if same and cap < rt._cache_len and rt.kv_give_back() and sum(r is not None for r in self.rows) <= 1:
             # a longer request grew the cache past the memory plan's reservation and no running row needs those
             # positions now (this newcomer's row is the only one taken): give them back (the rows keep their K/V
-            # below), and the next refit hands what that frees to the expert cache (Engine._refit_memory)
+            # below), and the next refit hands what that frees to the expert cache (MemoryGuard.refit)
             keep = max(cap, bucket(rt.kv_reserve_tokens, 256))
             if keep < rt._cache_len:
                 rt.shrink_cache(self.B, keep)
                 self.row_toks = [t[:keep] for t in self.row_toks]
         # the positions about to be allocated (a replaced cache is freed first), and the programs compiled since
-        # the last check: the engine makes room in its budget before the prefill (Engine.memory_guard)
+        # the last check: the engine makes room in its budget before the prefill (MemoryGuard.memory_guard)
         rt.memory_guard(max(0, cap - rt._cache_len) if same else cap, self.B)
         if not same:
             if any(r is not None and r.state != "prefill" for r in self.rows):
