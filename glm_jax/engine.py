@@ -120,7 +120,7 @@ class Engine(Runner):
         self.lossy = self.plugin is not None
         if self.plugin_names:
             _preflight(self.plugin, cfg)
-        self.backend = backend_for(opts["fetch"], cfg, self.plugin, store)     # the fetch mode, chosen once
+        self.backend = backend_for(opts["fetch"], cfg, self.plugin, store, opts)     # the fetch mode, chosen once
         self.guard = MemoryGuard(self)                  # the memory plan kept at run time (from_options: its plan)
         self._scheduler = None
         self.kernel = kernel                                # who computes the experts / dense products

@@ -56,8 +56,12 @@ class Resident(Backend):
 
 
 class _Streamed(Backend):
-    def __init__(self, cfg, plugin=None):
+    def __init__(self, cfg, plugin=None, opts=None):
+        opts = opts or {}
         self.programs = streaming.StreamPrograms(cfg, plugin)    # the loop's; the MTP layer and prefills use them
+        self.prefetch = bool(opts.get("prefetch"))   # --prefetch: the next MoE layer's predicted experts loaded
+        self.overlap = bool(opts.get("overlap"))     # --overlap: a layer's hits computed while its misses are read
+        self.route_trace = opts.get("route_trace") or ""     # --route_trace: the file each forward's unions go to
         self.trace_off = False      # --route_trace failed to write once: off for the rest of the run
 
     def forward(self, rt, tokens, start, lengths, logit_rows, row, window, moe_rows):
@@ -105,8 +109,8 @@ class Fused(_Streamed):
     fused_decode = True
     segments = True
 
-    def __init__(self, cfg, plugin=None):
-        super().__init__(cfg, plugin)
+    def __init__(self, cfg, plugin=None, opts=None):
+        super().__init__(cfg, plugin, opts)
         self.replay = streaming.ReplayLog()
 
     def step(self, rt, tokens, start, lengths, logit_rows, row):
@@ -115,13 +119,14 @@ class Fused(_Streamed):
         return _on_row(streaming.fused_step, rt, tokens, start, lengths, logit_rows, row)
 
 
-def backend_for(fetch: str, cfg, plugin=None, store=None) -> Backend:
-    """The backend of a resolved --fetch value.  fetch=fused on a store whose banks do not alias its arenas runs
-    the callback program (its arenas cannot be the fused program's arguments)."""
+def backend_for(fetch: str, cfg, plugin=None, store=None, opts=None) -> Backend:
+    """The backend of a resolved --fetch value (``opts``: the run's options its state is read from, once).
+    fetch=fused on a store whose banks do not alias its arenas runs the callback program (its arenas cannot be the
+    fused program's arguments)."""
     if fetch == "resident":
         return Resident()
     if fetch == "loop":
-        return Loop(cfg, plugin)
+        return Loop(cfg, plugin, opts)
     if fetch == "fused" and store is not None and store.aliased:
-        return Fused(cfg, plugin)
-    return Callback(cfg, plugin)
+        return Fused(cfg, plugin, opts)
+    return Callback(cfg, plugin, opts)

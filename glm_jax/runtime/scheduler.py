@@ -799,7 +799,7 @@ class Scheduler:
         sink = self._native_sink() if every else None
         # the store's program without host calls first; after a dispatch it ended at a miss, the one with them,
         # until one of those runs without a miss (a cold cache: every optimistic try would end at its first step)
-        optimistic = streamed_store and not rt.opts["prefetch"] and not self._missed
+        optimistic = streamed_store and not rt.backend.prefetch and not self._missed
         return n, window, rmap, every, sink, optimistic
 
     def _fused(self, rows, n, W):

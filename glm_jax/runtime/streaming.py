@@ -202,12 +202,12 @@ class _LoopForward:
         self.short = B == 1 and T <= 16 and self.n_real < T    # a padded decode / verify: the real rows' experts
         self.positions = B * T
         self.positions_valid = positions_valid
-        self.trace = [] if engine.opts["route_trace"] else None
+        self.trace = [] if engine.backend.route_trace else None
         self.predicted = None
         # the hit/miss split in one process only: with several, each one's store holds and reads its own shard, so
         # the split would be each process's own, and every process must run the same programs for their
         # collectives to pair up
-        self.overlap = engine.opts["overlap"] and jax.process_count() == 1
+        self.overlap = engine.backend.overlap and jax.process_count() == 1
 
     def moe_layer(self, i, lp, h, hn, ids, w, valid, predicted, summary, next_layer):
         """MoE layer ``i`` after its first program: its union fetched, then its second program.  Returns its output."""
@@ -283,7 +283,7 @@ def loop_step(engine, tokens, start, lengths, logit_rows=None, row=None):
             x, cache[i], sel = programs.dense(k, lp, x, cache[i], start, sel, valid_bt, row_index)
             continue
         later = [j for j in moe_idx if j > i]
-        next_layer = later[0] if engine.opts["prefetch"] and later else None
+        next_layer = later[0] if engine.backend.prefetch and later else None
         next_router = None if next_layer is None else layers[next_layer]["moe"]
         h, hn, cache[i], sel, ids, w, valid, predicted, summary = programs.attn_route(
             k, lp, x, cache[i], start, sel, valid_bt, engine.resident_for(i), next_router, np.int32(i), row_index)
@@ -298,7 +298,7 @@ def loop_step(engine, tokens, start, lengths, logit_rows=None, row=None):
 def write_route_trace(engine, trace: list):
     """Append one forward's routing to --route_trace (fileio.append_output).  A failed write (a full disk, a FIFO
     nobody reads) is one warning line, the trace is then off for this engine, and the generation goes on."""
-    path = engine.opts["route_trace"]
+    path = engine.backend.route_trace
     if engine.backend.trace_off:
         return
     try:
@@ -511,7 +511,7 @@ def _fused_access(engine, layer: int, last: bool, ids, valid):
         _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pend, union)))
         _acc(engine, "prefetch_recall_total", len(union))
     _, slot_of = engine.store.fetch(layer, union)
-    if engine.opts["route_trace"]:
+    if engine.backend.route_trace:
         replay.trace.append([layer, union.tolist()])
         if last:
             tr, replay.trace = replay.trace, []
@@ -533,7 +533,7 @@ def fused_replay(engine, log_ids, log_valid, upto: int):
         return
     log_ids, log_valid = np.asarray(log_ids), np.asarray(log_valid)
     store = engine.store
-    if engine.opts["route_trace"] or engine.backend.replay.predicted or not hasattr(store, "replay_hits"):
+    if engine.backend.route_trace or engine.backend.replay.predicted or not hasattr(store, "replay_hits"):
         for j in range(q, upto):
             s, mi = divmod(j, n)
             _fused_access(engine, idx[mi], mi == n - 1, log_ids[s, mi], log_valid[s, mi])
@@ -595,7 +595,7 @@ def fused_forward(engine, B: int, T: int, short_rows=None, optimistic: bool = Fa
     want_stats = engine.plugin is not None
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     moe_idx = _moe_idx(cfg)
-    prefetch = bool(engine.opts["prefetch"])
+    prefetch = engine.backend.prefetch
     shapes = (jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((E,), jnp.int32),
               jax.ShapeDtypeStruct((E,), jnp.bool_), jax.ShapeDtypeStruct((E,), jnp.bool_))
     slots = {i: store._layer(i).S for i in moe_idx}
@@ -673,7 +673,7 @@ def fused_step(engine, tokens, start, lengths, logit_rows=None):
     B, T = tokens.shape
     n_real = int(np.max(np.asarray(lengths)))
     short = n_real if (B == 1 and T <= 16 and n_real < T) else None
-    key = ("fused_step", B, T, engine._cache_len, short, logit_rows is None, bool(engine.opts["prefetch"]))
+    key = ("fused_step", B, T, engine._cache_len, short, logit_rows is None, engine.backend.prefetch)
     fn = engine._jits.get(key)
     if fn is None:
         fn = engine._jits[key] = jax.jit(fused_forward(engine, B, T, short), donate_argnums=(2,))
@@ -792,7 +792,7 @@ class _Segment:
         self.lens = [min(c, n - j * c) for j in range(self.blocks)]
         self.valid = [jnp.asarray(np.arange(c)[None, :] < self.lens[j]) for j in range(self.blocks)]
         self.sels = [None] * self.blocks
-        self.trace = [] if engine.opts["route_trace"] else None
+        self.trace = [] if engine.backend.route_trace else None
         self.programs, self.buffers = engine.backend.programs, _seg_fns(engine, c, self.per_group)
         self._embed(tokens)
         self.t_last = time.perf_counter()
