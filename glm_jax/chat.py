@@ -17,19 +17,30 @@ GLM_TOKENS = ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
 ROLES = ("system", "user", "assistant")
 
 
+TEMPLATE_FILE = "chat_template.jinja"   # where transformers 5 saves a tokenizer's template (GLM-4.6 / 4.7 hub repos)
+
+
 def load_template(model_dir: str) -> Optional[dict]:
-    """{"template": str, "tokens": {name: str}} from tokenizer_config.json, or None when it has no chat_template."""
+    """{"template": str, "tokens": {name: str}} from tokenizer_config.json, the template from chat_template.jinja
+    where that file exists (it wins over the config's, as in transformers), or None when neither has one."""
     path = os.path.join(model_dir, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise GlmJaxError(f"{path}: cannot read ({e})") from None
-    if not isinstance(cfg, dict):
-        raise GlmJaxError(f"{path}: expected a JSON object")
+    jinja = os.path.join(model_dir, TEMPLATE_FILE)
+    cfg = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise GlmJaxError(f"{path}: cannot read ({e})") from None
+        if not isinstance(cfg, dict):
+            raise GlmJaxError(f"{path}: expected a JSON object")
     t = cfg.get("chat_template")
+    if os.path.exists(jinja):
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                t, path = f.read(), jinja
+        except (OSError, UnicodeDecodeError) as e:
+            raise GlmJaxError(f"{jinja}: cannot read ({e})") from None
     if t is None:
         return None
     if isinstance(t, list):      # [{"name": "default", "template": ...}, ...]
@@ -82,7 +93,7 @@ def _compile(template: str, where: str):
 
 
 def check_messages(messages, where: str = "messages") -> list:
-    """A list of {"role": system|user|assistant|tool, "content": str} (content parts of type text are joined); an
+    """A list of {"role": system|developer|user|assistant|tool, "content": str} (developer: a system turn) (content parts of type text are joined); an
     assistant message may carry OpenAI ``tool_calls`` (kept with their arguments parsed into objects, as chat
     templates read them), a tool message its ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
@@ -92,8 +103,11 @@ def check_messages(messages, where: str = "messages") -> list:
         if not isinstance(m, dict):
             raise GlmJaxError(f"{where}[{i}]: expected an object with role and content")
         role = m.get("role")
+        if role == "developer":          # OpenAI's newer name for the system turn
+            role = "system"
         if role not in ROLES + ("tool",):
-            raise GlmJaxError(f"{where}[{i}].role: expected one of system, user, assistant, tool, got {role!r}")
+            raise GlmJaxError(f"{where}[{i}].role: expected one of system, developer, user, assistant, tool, got "
+                              f"{role!r}")
         c = m.get("content", "")
         if c is None:
             c = ""
@@ -151,42 +165,22 @@ def tools_system_text(tools: list) -> str:
                                      for t in tools) + "\n</tools>"
 
 
-def format_tool_call(name: str, args: dict) -> str:
-    """One call in GLM's format (string values raw, others JSON)."""
+def format_tool_call(name: str, args: dict, compact: bool = False) -> str:
+    """One call in GLM's format (string values raw, others JSON): a line a part (GLM-4.5 / 4.6), or ``compact``
+    without the newlines (GLM-4.7 / 4.7-Flash)."""
     out = [f"{TOOL_CALL}{name}"]
     for k, v in args.items():
         out.append(f"<arg_key>{k}</arg_key>")
         out.append(f"<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>")
-    return "\n".join(out) + "\n" + TOOL_CALL_END
+    sep = "" if compact else "\n"
+    return sep.join(out) + sep + TOOL_CALL_END
 
 
-def parse_tool_calls(text: str, tools: Optional[list] = None):
-    """GLM-format tool calls in generated text -> (the text outside them, [{"name", "arguments": JSON text}]).
-    A value is JSON when it parses as JSON and its parameter is not declared a string, else the raw text."""
-    import re
-
-    types = {}
-    for t in tools or []:
-        props = ((t.get("function") or {}).get("parameters") or {}).get("properties") or {}
-        types[t["function"]["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
-    calls, rest, pos = [], [], 0
-    for m in re.finditer(re.escape(TOOL_CALL) + r"(.*?)" + re.escape(TOOL_CALL_END), text, re.S):
-        rest.append(text[pos:m.start()])
-        pos = m.end()
-        body = m.group(1)
-        name = body.split("<arg_key>", 1)[0].strip()
-        args = {}
-        for k, v in re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S):
-            k = k.strip()
-            if types.get(name, {}).get(k) != "string":
-                try:
-                    v = json.loads(v)
-                except ValueError:
-                    pass
-            args[k] = v
-        calls.append({"name": name, "arguments": json.dumps(args, ensure_ascii=False)})
-    rest.append(text[pos:])
-    return "".join(rest).strip() if calls else text, calls
+def compact_tool_calls(template: Optional[dict]) -> bool:
+    """Whether the checkpoint's template writes tool calls in GLM-4.7's compact form (``</arg_key><arg_value>``,
+    no newline between a call's parts; GLM-4.5 / 4.6 put each part on its own line): constrained decoding then
+    forces that form, the one the model was trained on."""
+    return template is not None and "</arg_key><arg_value>" in template["template"]
 
 
 def _template_renders_tools(template: dict) -> bool:

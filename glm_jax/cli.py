@@ -14,7 +14,8 @@ from .errors import GlmJaxError
 FLAGS = flags.FLAGS
 
 O.define_model_flag()
-O.define_once(flags.DEFINE_string, "prompt", "ROMEO:\n", "Prompt text.")
+O.define_once(flags.DEFINE_string, "prompt", "ROMEO:\n", "Prompt text ('-': read it from stdin). With --chat and no "
+              "--prompt: an interactive chat.")
 O.define_once(flags.DEFINE_string, "prompt_ids", "", "Comma-separated prompt token ids (instead of --prompt).")
 O.define_once(flags.DEFINE_integer, "max_new_tokens", 64, "Tokens to generate.", lower_bound=0)
 O.define_once(flags.DEFINE_float, "temperature", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
@@ -135,6 +136,47 @@ def _prompt_problem(text: str) -> str | None:
         return f"not valid UTF-8 ({what} at position {e.start}); pass UTF-8 text, or token ids with --prompt_ids"
 
 
+def _read_line(prompt: str) -> str:
+    return input(prompt)
+
+
+def interactive(engine, kw: dict) -> int:
+    """glm-jax --chat without --prompt: a chat on the terminal.  Each line is a user turn, the reply streams as it
+    is generated, the conversation is kept (``/reset`` forgets it, ``/exit`` or end of input ends the session);
+    Ctrl-C while a reply is generated stops that reply (its row is freed) and the session goes on."""
+    history = []
+    _say("glm-jax: chat; /exit or Ctrl-D ends it, /reset forgets the conversation, Ctrl-C stops a reply")
+    while True:
+        try:
+            line = _read_line("> ")
+        except (EOFError, KeyboardInterrupt):
+            _emit("\n")
+            return 0
+        cmd = line.strip()
+        if cmd in ("/exit", "/quit"):
+            return 0
+        if cmd == "/reset":
+            history = []
+            continue
+        if not cmd:
+            continue
+        try:
+            it = iter(engine.stream(history + [{"role": "user", "content": line}], **kw))
+        except GlmJaxError as e:         # the conversation outgrew the context, ...: say it, keep the session
+            _say(f"glm-jax: {_one_line(e)} (/reset starts over)")
+            continue
+        reply = ""
+        try:
+            for piece in it:
+                _emit(piece)
+                reply += piece
+        except KeyboardInterrupt:
+            it.close()                   # cancels the request: its row is free for the next turn
+            _emit(" [stopped]")
+        _emit("\n")
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+
+
 def main(argv):
     from absl import logging
 
@@ -157,14 +199,15 @@ def main(argv):
                 raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got "
                                   f"{O.one_line(FLAGS.prompt_ids)[:80]!r}")
         else:
-            prompt = FLAGS.prompt
+            prompt = sys.stdin.read() if FLAGS.prompt == "-" else FLAGS.prompt
             why = _prompt_problem(prompt)
             if why:
                 raise GlmJaxError(f"flag --prompt: {why}")
         # one seed rule for glm-jax and glm-jax-serve: no --seed -> a fresh random seed (printed with the stats
         # when sampling, and in --output_json), --seed=N -> reproducible
         seed = FLAGS.seed if FLAGS.seed is not None else secrets.randbits(63)
-        if not opts.where("reserve_tokens"):      # the RAM plan reserves KV for what this run can use
+        talk = FLAGS.chat and not FLAGS["prompt"].present and not FLAGS.prompt_ids
+        if not opts.where("reserve_tokens") and not talk:      # the RAM plan reserves KV for what this run can use
             n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.encode("utf-8")) + 64 * FLAGS.chat
             opts["reserve_tokens"] = max(1, n_prompt + FLAGS.max_new_tokens)
         from .engine import Engine
@@ -177,6 +220,8 @@ def main(argv):
         if jax.process_index() != 0:    # a multi-process run (--coordinator): process 0 prints and writes
             engine.generate(prompt, **kw)
             return 0
+        if talk:
+            return interactive(engine, kw)
         st = engine.stream(prompt, **kw)      # checked here (context limit, ...): nothing is echoed before
         interrupted = gone = False
         shown = 0

@@ -34,7 +34,8 @@ from .experts import store as S
 from .experts import weights as W
 from .experts.store import RamBudgetError
 from .model.config import ModelConfig, load_config
-from .model.modules import GlmModel
+from .experts import glm5_next_weights as G5W
+from .model.glm5_next_modules import model_class
 from .runtime import mesh as MESH
 from .runtime.backends import backend_for
 from .runtime.memory_guard import SEGMENT_MAX, MemoryGuard  # noqa: F401  (SEGMENT_MAX re-exported)
@@ -138,9 +139,9 @@ class Engine(Runner):
         """Wrap a params pytree into the NNX model and place it (one device, or the mesh by the modules' logical
         axes); the compiled step then runs on its split state."""
         if self.plan is None:
-            model = GlmModel(jax.device_put(params, self.device))
+            model = model_class(self.cfg)(jax.device_put(params, self.device))
         else:
-            model = self.plan.place_model(GlmModel(params))
+            model = self.plan.place_model(model_class(self.cfg)(params))
         self.model = model
         self._params = model.params()
         self._view = None
@@ -171,6 +172,8 @@ class Engine(Runner):
         if not container:
             C.check_not_partial(path)
         cfg = load_config(path)
+        if cfg.model_type == "glm5_next":
+            return cls._from_glm5_next(path, opts, cfg, container)
         if opts["fetch"] == "auto" and not container:
             opts["fetch"] = "resident"
         how = _Weights.choose(path, cfg, opts)
@@ -192,6 +195,36 @@ class Engine(Runner):
         eng = cls(path, cfg, params, opts, tok, store, how.kernel, plan)
         eng.guard = MemoryGuard(eng, fitted if store is not None and opts["fetch"] != "resident" else None)
         eng._kv_planned = fitted.kv_tokens if store is not None and fitted is not None else None
+        return eng
+
+    @classmethod
+    def _from_glm5_next(cls, path: str, opts: "O.Options", cfg: ModelConfig, container: bool) -> "Engine":
+        """glm5_next (GLM-5.3 text): every weight resident, read from its HF checkpoint; the resident one-jit step.
+        Its KDA layers' state holds every token a row has seen and cannot be rolled back or cut back to a shorter
+        prefix: no speculative decoding; a row's cache is reused only by a prompt extending everything it holds
+        (Runner.recurrent_state)."""
+        what = f"{path}: glm5_next (GLM-5.3)"
+        if container:
+            raise GlmJaxError(f"{what}: converted containers (streamed experts) are not supported yet; load its "
+                              f"Hugging Face checkpoint")
+        if opts["fetch"] not in ("auto", "resident"):
+            raise GlmJaxError(f"{what}: {opts.label('fetch')}={opts['fetch']} is not supported yet (every expert "
+                              f"resident: fetch=resident)")
+        if opts["mesh"]:
+            raise GlmJaxError(f"{what}: {opts.label('mesh')} is not supported yet")
+        if opts["dense_format"] != "native":
+            raise GlmJaxError(f"{what}: {opts.label('dense_format')}={opts['dense_format']} is not supported yet (its "
+                              f"dense weights run as stored)")
+        if opts["draft"] > 0:
+            raise GlmJaxError(f"{what}: {opts.label('draft')}: its KDA state cannot be rolled back (no speculative "
+                              f"decoding)")
+        opts["fetch"] = "resident"
+        dtype = _pick_dtype(opts["dtype"], path, cfg)
+        kernel = _pick_kernel(opts["kernels"])
+        params = G5W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel)
+        tok_path = os.path.join(path, "tokenizer.json")
+        eng = cls(path, cfg, params, opts, Tokenizer(tok_path) if os.path.exists(tok_path) else None, None, kernel)
+        eng._kv_planned = None          # (its memory guard keeps no plan: Engine.__init__'s)
         return eng
 
     # ------------------------------------------------------------------ public API

@@ -6,7 +6,9 @@ the same model with no lossy plugin, on held-out text:
 * a next-line multiple-choice test ("our hellaswag"): context = a few lines of a held-out play, candidates = the true
   next line + 3 distractor lines from OTHER plays; each candidate scored by its summed log-likelihood (acc), by its
   per-token mean (acc_norm) and by log P(line | context) - log P(line | "\n") (acc_pmi: how much the context helps,
-  the score that separates a weak model from chance); fixed seed, >= 200 items.
+  the score that separates a weak model from chance); fixed seed, >= 200 items;
+* a verdict line: PASS when each measure is within its threshold of the reference (--max_ppl_increase, --max_kl,
+  --min_top1, --max_mc_drop: options.EVAL_OPTIONS), exit status 0; FAIL naming the measures that are not, exit 1.
 
 ``--check_contract`` checks MTP's contract for the given plugins instead (:func:`check_contract`): greedy generation
 with and without MTP drafts must give the same tokens; each plugin is also classified (routing-only vs
@@ -68,6 +70,21 @@ def define_flags():
     once(flags.DEFINE_integer, "contract_tokens", 32, "--check_contract: tokens to generate.", lower_bound=1)
     once(flags.DEFINE_string, "contract_prompt", "ROMEO:\n", "--check_contract: the prompt (comma-separated token "
          "ids for a model without a tokenizer).")
+    O.define_eval_flags()
+
+
+def verdict(r: dict, limits: dict):
+    """(passed, the verdict line) of an eval's results against the thresholds (options.EVAL_OPTIONS)."""
+    checks = [("perplexity", f"{100 * (r['ppl'] / r['ppl_ref'] - 1):+.1f}% (<= +{100 * limits['max_ppl_increase']:g}%)",
+               r["ppl"] <= r["ppl_ref"] * (1 + limits["max_ppl_increase"])),
+              ("KL", f"{r['kl']:.4f} (<= {limits['max_kl']:g})", r["kl"] <= limits["max_kl"]),
+              ("top-1", f"{r['top1_agree']:.3f} (>= {limits['min_top1']:g})", r["top1_agree"] >= limits["min_top1"])]
+    if r.get("mc_items"):
+        drop = r["mc_acc_norm_ref"] - r["mc_acc_norm"]
+        checks.append(("MC acc_norm", f"{-drop:+.3f} (>= -{limits['max_mc_drop']:g})", drop <= limits["max_mc_drop"]))
+    failed = [name for name, _, c in checks if not c]
+    return not failed, f"verdict: {'FAIL' if failed else 'PASS'}: " + \
+        ", ".join(f"{name} {text}" for name, text, _ in checks) + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
 # ----------------------------------------------------------------------------- math (tested)
@@ -392,6 +409,7 @@ def main(argv):
         return 0 if r["identical"] else 1
     try:
         opts = O.from_flags()
+        limits = O.eval_from_flags()
         if FLAGS.output_json:           # before the evaluation, so that its result is never lost at the end
             O.check_writable(FLAGS.output_json, "--output_json")
         engine = Engine.from_options(FLAGS.model or None, opts)
@@ -428,7 +446,12 @@ def main(argv):
         print(f"| next-line MC acc_norm | {r['mc_acc_norm']:.3f} | {r['mc_acc_norm_ref']:.3f} |")
         print(f"| next-line MC acc_pmi | {r['mc_acc_pmi']:.3f} | {r['mc_acc_pmi_ref']:.3f} |")
     print(f"| experts dropped | {int(r['experts_dropped'])} | 0 |")
-    return 0 if _write_output(r) else 2
+    ok, line = verdict(r, limits)
+    print(line)
+    r["verdict"] = "pass" if ok else "fail"
+    if not _write_output(r):
+        return 2
+    return 0 if ok else 1
 
 
 def _write_output(r: dict) -> bool:
@@ -443,7 +466,8 @@ def _write_output(r: dict) -> bool:
 
 
 EVAL_FLAGS = ("model", "text", "items", "windows", "window_len", "context_lines", "score_chunk", "eval_batch",
-              "eval_seed", "output_json", "check_contract", "contract_tokens", "contract_prompt")
+              "eval_seed", "output_json", "check_contract", "contract_tokens", "contract_prompt", "max_ppl_increase",
+              "max_kl", "min_top1", "max_mc_drop")
 
 
 def help_text() -> str:

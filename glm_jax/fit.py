@@ -59,7 +59,8 @@ LATER_COMPILE_WARM = 16 << 20                 # ... where the next request's for
 # streamed run (fetch=loop) shares one program per layer kind and shape, counted in the workspace.  Measured as the
 # private-memory peak of two 16-token generates after load, slope over the layer count at tiny widths
 # (docs/real-scale.md): glm_moe_dsa 5 -> 78 layers 13.7 MB / layer, glm4_moe 4 -> 28 layers 7.9 MB / layer.
-RESIDENT_CODE_PER_LAYER = {"glm_moe_dsa": 14 << 20, "glm4_moe": 8 << 20}
+# glm4_moe_lite: glm_moe_dsa's MLA without the indexer, taken at glm_moe_dsa's size (not measured)
+RESIDENT_CODE_PER_LAYER = {"glm_moe_dsa": 14 << 20, "glm4_moe": 8 << 20, "glm4_moe_lite": 14 << 20}
 ROW_TOKENS = 1024                             # rows the run did not ask for (glm-jax-serve's --max_batch): fewer
                                               # rows of this many positions before more rows of fewer (plan_rows)
 FUSED_CODE_SHARE = 0.15                       # fetch=fused where its code costs at most this share of the cache:
@@ -432,7 +433,7 @@ def dense_bytes(tensors, cfg, fmt: str, packed: bool, itemsize: int = 4) -> tupl
             return stored(key) + stored(key + DENSE_SCALE_SUFFIX)
         return _matrix_bytes(out, n_in, f)
 
-    mla = getattr(cfg, "model_type", "") == "glm_moe_dsa"
+    mla = getattr(cfg, "is_mla", False)
     for key, (dt, sh) in infos.items():
         if key.endswith(DENSE_SCALE_SUFFIX) and key[: -len(DENSE_SCALE_SUFFIX)] in infos:
             continue                                     # counted with its weight

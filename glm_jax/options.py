@@ -262,13 +262,27 @@ SERVE_OPTIONS = [
         "closed after --keep_alive_s.", lo=0.0, hi=86400.0, lo_open=True),
     Opt("keep_alive_s", 5.0, "float", "Seconds an idle keep-alive connection stays open.", lo=0.0, hi=3600.0,
         lo_open=True),
-    Opt("warmup", True, "bool", "Before listening, compile the programs the first requests need (a 72-token "
+    Opt("warmup", True, "bool", "At start (listening at once; /health answers 503 'loading' until it is done), compile "
+        "the programs the first requests need (a 72-token "
         "prefill, decode at every batch width up to --max_batch, a prefix-cache hit, the other prefill buckets up to "
         "--prefill_chunk), so no client waits for a "
         "compile. With --compile_cache a later start loads most of them from it (--fetch=callback / fused "
         "programs hold a host callback and compile at every start)."),
 ]
 SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
+
+# glm-jax-eval's verdict: the config passes when every measure is within its threshold of the reference
+EVAL_OPTIONS = [
+    Opt("max_ppl_increase", 0.05, "float", "glm-jax-eval's verdict: the most the config's perplexity may exceed the "
+        "reference's, as a fraction (0.05: 5%).", lo=0.0, hi=100.0),
+    Opt("max_kl", 0.05, "float", "glm-jax-eval's verdict: the largest KL(reference || config) per token, in nats.",
+        lo=0.0, hi=100.0),
+    Opt("min_top1", 0.9, "float", "glm-jax-eval's verdict: the least top-1 agreement with the reference.", lo=0.0,
+        hi=1.0),
+    Opt("max_mc_drop", 0.03, "float", "glm-jax-eval's verdict: the most the next-line multiple-choice acc_norm may "
+        "fall below the reference's (--items > 0).", lo=0.0, hi=1.0),
+]
+EVAL_BY_NAME = {o.name: o for o in EVAL_OPTIONS}
 
 
 def _range_text(o: Opt) -> str:
@@ -646,6 +660,22 @@ def define_serve_flags():
             flags.DEFINE_boolean(o.name, o.default, o.help)
         else:
             flags.DEFINE_float(o.name, o.default, o.help + f" [{_range_text(o)}]")
+
+
+def define_eval_flags():
+    """glm-jax-eval's verdict thresholds (EVAL_OPTIONS; idempotent)."""
+    from absl import flags
+
+    for o in EVAL_OPTIONS:
+        if o.name not in flags.FLAGS:
+            flags.DEFINE_float(o.name, o.default, o.help + f" [{_range_text(o)}]")
+
+
+def eval_from_flags() -> dict:
+    """EVAL_OPTIONS' values from the parsed flags, range-checked (OptionError naming the flag)."""
+    from absl import flags
+
+    return {o.name: check_value(o, flags.FLAGS[o.name].value, f"flag --{o.name}") for o in EVAL_OPTIONS}
 
 
 def serve_from_flags() -> dict:

@@ -12,7 +12,7 @@ from glm_jax.experts.weights import WeightError
 from glm_jax.model.config import ConfigError, load_config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-NAMES = ["glm4moe_full", "glm4moe_plain", "glm4moe_fused", "dsa_dense", "dsa_sparse"]
+NAMES = ["glm4moe_full", "glm4moe_plain", "glm4moe_fused", "dsa_dense", "dsa_sparse", "lite", "lite_direct_q"]
 
 
 _ENGINES = {}

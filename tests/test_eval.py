@@ -109,3 +109,20 @@ def test_batched_scoring_is_batched_decode(heldout):
                       batch=2)
     # this fixture routes top-2: a budget of 2 drops nothing from one position at a time, but caps two rows' union
     assert one["experts_dropped"] == 0 and two["experts_dropped"] > 0
+
+
+def test_the_verdict_against_thresholds():
+    """glm-jax-eval ends with a verdict (before: a table and no verdict): PASS within every threshold, FAIL naming
+    the measures outside them; the thresholds are flags with ranges."""
+    from glm_jax import options as O
+
+    limits = {o.name: o.default for o in O.EVAL_OPTIONS}
+    same = dict(ppl=10.0, ppl_ref=10.0, kl=0.0, top1_agree=1.0, mc_items=4, mc_acc_norm=0.5, mc_acc_norm_ref=0.5)
+    ok, line = ev.verdict(same, limits)
+    assert ok and line.startswith("verdict: PASS")
+    lossy = dict(same, ppl=11.0, kl=0.2, mc_acc_norm=0.4)
+    ok, line = ev.verdict(lossy, limits)
+    assert not ok and line.endswith("failed: perplexity, KL, MC acc_norm")
+    assert ev.verdict(lossy, dict(limits, max_ppl_increase=0.2, max_kl=0.3, max_mc_drop=0.2))[0]
+    with pytest.raises(O.OptionError, match="--min_top1"):
+        O.check_value(O.EVAL_BY_NAME["min_top1"], 1.5, "flag --min_top1")

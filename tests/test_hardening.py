@@ -312,9 +312,10 @@ def test_ram_refusal_names_the_setting_the_user_made(shipped, monkeypatch):
 def test_config_fields_cover_every_model_config_field():
     import dataclasses
 
-    from glm_jax.experts.container import CONFIG_FIELDS, CONFIG_FIELDS_IGNORED
+    from glm_jax.experts.container import CONFIG_FIELDS, CONFIG_FIELDS_DEFAULTED, CONFIG_FIELDS_IGNORED
     from glm_jax.model.config import ModelConfig
-    assert set(CONFIG_FIELDS) | set(CONFIG_FIELDS_IGNORED) == {f.name for f in dataclasses.fields(ModelConfig)}
+    assert (set(CONFIG_FIELDS) | set(CONFIG_FIELDS_DEFAULTED) | set(CONFIG_FIELDS_IGNORED)
+            == {f.name for f in dataclasses.fields(ModelConfig)})
 
 
 @pytest.mark.parametrize("field,value", [("routed_scaling_factor", 1.25), ("num_experts_per_tok", 2),

@@ -346,7 +346,8 @@ def test_mla_linears_stay_quantized_in_memory(tmp_path):
     eng = glm_jax.Engine.load(dst, fetch="resident", kv_cache_dtype="float32")
     try:
         a = eng.params["layers"][0]["attn"]
-        for k in Q.MLA_LINEARS:
+        assert {k for k in Q.MLA_LINEARS if k in a} == {"q_a_w", "q_b_w", "kv_a_w", "o_w"}   # q LoRA: no q_proj_w
+        for k in ("q_a_w", "q_b_w", "kv_a_w", "o_w"):
             assert isinstance(a[k], Q.QWeight) and a[k].fmt == "int8_row", (k, type(a[k]))
         # the indexer's projections stay float: int8 activations there flipped top-k picks (top-1 0.92 -> 0.67)
         assert "indexer" in a and not any(isinstance(a["indexer"][k], Q.QWeight) for k in ("wq_b", "wk"))

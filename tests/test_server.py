@@ -146,7 +146,8 @@ def test_models_retrieve_and_404s(client):
     (False, dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (True, dict(extra_body={"functions": [{"name": "f"}]}), "functions"),
     (True, dict(frequency_penalty=0.5), "frequency_penalty"),
-    (False, dict(echo=True), "echo"),
+    (False, dict(echo=True, logprobs=1), "echo"),
+    (True, dict(tools=[dict(WEATHER, function=dict(WEATHER["function"], strict="yes"))]), "tools"),
     (False, dict(suffix="x"), "suffix"),
     (False, dict(best_of=3), "best_of"),
     (True, dict(response_format={"type": "xml"}), "response_format"),
@@ -159,6 +160,10 @@ def test_models_retrieve_and_404s(client):
     (True, dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
      "response_format"),
     (False, dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
+    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": [1]}}}), "response_format"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "array", "maxItems": "x"}}}}}], tool_choice="required"), "tools"),
 ])
 def test_unsupported_parameters_are_400_naming_them(client, chat, kw, param):
     """Before: tools, response_format, logit_bias and unknown fields were silently ignored (a 200 with plain text)."""
@@ -260,7 +265,9 @@ def test_tool_call_round_trip(client, eng):
         model="glm-jax-default", messages=USER, max_tokens=100, temperature=0, tools=[WEATHER], stream=True,
         tool_choice=named) if c.choices]
     tcs = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
-    assert [(t.index, t.function.name, t.function.arguments) for t in tcs] == [(0, "weather", call.function.arguments)]
+    assert (tcs[0].index, tcs[0].function.name, tcs[0].function.arguments, tcs[0].id[:5]) == (0, "weather", "", "call_")
+    assert len(tcs) > 3 and {t.index for t in tcs} == {0} and all(t.function.name is None for t in tcs[1:])
+    assert "".join(t.function.arguments for t in tcs) == call.function.arguments      # incremental pieces
     assert deltas[-1].finish_reason == "tool_calls" and not "".join(d.delta.content or "" for d in deltas)
     # required: any of the tools, one call (parallel_tool_calls false)
     for seed in (1, 2):
@@ -293,19 +300,20 @@ def test_tool_call_round_trip(client, eng):
 
 def test_glm_tool_calls_are_parsed():
     from glm_jax import chat as C
+    from glm_jax.serve.toolcalls import parse
 
     text = ("Let me look.<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Verona</arg_value>\n"
             "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>time\n"
             "<arg_key>utc</arg_key>\n<arg_value>true</arg_value>\n</tool_call>")
-    content, calls = C.parse_tool_calls(text, [WEATHER, CLOCK])
+    content, calls, _ = parse(text, [WEATHER, CLOCK])
     assert content == "Let me look."
-    assert calls == [{"name": "weather", "arguments": '{"city": "Verona", "days": 3}'},
-                     {"name": "time", "arguments": '{"utc": true}'}]
-    assert C.parse_tool_calls("no calls here", [WEATHER]) == ("no calls here", [])
+    assert [c["function"] for c in calls] == [{"name": "weather", "arguments": '{"city": "Verona", "days": 3}'},
+                                              {"name": "time", "arguments": '{"utc": true}'}]
+    assert parse("no calls here", [WEATHER]) == ("no calls here", [], False)
     # a string parameter stays a string even when it looks like JSON
     t = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"s": {"type": "string"}}}}}
-    assert C.parse_tool_calls("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
-                              [t])[1] == [{"name": "f", "arguments": '{"s": "12"}'}]
+    assert parse("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
+                 [t])[1][0]["function"] == {"name": "f", "arguments": '{"s": "12"}'}
     assert C.format_tool_call("weather", {"city": "Verona", "days": 3}) in text
 
 
@@ -343,6 +351,56 @@ def test_response_format_json(client, eng):
     m = llguidance.LLMatcher(ll_tokenizer(eng.tokenizer, eng.cfg.vocab_size, eng.cfg.eos_token_ids),
                              json_schema_grammar({"type": "object"}), log_level=0)
     assert not m.consume_tokens(eng.encode("Hello {")) or m.is_error()          # the check can fail
+
+
+def test_required_calls_end_the_turn_and_markup_never_reaches_content(client):
+    """tool_choice required with parallel calls allowed (what agent libraries send) ends the turn after its calls
+    (before: the grammar allowed call after call, every try ran to length with '<tool_' in content); a call cut
+    off by max_tokens ends with finish_reason length, no tool_calls and no markup."""
+    import json
+
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model="glm-jax-default", messages=USER, temperature=1.0, seed=seed,
+                                           tools=[CLOCK, PING], tool_choice="required", max_tokens=120)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and not ch.message.content, ch
+        assert 1 <= len(ch.message.tool_calls) <= 4
+        for c in ch.message.tool_calls:
+            assert c.function.name in ("time", "ping") and isinstance(json.loads(c.function.arguments), dict)
+    named = {"type": "function", "function": {"name": "weather"}}
+    for stream in (False, True):
+        kw = dict(model="glm-jax-default", messages=USER, max_tokens=6, temperature=0, tools=[WEATHER],
+                  tool_choice=named)
+        if stream:
+            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+            text = "".join(c.delta.content or "" for c in chunks)
+            reason = chunks[-1].finish_reason
+        else:
+            ch = client.chat.completions.create(**kw).choices[0]
+            text, reason = ch.message.content or "", ch.finish_reason
+            assert ch.message.tool_calls is None
+        assert reason == "length" and "<" not in text and "arg_" not in text
+
+
+def test_pydantic_style_schemas_and_json_object_close(client):
+    """Structured output with a schema as pydantic writes it (no additionalProperties) and json_object: JSON that
+    parses, within max_tokens (before: an extra key whose string never ended; 0 of 5 json_object replies parsed)."""
+    import json
+
+    person = {"type": "object", "title": "Person", "properties": {"name": {"type": "string"},
+                                                                  "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    for seed in (1, 2):
+        for rf in ({"type": "json_schema", "json_schema": {"name": "Person", "schema": person}},
+                   {"type": "json_object"}):
+            r = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=40, seed=seed,
+                                               temperature=1.0, response_format=rf)
+            ch = r.choices[0]
+            assert ch.finish_reason == "stop", ch
+            v = json.loads(ch.message.content)
+            assert isinstance(v, dict)
+            if rf["type"] == "json_schema":
+                assert set(v) == {"name", "age"} and isinstance(v["name"], str) and isinstance(v["age"], int)
 
 
 def test_one_log_line_per_request(client, caplog):
@@ -390,6 +448,37 @@ def test_errors_are_openai_style(server, path, body, raw, status, param, text):
     err = r.json()["error"]
     assert text in err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
     assert "\n" not in err["message"]
+
+
+def test_health_answers_503_loading_during_the_warm_up(eng):
+    """The server listens before its warm-up (before: nothing answered during a first start's warm-up); /health
+    says 503 {"status": "loading"} and generation requests are 503s until the engine thread has warmed up."""
+    import threading
+    import types
+
+    from glm_jax.serve.app import Server
+
+    srv = Server(eng, max_queue=16, warmup=True)
+    go, stop = threading.Event(), threading.Event()
+
+    def serve_forever(ev):
+        stop.wait(30)
+    srv.sched = types.SimpleNamespace(warmup=lambda: (go.wait(30), (0.0, 0.0))[1], serve_forever=serve_forever,
+                                      running=0, waiting=0, lock=threading.Condition(), queue=[], rows=[])
+    with serving.running(srv):
+        h = httpx.get(srv.base + "/health")
+        assert (h.status_code, h.json()) == (503, {"status": "loading"})
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        r = httpx.post(srv.base + "/v1/responses", json={"input": "x"})
+        assert r.status_code == 503
+        go.set()
+        for _ in range(100):
+            if httpx.get(srv.base + "/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert httpx.get(srv.base + "/health").json()["status"] == "ok"
+        stop.set()
 
 
 def test_auth_queue_full_and_metrics(server, eng, monkeypatch):
@@ -589,6 +678,45 @@ def test_cli_streams_and_ctrl_c(monkeypatch, capsys):
     assert closed
 
 
+def test_cli_interactive_chat_and_stdin_prompt(monkeypatch, capsys, eng):
+    """glm-jax --chat without --prompt: a chat session (history kept, /exit ends it); Ctrl-C mid-reply stops that
+    reply and the next turn runs as on a fresh engine; --prompt=- reads the prompt from stdin."""
+    import io
+
+    from glm_jax import cli
+
+    lines = iter(["Who are you?", "And then?", "/exit"])
+    monkeypatch.setattr(cli, "_read_line", lambda p: next(lines))
+    shown, real_emit = [], cli._emit
+
+    def emit(text):
+        shown.append(text)
+        if len(shown) == 1:                          # the first piece of the first reply
+            raise KeyboardInterrupt
+        return real_emit(text)
+    monkeypatch.setattr(cli, "_emit", emit)
+    cli.FLAGS.unparse_flags()
+    cli.parse_flags(["glm-jax", "--chat", "--max_new_tokens=6"])
+    try:
+        assert cli.main(["glm-jax"]) == 0
+    finally:
+        cli.FLAGS.unparse_flags()
+    out, err = capsys.readouterr()
+    first, second = out.split("\n")[:2]
+    assert first.endswith(" [stopped]") and "Traceback" not in err
+    history = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": first[:-10]},
+               {"role": "user", "content": "And then?"}]
+    assert second == eng.generate(history, chat=True, max_new_tokens=6).text
+    monkeypatch.setattr("sys.stdin", io.StringIO("JULIET:\n"))
+    cli.parse_flags(["glm-jax", "--prompt=-", "--max_new_tokens=3"])
+    try:
+        assert cli.main(["glm-jax"]) == 0
+    finally:
+        cli.FLAGS.unparse_flags()
+    out, _ = capsys.readouterr()
+    assert out == "JULIET:\n" + eng.generate("JULIET:\n", max_new_tokens=3).text + "\n"
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0():
     """glm-jax-serve as a process: SIGTERM mid-stream lets the stream finish (finish_reason, [DONE]) and the process
     exits 0.  Before, sse-starlette cut the open stream at shutdown and uvicorn re-raised the signal (exit -15)."""
@@ -632,3 +760,80 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     finally:
         if p.poll() is None:
             p.kill()
+
+
+# ----------------------------------------------------------------------------- the Responses API
+WEATHER_R = dict(WEATHER["function"], type="function")          # the Responses API's flat function tools
+
+
+def test_responses_api_text_tools_and_json(client, eng):
+    """POST /v1/responses through the official client: text (greedy: the chat path's text), a forced tool call
+    as a function_call item, its output sent back as items, a json_schema text format, and the 400s."""
+    import json
+
+    import openai
+
+    r = client.responses.create(model="glm-jax-default", input="Weather in Verona?", instructions="Speak verse.",
+                                max_output_tokens=8, temperature=0)
+    ref = client.chat.completions.create(model="glm-jax-default", max_tokens=8, temperature=0, messages=[
+        {"role": "developer", "content": "Speak verse."}, {"role": "user", "content": "Weather in Verona?"}])
+    assert r.output_text == ref.choices[0].message.content and r.status == "incomplete"
+    assert r.usage.output_tokens == 8 and r.usage.input_tokens == ref.usage.prompt_tokens
+    r = client.responses.create(model="glm-jax-default", input=USER, tools=[WEATHER_R], max_output_tokens=100,
+                                tool_choice={"type": "function", "name": "weather"}, temperature=0)
+    (call,) = r.output
+    assert (call.type, call.name, r.status) == ("function_call", "weather", "completed")
+    assert set(json.loads(call.arguments)) == {"city", "days"}
+    clock = dict(CLOCK["function"], type="function")
+    r = client.responses.create(model="glm-jax-default", input=USER, tools=[clock], tool_choice="required",
+                                max_output_tokens=60, temperature=0)
+    (call,) = r.output
+    back = USER + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                   {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}]
+    r2 = client.responses.create(model="glm-jax-default", input=back, tools=[clock], max_output_tokens=4)
+    assert r2.usage.input_tokens > r.usage.input_tokens and r2.status in ("completed", "incomplete")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    r3 = client.responses.create(model="glm-jax-default", input="Yes?", max_output_tokens=20, text={"format": {
+        "type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    assert isinstance(json.loads(r3.output_text)["ok"], bool)
+    for kw, param in ((dict(store=True), "store"), (dict(previous_response_id="resp_1"), "previous_response_id"),
+                      (dict(extra_body={"frobnicate": 1}), "frobnicate")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="glm-jax-default", input="Hi", max_output_tokens=2, **kw)
+        assert e.value.body["param"] == param
+
+
+def test_responses_api_streams_its_events(client):
+    import json
+
+    kw = dict(model="glm-jax-default", input=USER, tools=[WEATHER_R], max_output_tokens=100, temperature=0,
+              tool_choice={"type": "function", "name": "weather"})
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.done" in kinds
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3 and "".join(deltas) == whole.output[0].arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert done.output[0].arguments == whole.output[0].arguments and json.loads(done.output[0].arguments)
+    text = list(client.responses.create(model="glm-jax-default", input="Hi", max_output_tokens=6, temperature=0,
+                                        stream=True))
+    pieces = "".join(e.delta for e in text if e.type == "response.output_text.delta")
+    assert text[-1].type == "response.incomplete" and pieces == text[-1].response.output_text
+
+
+def test_completions_with_prompt_lists_and_echo(client, eng):
+    r = client.completions.create(model="glm-jax-default", prompt=[ROMEO, "JULIET:\n"], max_tokens=4, temperature=0,
+                                  echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, p in zip(r.choices, [ROMEO, "JULIET:\n"]):
+        assert c.text == p + _alone(eng, p, 4).text
+    assert r.usage.prompt_tokens == len(eng.encode(ROMEO)) + len(eng.encode("JULIET:\n"))
+    texts = ["", ""]
+    for c in client.completions.create(model="glm-jax-default", prompt=[ROMEO, "JULIET:\n"], max_tokens=4,
+                                       temperature=0, echo=True, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [c.text for c in r.choices]

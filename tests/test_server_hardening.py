@@ -322,3 +322,40 @@ def test_fuzz_get_endpoints(server, mid, key):
         assert r.status_code < 500 and (r.status_code != 200 or key == KEY), (path, r.status_code, r.text)
         if r.status_code != 200:
             _error(r, r.status_code)
+
+
+R_FIELDS = ["input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+            "temperature", "top_p", "store", "previous_response_id", "include", "reasoning", "metadata", "x"]
+r_values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(
+    st.sampled_from(["role", "content", "type", "text", "name", "call_id", "arguments", "output", "format",
+                     "schema", "parameters", "strict"]), c, max_size=4), max_leaves=12)
+r_items = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call",
+                                                                     "function_call_output", "x"])},
+                                         optional={k: r_values for k in ("role", "content", "call_id", "name",
+                                                                         "arguments", "output")}), max_size=3)
+r_bodies = st.fixed_dictionaries({"max_output_tokens": st.integers(0, 3)},
+                                 optional={**{f: r_values for f in R_FIELDS}, "input": st.text(max_size=20) | r_items})
+schema_kw = st.sampled_from(["type", "properties", "items", "required", "additionalProperties", "maxLength",
+                             "minLength", "enum", "anyOf", "maxItems", "minimum", "maximum", "patternProperties",
+                             "$ref", "const"])
+schemas = st.recursive(scalars | st.sampled_from(["object", "string", "integer", "number", "array", "boolean"]),
+                       lambda c: st.lists(c, max_size=3) | st.dictionaries(schema_kw | st.text(max_size=3), c,
+                                                                           max_size=4), max_leaves=14)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=r_bodies, schema=schemas, where=st.sampled_from(["responses", "response_format", "tool"]))
+def test_fuzz_responses_and_schemas(server, body, schema, where):
+    """/v1/responses bodies, and random JSON schemas as a response_format or a forced tool's parameters: never a
+    500, never a hang."""
+    path, chat = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    if where == "responses":
+        path = "/v1/responses"
+    elif where == "response_format":
+        body = dict(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    else:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                             "properties": {"a": schema}}}}
+        body = dict(chat, tools=[tool], tool_choice="required")
+    _check(_post(server, path, raw=json.dumps(body).encode(), timeout=60))
+    assert _health_ms(server) < 2000

@@ -360,7 +360,8 @@ def test_a_working_set_below_top_k_decodes_in_rounds_with_oracle_parity(exp, mon
     assert sizes and max(sizes) == 1                 # one expert a fetch: the rounds ran
 
 
-@pytest.mark.parametrize("src,working_set", [(SRC, None), (SRC, 2), (os.path.join(GOLDEN, "dsa_sparse"), None)])
+@pytest.mark.parametrize("src,working_set", [(SRC, None), (SRC, 2), (os.path.join(GOLDEN, "dsa_sparse"), None),
+                                              (os.path.join(GOLDEN, "lite"), 2)])
 def test_a_long_prompt_prefills_layer_by_layer_reading_each_expert_once(monkeypatch, src, working_set):
     """streaming.segment_steps: a prompt's attention in blocks (here 4 blocks of 4), then each layer's routed
     experts over every position at once, so no expert is fetched twice in a layer (chunk by chunk fetched a chunk's

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from glm_jax.experts.convert import convert
+from glm_jax.model.config import config_from_dict as load_config_dict
 from glm_jax.model.config import load_config
 from tools.fixtures import synth_slice
 
@@ -18,6 +19,8 @@ SMALL_ARCH = {
     "glm52": dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16, qk_head_dim=24, head_dim=8, index_head_dim=16, index_n_heads=4,
                   index_topk=4),
+    "glm47flash": dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                       qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 }
 
 
@@ -57,6 +60,14 @@ def test_real_widths():
     assert (g["n_routed_experts"], g["moe_intermediate_size"], g["num_experts_per_tok"], g["index_topk"],
             g["index_n_heads"], g["index_head_dim"]) == (256, 2048, 8, 2048, 32, 128)
     assert g["mlp_layer_types"] == ["dense", "sparse"] and g["indexer_types"] == ["full", "full"]
+    f = synth_slice.slice_config("glm47flash", 2)                 # Glm4MoeLiteConfig's defaults
+    assert (f["hidden_size"], f["num_attention_heads"], f["q_lora_rank"], f["kv_lora_rank"], f["qk_nope_head_dim"],
+            f["qk_rope_head_dim"], f["v_head_dim"], f["intermediate_size"]) == (2048, 20, 768, 512, 192, 64, 256, 10240)
+    assert (f["n_routed_experts"], f["moe_intermediate_size"], f["num_experts_per_tok"], f["routed_scaling_factor"],
+            f["mlp_layer_types"]) == (64, 1536, 4, 1.8, ["dense", "sparse"]) and "indexer_types" not in f
+    assert load_config_dict(f).model_type == "glm4_moe_lite"
+    assert synth_slice.moe_layers(synth_slice.full_config("glm47flash")) == 46
+    assert synth_slice.counts_config("glm47flash")["mlp_layer_types"].count("sparse") == 46
     # an int4 expert of GLM-5 is ~18.9 MB before scales (limits-and-peers.md §1)
     assert synth_slice.param_split(g)["expert"] / 2 == pytest.approx(18.9e6, rel=0.01)
     # the full models the projections use: 45 / 75 MoE layers, the real vocabularies
@@ -72,7 +83,7 @@ def test_bad_arguments():
         synth_slice.slice_config("glm45air", 1)
 
 
-@pytest.mark.parametrize("arch", ["glm45air", "glm52"])
+@pytest.mark.parametrize("arch", ["glm45air", "glm52", "glm47flash"])
 def test_slice_shapes_scaled_down(tmp_path, arch):
     d = str(tmp_path / arch)
     over = dict(SMALL, **SMALL_ARCH[arch])
@@ -97,8 +108,11 @@ def test_slice_shapes_scaled_down(tmp_path, arch):
         assert h["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"][0] == (16 + 8, H)
         assert h["model.layers.1.self_attn.kv_b_proj.weight"][0] == (4 * (16 + 16), 16)
         assert h["model.layers.1.self_attn.o_proj.weight"][0] == (H, 4 * 16)
-        assert h["model.layers.2.self_attn.indexer.wq_b.weight"][0] == (4 * 16, 32)
-        assert h["model.layers.2.self_attn.indexer.weights_proj.weight"][:2] == ((4, H), "F32")
+        if arch == "glm52":
+            assert h["model.layers.2.self_attn.indexer.wq_b.weight"][0] == (4 * 16, 32)
+            assert h["model.layers.2.self_attn.indexer.weights_proj.weight"][:2] == ((4, H), "F32")
+        else:                                                                 # GLM-4.7-Flash: MLA without DSA
+            assert not any(".indexer." in k for k in h)
     n = sum(int(np.prod(s)) for s, _, _ in h.values())
     assert n == synth_slice.param_split(c)["total"]
     # Zipf-skewed popularity: the router bias is -0.3 * zipf * log(rank) over a permutation of the experts

@@ -250,12 +250,16 @@ CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
                  "index_n_heads", "indexer_types")
 CONFIG_FIELDS_IGNORED = ("max_position_embeddings", "eos_token_ids", "bos_token_id", "pad_token_id", "source")
+# Fields added after containers were written: recorded only where they differ from this default (a container of
+# an older glm-jax-convert, where they are absent, had the default)
+CONFIG_FIELDS_DEFAULTED = {"rope_interleave": True}
 
 
 def config_fields(cfg: ModelConfig) -> dict:
     """The math-relevant config fields as JSON values (what the manifest records and ``open_container`` compares)."""
+    fields = CONFIG_FIELDS + tuple(f for f, d in CONFIG_FIELDS_DEFAULTED.items() if getattr(cfg, f) != d)
     return json.loads(json.dumps({f: (list(getattr(cfg, f)) if isinstance(getattr(cfg, f), tuple)
-                                      else getattr(cfg, f)) for f in CONFIG_FIELDS}))
+                                      else getattr(cfg, f)) for f in fields}))
 
 
 def config_hash(cfg: ModelConfig) -> str:
@@ -626,6 +630,10 @@ def _check_manifest(path: str, man: dict, mpath: str, cfg: Optional[ModelConfig]
         have = man.get("config_fields")
         if not isinstance(have, dict):
             raise ContainerError(f"{mpath}: 'config_fields' missing or not an object; re-run glm-jax-convert")
+        for k, d in CONFIG_FIELDS_DEFAULTED.items():
+            if have.get(k, d) != want.get(k, d):
+                raise ConfigMismatchError(f"{mpath}: config mismatch: '{k}' is {have.get(k, d)!r} in the container but "
+                                          f"{want.get(k, d)!r} in {cfg.source or 'the model config'}")
         for k, v in want.items():
             if k not in have:
                 raise ConfigMismatchError(

@@ -188,7 +188,8 @@ def _float(a):
     return a.dequant() if isinstance(a, QTensor) else a
 
 
-_MLA_LINEAR_KEYS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight")
+_MLA_LINEAR_KEYS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.q_proj.weight", "kv_a_proj_with_mqa.weight",
+                    "o_proj.weight")
 
 
 def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
@@ -197,10 +198,10 @@ def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     pre = f"model.layers.{i}."
     lp = {"input_norm": get(pre + "input_layernorm.weight", (H,)),
           "post_norm": get(pre + "post_attention_layernorm.weight", (H,))}
-    if cfg.model_type == "glm_moe_dsa":
-        # The projections q_a, q_b, kv_a, o are plain linears: kept as stored, packed by formats.pack_layer.  The
-        # rest is float: kv_b is reshaped for absorption (per-head W_UK / W_UV) and the DSA indexer's top-k is
-        # discrete (int8 activations there flipped its picks on the golden DSA model)
+    if cfg.is_mla:
+        # The projections q_a, q_b (or q_proj), kv_a, o are plain linears: kept as stored, packed by
+        # formats.pack_layer.  The rest is float: kv_b is reshaped for absorption (per-head W_UK / W_UV) and the DSA
+        # indexer's top-k is discrete (int8 activations there flipped its picks on the golden DSA model)
         def get_mla(key, shape=None):
             a = get(key, shape)
             return a if key.endswith(_MLA_LINEAR_KEYS) and ".indexer." not in key else _float(a)

@@ -559,9 +559,9 @@ def head_format(fmt: str) -> str:
     return "int8_row" if fmt.startswith("int4") else fmt
 
 
-MLA_LINEARS = ("q_a_w", "q_b_w", "kv_a_w", "o_w")   # MLA matrices used only as linears: packed (weights.load_layer
-                                                    # keeps the indexer float; kv_b, split per head, is packed
-                                                    # grouped in q_b's format: pack_layer)
+# MLA matrices used only as linears (q_proj_w where q_lora_rank is null): packed (weights.load_layer keeps the indexer
+# float; kv_b, split per head, is packed grouped in q_b's format: pack_layer)
+MLA_LINEARS = ("q_a_w", "q_b_w", "q_proj_w", "kv_a_w", "o_w")
 
 
 def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: bool = True) -> dict:
@@ -585,13 +585,13 @@ def pack_layer(lp: dict, kernel: str, fmt: str = "native", dtype=None, fuse: boo
 
     lp = dict(lp)
     a = lp.get("attn")
-    if a is not None and "q_a_w" in a:             # MLA: its linears packed (the loader keeps the rest float)
+    if a is not None and "kv_a_w" in a:            # MLA: its linears packed (the loader keeps the rest float)
         a = dict(a)
-        for k in MLA_LINEARS:                      # a mesh (fuse=False) splits them by heads: float there
+        for k in (k for k in MLA_LINEARS if k in a):   # a mesh (fuse=False) splits them by heads: float there
             a[k] = qw(a[k]) if fuse else a[k].dequant() if isinstance(a[k], QTensor) else a[k]
         # the absorbed per-head products (W_UK^T, W_UV) in q_b's quantized format, on the grouped native kernel (as
         # llama.cpp keeps attn_k_b / attn_v_b in its file's bits); float where q_b is float (an f32 / bf16 model)
-        qb = a.get("q_b_w")
+        qb = a.get("q_b_w", a.get("q_proj_w"))
         if fuse and kernel == "native" and "w_uk_t" in a and isinstance(qb, QWeight) and all(
                 grouped_ok(qb.fmt, np.shape(a[k])[-1]) for k in ("w_uk_t", "w_uv")):
             for k in ("w_uk_t", "w_uv"):

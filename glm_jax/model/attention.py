@@ -1,4 +1,4 @@
-"""Attention and its KV cache: GQA for glm4_moe here, MLA + DSA for glm_moe_dsa in ``mla.py`` (``attention`` picks).
+"""Attention and its KV cache: GQA for glm4_moe here, MLA (with or without DSA) in ``mla.py`` (``attention`` picks).
 
 Shapes: B batch, T query tokens, S cache slots (= positions), H hidden, nh/nkv heads, hd head_dim.
 """
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from .. import kernels
 from ..kernels.formats import NATIVE_MAX_ROWS, QWeight
-from . import mla
+from . import glm5_next, mla
 from .config import ModelConfig
 from .layers import F32, apply_rope_half, linear, positions_of, rms_norm, rope_cos_sin, softmax
 
@@ -17,7 +17,9 @@ from .layers import F32, apply_rope_half, linear, positions_of, rms_norm, rope_c
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool = False) -> list:
     """One dict per layer (+ the MTP layer at the end when ``with_mtp``)."""
     n = cfg.num_hidden_layers + (1 if with_mtp else 0)
-    if cfg.model_type == "glm_moe_dsa":
+    if cfg.model_type == "glm5_next":
+        return glm5_next.init_cache(cfg, batch, max_len, dtype)
+    if cfg.is_mla:
         return [mla.init_mla_cache(cfg, i, batch, max_len, dtype) for i in range(n)]
     shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(n)]
@@ -25,7 +27,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype, with_mtp: bool
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, with_mtp: bool = True) -> int:
     """KV-cache bytes per position over every layer (and the MTP layer)."""
     n = cfg.num_hidden_layers + (1 if with_mtp and cfg.has_mtp else 0)
-    if cfg.model_type == "glm_moe_dsa":
+    if cfg.model_type == "glm5_next":       # the KDA layers' state is per row: glm5_next.state_bytes_per_row
+        return glm5_next.kv_bytes_per_token(cfg, dtype_bytes)
+    if cfg.is_mla:
         kb = mla.kv_bytes_per_token(cfg, dtype_bytes)
         return kb["model_total"] + (kb["mtp_layer"] if with_mtp and cfg.has_mtp else 0)
     return n * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
@@ -77,7 +81,7 @@ def _native_attention(p, q, ck) -> bool:
 
 
 def attention(cfg: ModelConfig, p, x, cache, start, layer: int, prev_sel, rows=None):
-    if cfg.model_type == "glm_moe_dsa":
+    if cfg.is_mla:
         return mla.mla_attention(cfg, p, x, cache, start, layer, prev_sel)
     return gqa_attention(cfg, p, x, cache, start, rows)
 

@@ -1,12 +1,15 @@
-"""glm_moe_dsa (GLM-5) attention: multi-head latent attention (MLA) + the DSA sparse-attention indexer.
+"""Multi-head latent attention (MLA): glm_moe_dsa (GLM-5) with the DSA sparse-attention indexer, glm4_moe_lite
+(GLM-4.7-Flash) without it.
 
 Pure JAX functions over plain dict params (HF orientation ``[out, in]``, math ``x @ W.T``); mirrors
-transformers 5.24 ``GlmMoeDsaAttention`` / ``GlmMoeDsaIndexer`` (see glm-architecture.md §3, §9).
+transformers 5.25 ``GlmMoeDsaAttention`` / ``GlmMoeDsaIndexer`` and ``Glm4MoeLiteAttention`` (the same MLA; lite's
+q_lora_rank may be None -- one ``q_proj`` --, its RoPE may be the half-split form: ``rope_interleave`` false).
 
 Params of one layer (``load_mla_params``)::
 
     {"q_a_w":  [q_lora, H],            "q_a_norm": [q_lora],          # q_a_proj, q_a_layernorm (RMSNorm eps 1e-6)
      "q_b_w":  [nH*(nope+rope), q_lora],                               # q_b_proj; per head [nope | rope]
+     ("q_proj_w": [nH*(nope+rope), H] instead of the three above where q_lora_rank is None)
      "kv_a_w": [kv_lora+rope, H],       "kv_a_norm": [kv_lora],        # kv_a_proj_with_mqa -> [c | k_rope]; kv_a_layernorm
      "kv_b_w": [nH*(nope+v), kv_lora],                                 # kv_b_proj; per head [k_nope | v]
      "o_w":    [H, nH*v],
@@ -21,7 +24,8 @@ RoPE'd indexer key; slot j holds position j.
 
 RoPE is HF's interleaved form: lanes (2i, 2i+1) rotate by one frequency and the output is written de-interleaved
 (``cat([x_e cos - x_o sin, x_o cos + x_e sin])``).  q and k get the same permutation so the dot products are those of
-the interleaved rotation; ``kpe`` / ``idx_k`` are stored in that de-interleaved order.
+the interleaved rotation; ``kpe`` / ``idx_k`` are stored in that de-interleaved order.  ``rope_interleave`` false
+(glm4_moe_lite only): HF's ``apply_rotary_pos_emb``, halves rotated (``rotate_half``).
 
 Indexer type of a layer: ``cfg.indexer_types[layer]``; the MTP layer (``layer == cfg.num_hidden_layers``) is
 ``"full"``: the hub GLM-5 checkpoints carry ``model.layers.78.self_attn.indexer.*`` and the MTP block runs alone (there
@@ -50,7 +54,10 @@ INDEXER_LN_EPS = 1e-6     # indexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e
 
 # ----------------------------------------------------------------------------- config helpers
 def indexer_type(cfg, layer: int) -> str:
-    """"full" or "shared" for a main layer; the MTP layer (layer == num_hidden_layers) is "full"."""
+    """"full" or "shared" for a main layer; the MTP layer (layer == num_hidden_layers) is "full"; "none" for every
+    layer of a model without the DSA indexer (glm4_moe_lite)."""
+    if not cfg.indexer_types:
+        return "none"
     if layer >= cfg.num_hidden_layers:
         return "full"
     return cfg.indexer_types[layer]
@@ -61,6 +68,8 @@ def variant_layer(cfg, layer: int) -> int:
     (only ``indexer_type`` depends on the layer, so layers of one type share a program; a jit keyed on the layer
     itself compiled one program per layer: ~1 GB at GLM-5.2's 78)."""
     t = indexer_type(cfg, layer)
+    if t == "none":
+        return 0
     return next((i for i, ti in enumerate(cfg.indexer_types) if ti == t), layer)
 
 
@@ -97,7 +106,7 @@ def rope_inv_freq(cfg) -> tuple[np.ndarray, float]:
     if rtype == "default":
         return (1.0 / (np.float32(base) ** ar)).astype(np.float32), 1.0
     if rtype != "yarn":
-        raise ValueError(f"{cfg.source}: unsupported rope_type {rtype!r} for glm_moe_dsa")
+        raise ValueError(f"{cfg.source}: unsupported rope_type {rtype!r} for {cfg.model_type}")
     prf = rp.get("partial_rotary_factor", 1.0)
     dim = int(dim * prf)
     ar = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -143,6 +152,19 @@ def apply_rope_interleave(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def apply_rope_halves(x, cos, sin):
+    """HF apply_rotary_pos_emb (rotate_half) with cos/sin of [..., d/2]: x * cat(cos, cos) + rotate_half(x) *
+    cat(sin, sin), written per half."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def mla_rope(cfg, x, cos, sin):
+    """The attention's RoPE on q_rot / k_rot: interleaved pairs unless the config's rope_interleave is false."""
+    return (apply_rope_interleave if cfg.rope_interleave else apply_rope_halves)(x, cos, sin)
+
+
 def layer_norm(x, w, b, eps):
     x32 = x.astype(jnp.float32)
     mu = jnp.mean(x32, axis=-1, keepdims=True)
@@ -164,17 +186,21 @@ def load_mla_params(get: Callable, prefix: str, cfg, layer: int) -> dict:
     H, nH = cfg.hidden_size, cfg.num_attention_heads
     ql, kl = cfg.q_lora_rank, cfg.kv_lora_rank
     nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    p = {
-        "q_a_w": get(prefix + "q_a_proj.weight", (ql, H)),
-        "q_a_norm": get(prefix + "q_a_layernorm.weight", (ql,)),
-        "q_b_w": get(prefix + "q_b_proj.weight", (nH * (nope + rope), ql)),
+    if ql is None:
+        p = {"q_proj_w": get(prefix + "q_proj.weight", (nH * (nope + rope), H))}
+    else:
+        p = {"q_a_w": get(prefix + "q_a_proj.weight", (ql, H)),
+             "q_a_norm": get(prefix + "q_a_layernorm.weight", (ql,)),
+             "q_b_w": get(prefix + "q_b_proj.weight", (nH * (nope + rope), ql))}
+    p.update({
         "kv_a_w": get(prefix + "kv_a_proj_with_mqa.weight", (kl + rope, H)),
         "kv_a_norm": get(prefix + "kv_a_layernorm.weight", (kl,)),
         "kv_b_w": get(prefix + "kv_b_proj.weight", (nH * (nope + v), kl)),
         "o_w": get(prefix + "o_proj.weight", (H, nH * v)),
-    }
+    })
     if cfg.attention_bias:
-        p["q_a_b"] = get(prefix + "q_a_proj.bias", (ql,))
+        if ql is not None:          # transformers' q_proj (no q LoRA) has no bias
+            p["q_a_b"] = get(prefix + "q_a_proj.bias", (ql,))
         p["kv_a_b"] = get(prefix + "kv_a_proj_with_mqa.bias", (kl + rope,))
         p["o_b"] = get(prefix + "o_proj.bias", (H,))
     if indexer_type(cfg, layer) == "full":
@@ -229,7 +255,7 @@ def kv_bytes_per_token(cfg, dtype_bytes: int) -> dict:
     """KV-cache bytes per token: per layer kind, summed over the main layers, and the uncompressed equivalent
     (a plain MHA cache of the expanded keys/values: nH * (qk_head_dim + v_head_dim) per layer)."""
     mla = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
-    idx = cfg.index_head_dim * dtype_bytes
+    idx = (cfg.index_head_dim or 0) * dtype_bytes          # no DSA indexer (glm4_moe_lite): no indexer keys
     n_full = sum(1 for t in cfg.indexer_types if t == "full")
     L = cfg.num_hidden_layers
     unc = cfg.num_attention_heads * (qk_head_dim(cfg) + cfg.v_head_dim) * dtype_bytes
@@ -256,14 +282,18 @@ def _front(cfg, p, x, positions):
     """q_resid, q_nope [B,T,nH,nope], q_rot [B,T,nH,rope] (RoPE'd), ckv [B,T,kl], kpe [B,T,rope] (RoPE'd), cos, sin."""
     B, T, _ = x.shape
     nH, nope, rope, kl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q_resid = rms_norm(_lin(x, p["q_a_w"], p.get("q_a_b")), p["q_a_norm"], MLA_NORM_EPS)
-    q = _lin(q_resid, p["q_b_w"]).reshape(B, T, nH, nope + rope)
+    if "q_proj_w" in p:                                                # no q LoRA (glm4_moe_lite may)
+        q_resid, q = None, _lin(x, p["q_proj_w"])
+    else:
+        q_resid = rms_norm(_lin(x, p["q_a_w"], p.get("q_a_b")), p["q_a_norm"], MLA_NORM_EPS)
+        q = _lin(q_resid, p["q_b_w"])
+    q = q.reshape(B, T, nH, nope + rope)
     q_nope, q_rot = q[..., :nope], q[..., nope:]
     kv = _lin(x, p["kv_a_w"], p.get("kv_a_b"))
     ckv = rms_norm(kv[..., :kl], p["kv_a_norm"], MLA_NORM_EPS)
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)                  # [B,T,rope/2]
-    q_rot = apply_rope_interleave(q_rot, cos[:, :, None, :], sin[:, :, None, :])
-    kpe = apply_rope_interleave(kv[..., kl:], cos, sin)
+    q_rot = mla_rope(cfg, q_rot, cos[:, :, None, :], sin[:, :, None, :])
+    kpe = mla_rope(cfg, kv[..., kl:], cos, sin)
     return q_resid, q_nope, q_rot, ckv, kpe, cos, sin
 
 

@@ -168,9 +168,11 @@ class Indexer(Node):
 
 
 class MLAAttention(Node):
-    """glm_moe_dsa attention (MLA + DSA): the low-rank down projections replicated, the per-head up projections
-    (q_b, kv_b) and o split by heads over the model axis; the latent KV cache is shared by all heads (replicated)."""
+    """MLA attention (glm_moe_dsa with the DSA indexer, glm4_moe_lite without): the low-rank down projections
+    replicated, the per-head up projections (q_b or q_proj, kv_b) and o split by heads over the model axis; the
+    latent KV cache is shared by all heads (replicated)."""
     AXES = {"q_a_w": ("lora", "embed"), "q_a_norm": _vector("lora"), "q_b_w": ("heads", "lora"),
+            "q_proj_w": ("heads", "embed"),
             "kv_a_w": ("lora", "embed"), "kv_a_norm": _vector("lora"), "kv_b_w": ("heads", "lora"),
             "o_w": ("embed", "heads"), "q_a_b": _vector("lora"), "kv_a_b": _vector("lora"), "o_b": _vector("embed"),
             # one device: kv_b split at load into contiguous per-head W_UK^T / W_UV (mla.py absorbs them)

@@ -42,8 +42,8 @@ class Resident(Backend):
     streamed = False
 
     def forward(self, rt, tokens, start, lengths, logit_rows, row, window, moe_rows):
-        if window is not None and (window >= rt._cache_len or rt.cfg.model_type == "glm_moe_dsa"):
-            window = None      # DSA's top-k selection runs over every cache position: never windowed
+        if window is not None and (window >= rt._cache_len or rt.cfg.is_mla):
+            window = None      # DSA's top-k selection runs over every cache position: MLA is never windowed
         kw = {"moe_rows": moe_rows}
         if row is not None:
             kw["row"] = np.int32(row)

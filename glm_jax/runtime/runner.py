@@ -26,7 +26,8 @@ from glm_jax_plugins import contract
 from .. import model as M
 from ..errors import GlmJaxError, NonFiniteError, PluginError
 from ..fit import KV_DEFAULT_TOKENS
-from ..model.modules import GlmModel, Split
+from ..model.glm5_next_modules import model_class
+from ..model.modules import Split
 from .stats import routing_summary
 from .streaming import segment_steps
 
@@ -70,6 +71,12 @@ def nonfinite_error(rt, first: int, last: int) -> NonFiniteError:
                           f"activations overflow {jnp.dtype(rt.dtype).name} (try --dtype=float32)")
 
 
+def positional(key: str) -> bool:
+    """Whether a layer cache's entry has a position axis (K/V); a KDA layer's state (M.STATE_KEYS) has none: it is
+    never windowed, grown or shrunk, only taken and written by row."""
+    return key not in M.STATE_KEYS
+
+
 def window_cache(cache, row, window):
     """The part of ``cache`` a forward runs on: row ``row`` (traced int, or None: every row), positions [:window]
     (static, or None: all)."""
@@ -79,7 +86,7 @@ def window_cache(cache, row, window):
         for k, v in c.items():
             if row is not None:
                 v = jax.lax.dynamic_slice_in_dim(v, row, 1, axis=0)
-            if window is not None:
+            if window is not None and positional(k):
                 v = v[:, :window]
             d[k] = v
         out.append(d)
@@ -101,7 +108,8 @@ def write_back(full, part, row):
 def gather_rows(cache, rmap, window):
     """Rows ``rmap`` ([w] int32, distinct) of ``cache``, positions [:window] (static, or None: all): the compact
     [w, window] part a decode of w running rows works on (``scatter_rows`` puts it back)."""
-    return [{k: (v[rmap] if window is None else v[rmap, :window]) for k, v in c.items()} for c in cache]
+    return [{k: (v[rmap] if window is None or not positional(k) else v[rmap, :window]) for k, v in c.items()}
+            for c in cache]
 
 
 def scatter_rows(full, part, rmap):
@@ -126,6 +134,12 @@ class Runner:
         self._shapes_run = set()   # the streamed forwards' shapes run at a cache length since programs were dropped
 
     # ------------------------------------------------------------------ limits and the cache
+    @property
+    def recurrent_state(self) -> bool:
+        """Whether the cache holds a per-row recurrent state (glm5_next's KDA layers): it is the state after every
+        token the row has seen, so a row's cache is only reusable by a prompt that extends all of them."""
+        return "linear_attention" in self.cfg.layer_types
+
     @property
     def context_limit(self) -> int:
         """Tokens a sequence (prompt + output) may hold: the model's ``max_position_embeddings``, or ``--max_seq_len``
@@ -235,14 +249,14 @@ class Runner:
         elif cap > self._cache_len:
             pad = cap - self._cache_len
             self._relayout(jax.jit(lambda e: {k: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2))
-                                              for k, v in e.items()}))
+                                              if positional(k) else v for k, v in e.items()}))
             self._cache_len = cap
 
     def shrink_cache(self, batch: int, cap: int):
         """Give back the positions past ``cap``; the rows keep their contents before it."""
         if self._cache is None or self._cache_batch != batch or cap >= self._cache_len:
             return
-        self._relayout(jax.jit(lambda e: {k: v[:, :cap] for k, v in e.items()}))
+        self._relayout(jax.jit(lambda e: {k: v[:, :cap] if positional(k) else v for k, v in e.items()}))
         self._cache_len = cap
 
     def _relayout(self, f):
@@ -300,7 +314,7 @@ class Runner:
                 elif params.get("mtp") is not None:
                     params["mtp"] = dict(params["mtp"], layer=dict(params["mtp"]["layer"], **extra))
             params["layers"] = layers
-            self._view = Split.of(GlmModel(params))
+            self._view = Split.of(model_class(self.cfg)(params))
         return self._view
 
     def resident_for(self, layer: int) -> np.ndarray:

@@ -221,8 +221,10 @@ class Scheduler:
         self.row_freed = [0.0] * int(max_batch)          # when each row was last freed (LRU among free rows)
         self.kv_epoch = None                             # rt.kv_epoch the rows' contents belong to
         # K/V of sequences the rows no longer hold, in host RAM (--prefix_store_mb; not on a mesh)
+        # (not with a recurrent state: the store keeps K/V positions, and a state cannot be cut back to a prefix)
         self.saved = (PrefixStore(int(prefix_store_mb * 1e6))
-                      if prefix_store_mb > 0 and getattr(rt, "plan", None) is None else None)
+                      if prefix_store_mb > 0 and getattr(rt, "plan", None) is None and not rt.recurrent_state
+                      else None)
         self.dispatch_s = float(dispatch_ms) / 1000.0   # a fused dispatch runs what fits in this (--dispatch_ms)
         self.step_s = None                               # measured seconds per fused decode step (EMA)
         self.B = int(max_batch)
@@ -501,6 +503,8 @@ class Scheduler:
         m = 0
         while m < n and held[m] == prompt[m]:
             m += 1
+        if m < len(held) and self.rt.recurrent_state:    # the state is the whole held sequence's, not a prefix's
+            return 0
         return m
 
     def _pick_row(self, free: list, req) -> int:
@@ -529,7 +533,7 @@ class Scheduler:
             keep = max(cap, bucket(rt.kv_reserve_tokens, 256))
             if keep < rt._cache_len:
                 rt.shrink_cache(self.B, keep)
-                self.row_toks = [t[:keep] for t in self.row_toks]
+                self.row_toks = [t[:keep] if len(t) <= keep or not rt.recurrent_state else [] for t in self.row_toks]
         # the positions about to be allocated (a replaced cache is freed first), and the programs compiled since
         # the last check: the engine makes room in its budget before the prefill (MemoryGuard.memory_guard)
         rt.memory_guard(max(0, cap - rt._cache_len) if same else cap, self.B)
@@ -543,7 +547,7 @@ class Scheduler:
     def _windowed(self) -> bool:
         """Decode reads a window of the cache (GQA, every expert resident): its cost does not grow with the cache's
         length (DSA and a streamed store's step run over the whole cache)."""
-        return self.rt.cfg.model_type != "glm_moe_dsa" and not self.rt.backend.streamed
+        return not self.rt.cfg.is_mla and not self.rt.backend.streamed
 
     def _window(self, end: int) -> int:
         return min(self.rt._cache_len, bucket(end, MIN_WINDOW))
@@ -751,7 +755,7 @@ class Scheduler:
         ``formats.NATIVE_MAX_ROWS`` rows), GQA attention, norms and softmax summed by ``model.layers.row_sum``.  Elsewhere
         (--kernels=xla, DSA models) every decode keeps the one width, so the guarantee holds either way."""
         rt = self.rt
-        return rt.kernel == "native" and rt.cfg.model_type != "glm_moe_dsa" and self.B * W <= NATIVE_MAX_ROWS
+        return rt.kernel == "native" and not rt.cfg.is_mla and self.B * W <= NATIVE_MAX_ROWS
 
     def decode_rows(self, rows, W: int):
         """The rows a decode of ``rows`` runs on: None (every row, the full width), or their indices (sorted) padded
@@ -793,7 +797,7 @@ class Scheduler:
         n = int(min(n, budget.max(), FUSED_CHUNK if streamed else self.steps_per_dispatch()))
         end = int(max(self.pos[r.row] for r in rows)) + (FUSED_CHUNK if streamed else n) + W
         # the store's path runs at max_batch over the whole cache, as fetch=loop's one step does (bitwise its output)
-        window = self._window(end) if rt.cfg.model_type != "glm_moe_dsa" and not streamed_store else rt._cache_len
+        window = self._window(end) if not rt.cfg.is_mla and not streamed_store else rt._cache_len
         rmap = None if streamed_store else self.decode_rows(rows, W)
         every = self.stream_interval if streamed else 0
         sink = self._native_sink() if every else None

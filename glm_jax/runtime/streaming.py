@@ -37,7 +37,7 @@ OVERLAP_MAX_PAIRS = 512    # --overlap, native kernel: the most (position, k) pa
 
 def _layer_key(cfg, i):
     # GQA layers are interchangeable (one compile); DSA layers differ by indexer type only (one compile per type)
-    return model.variant_layer(cfg, i) if cfg.model_type == "glm_moe_dsa" else 0
+    return model.variant_layer(cfg, i) if cfg.is_mla else 0
 
 
 def row_attention(row):

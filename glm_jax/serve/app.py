@@ -33,7 +33,9 @@ from ..engine import Engine, default_model_path
 from ..errors import GlmJaxError
 from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
+from . import replies, responses
 from .constrain import Processor, json_schema_grammar, tool_call_grammar
+from .http import HTTPError, memory_refusal
 
 FLAGS = flags.FLAGS
 
@@ -54,21 +56,8 @@ MAIN_FLAGS = ("model", "host", "port", "api_key", "max_batch", "prefill_chunk", 
 LOG = logging.getLogger("glm_jax.server")
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param=None, code=None, type_="invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 _one_line = O.one_line
-
-
-def _memory_refusal(e: RamBudgetError) -> HTTPError:
-    """A request the memory plan refused (Engine.memory_guard: its K/V growth does not fit the RAM budget)."""
-    return HTTPError(400, _one_line(e), code="insufficient_memory")
+_memory_refusal = memory_refusal
 
 
 # ----------------------------------------------------------------------------- request parameters
@@ -101,6 +90,7 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
                                "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 MAX_N = 16
+MAX_PROMPTS = 16          # completions: prompts in one request
 
 
 def check_fields(body: dict, chat: bool):
@@ -118,8 +108,10 @@ def sampling_args(body: dict, vocab: int, default_max: int) -> dict:
     n = _field(body, "n", int, 1, 1, MAX_N)
     if _field(body, "best_of", int, n) != n:
         raise HTTPError(400, "'best_of': not supported (only equal to n)", param="best_of")
-    if body.get("echo") not in (None, False):
-        raise HTTPError(400, "'echo': not supported", param="echo")
+    if body.get("echo") is not None and not isinstance(body["echo"], bool):
+        raise HTTPError(400, "'echo': expected a boolean", param="echo")
+    if body.get("echo") and body.get("logprobs") is not None:
+        raise HTTPError(400, "'echo': not supported with 'logprobs' (no prompt logprobs)", param="echo")
     if body.get("suffix") not in (None, ""):
         raise HTTPError(400, "'suffix': not supported", param="suffix")
     mt = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -190,6 +182,8 @@ def tools_arg(body: dict):
             if p is not None and (not isinstance(p, dict) or not isinstance(p.get("properties", {}), dict)):
                 raise HTTPError(400, f"'tools[{i}].function.parameters': expected a JSON schema object",
                                 param="tools")
+            if f.get("strict") not in (None, True, False):
+                raise HTTPError(400, f"'tools[{i}].function.strict': expected a boolean", param="tools")
             names.add(f["name"])
     if choice is None:
         return tools, ("auto" if tools else "none")
@@ -211,23 +205,71 @@ def tools_arg(body: dict):
 
 
 def response_format_arg(body: dict):
-    """The JSON schema ``response_format`` asks for ({} for json_object), or None (text)."""
+    """(the JSON schema ``response_format`` asks for ({"type": "object"} for json_object) or None (text), strict)."""
     rf = body.get("response_format")
     if rf is None:
-        return None
+        return None, False
     t = rf.get("type") if isinstance(rf, dict) else None
     if t == "text":
-        return None
+        return None, False
     if t == "json_object":
-        return {"type": "object"}
+        return {"type": "object"}, False
     if t == "json_schema":
         js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-            raise HTTPError(400, "'response_format.json_schema': expected {\"name\", \"schema\": {...}}",
-                            param="response_format")
-        return js.get("schema") or {}
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict) or \
+                js.get("strict") not in (None, True, False):
+            raise HTTPError(400, "'response_format.json_schema': expected {\"name\", \"schema\": {...}, "
+                                 "\"strict\": a boolean}", param="response_format")
+        return js.get("schema") or {}, js.get("strict") is True
     raise HTTPError(400, "'response_format': expected type text, json_object or json_schema",
                     param="response_format")
+
+
+def stream_args(body: dict):
+    """(stream, include_usage)."""
+    stream = bool(body.get("stream") or False)
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise HTTPError(400, "'stream_options': expected an object", param="stream_options")
+    include_usage = (so or {}).get("include_usage", False)
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise HTTPError(400, f"'stream_options.include_usage': expected a boolean (true or false), got "
+                             f"{json.dumps(include_usage)[:80]}", param="stream_options.include_usage")
+    return stream, bool(include_usage)
+
+
+class _Grammar:
+    """A constraint as a function of the tokens the request may generate (the grammar fits them), with the
+    field a failure names."""
+
+    def __init__(self, fn, param: str):
+        self.fn, self.param, self.built = fn, param, {}
+
+    def __call__(self, budget: int) -> str:
+        if budget not in self.built:         # n choices of one prompt: one build
+            self.built[budget] = self.fn(budget)
+        return self.built[budget]
+
+
+def constraint_arg(body: dict, tools, choice, marker, compact: bool = False):
+    """The grammar response_format or tool_choice (required / a named function) asks for, or None."""
+    schema, strict = response_format_arg(body)
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise HTTPError(400, "'parallel_tool_calls': expected a boolean", param="parallel_tool_calls")
+    forced = choice == "required" or isinstance(choice, dict)
+    if schema is not None:
+        if forced:
+            raise HTTPError(400, "'response_format': cannot be combined with 'tool_choice' required or a named "
+                                 "function", param="response_format")
+        g = _Grammar(lambda b: json_schema_grammar(schema, b, strict), "response_format")
+    elif forced:
+        name = choice["name"] if isinstance(choice, dict) else None
+        multiple = body.get("parallel_tool_calls") is not False
+        g = _Grammar(lambda b: tool_call_grammar(tools, name, marker=marker, multiple=multiple, budget=b,
+                                                 compact=compact), "tools")
+    else:
+        return None
+    return g                         # built for the first request, before it is submitted (Server._processor)
 
 
 # ----------------------------------------------------------------------------- the app
@@ -235,8 +277,9 @@ class Server:
     def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
                  max_body_mb: float = O.SERVE_BY_NAME["max_body_mb"].default,
                  read_timeout_s: float = O.SERVE_BY_NAME["read_timeout_s"].default,
-                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default):
+                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default, warmup: bool = False):
         self.engine = engine
+        self.loading = bool(warmup)          # the engine thread warms up first: /health and /v1 answer 503 till then
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
         self.sched.kv_reserve = engine.kv_reserve_tokens  # the planned K/V, allocated at the first request
@@ -261,6 +304,13 @@ class Server:
 
     def _loop(self):
         try:
+            if self.loading:
+                try:
+                    comp, wall = self.sched.warmup()
+                finally:
+                    self.loading = False
+                print(f"glm-jax-serve: warm-up {wall:.1f} s ({comp:.1f} s compiling; --nowarmup skips it); ready",
+                      file=sys.stderr, flush=True)
             self.sched.serve_forever(self.stop)
         except BaseException as e:       # never leave clients hanging: fail what is left
             print(f"glm-jax-serve: engine thread stopped: {_one_line(e)}", file=sys.stderr)
@@ -343,40 +393,10 @@ class Server:
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException as StarletteHTTPException
         from starlette.requests import ClientDisconnect, Request
-        from starlette.responses import JSONResponse, Response
+        from starlette.responses import Response
         from starlette.routing import Route
 
         server = self
-
-        def err(e: HTTPError, endpoint: str):
-            server.m_requests.labels(endpoint, str(e.status)).inc()
-            LOG.info("glm-jax-serve: - %s status=%d error=%s", endpoint, e.status, e.message[:200])
-            headers = {"Connection": "close"} if e.status == 413 else None
-            return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-        def auth(request: Request):
-            if server.api_key:
-                h = request.headers.get("authorization", "").encode("latin-1")     # the header's bytes as sent
-                if not (h.startswith(b"Bearer ") and hmac.compare_digest(h[7:].strip(), server.api_key)):
-                    raise HTTPError(401, "invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key",
-                                    type_="authentication_error")
-
-        async def raw_body(request: Request) -> bytes:
-            """The body, refused with 413 past --max_body_mb before it is all read (Content-Length, or as it
-            arrives)."""
-            limit = server.max_body
-            cl = request.headers.get("content-length")
-            if cl is not None and cl.strip().isdigit() and int(cl) > limit:
-                raise HTTPError(413, f"request body is {int(cl)} bytes, more than --max_body_mb "
-                                     f"({limit / (1 << 20):g} MB)", code="request_too_large")
-            parts, n = [], 0
-            async for chunk in request.stream():
-                n += len(chunk)
-                if n > limit:
-                    raise HTTPError(413, f"request body is more than --max_body_mb ({limit / (1 << 20):g} MB)",
-                                    code="request_too_large")
-                parts.append(chunk)
-            return b"".join(parts)
 
         def handler(endpoint: str, fn, needs_auth: bool = True):
             """Every handler: its HTTPError as an OpenAI-style JSON error; any other exception a JSON 500, counted in
@@ -384,10 +404,10 @@ class Server:
             async def h(request: Request):
                 try:
                     if needs_auth:
-                        auth(request)
+                        server._auth(request)
                     return await fn(request)
                 except HTTPError as e:
-                    return err(e, endpoint)
+                    return server._err(e, endpoint)
                 except ClientDisconnect:
                     server.m_requests.labels(endpoint, "499").inc()
                     return Response(status_code=499)
@@ -395,7 +415,40 @@ class Server:
                     return server.internal_error(endpoint, e)
             return h
 
+        async def http_error(request, exc):         # starlette's own 404 / 405: OpenAI-style JSON too
+            status = getattr(exc, "status_code", 500)
+            e = HTTPError(status, f"{request.method} {request.url.path}: {exc.detail}",
+                          type_="invalid_request_error" if status < 500 else "server_error")
+            return server._err(e, "other")
+
+        async def unexpected(request, exc):          # outside every handler (middleware, routing)
+            return server.internal_error("other", exc)
+
+        from contextlib import asynccontextmanager
+
+        @asynccontextmanager
+        async def lifespan(app):
+            server.start_engine()
+            try:
+                yield
+            finally:
+                server.draining = True
+                server.stop_engine()
+
+        routes = [Route(path, handler(name, fn, needs_auth=name != "health"), methods=[method])
+                  for path, name, method, fn in self._endpoints()]
+        return Starlette(routes=routes, lifespan=lifespan,
+                         exception_handlers={StarletteHTTPException: http_error, Exception: unexpected})
+
+    def _endpoints(self) -> list:
+        """(path, endpoint name, method, async handler) of every route."""
+        from starlette.responses import JSONResponse, Response
+
+        server = self
+
         async def health(request):
+            if server.loading:               # llama-server's answer while it loads
+                return JSONResponse({"status": "loading"}, status_code=503)
             return JSONResponse({"status": "draining" if server.draining else "ok",
                                  "running": server.sched.running, "waiting": server.sched.waiting})
 
@@ -416,39 +469,59 @@ class Server:
             return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
 
         async def completions(request):
-            return await server._generate(request, chat=False, raw_body=raw_body)
+            return await server._generate(request, chat=False, raw_body=server._raw_body)
 
         async def chat_completions(request):
-            return await server._generate(request, chat=True, raw_body=raw_body)
+            return await server._generate(request, chat=True, raw_body=server._raw_body)
 
-        async def http_error(request, exc):         # starlette's own 404 / 405: OpenAI-style JSON too
-            status = getattr(exc, "status_code", 500)
-            e = HTTPError(status, f"{request.method} {request.url.path}: {exc.detail}",
-                          type_="invalid_request_error" if status < 500 else "server_error")
-            return err(e, "other")
+        async def respond(request):
+            return await responses.respond(server, request)
 
-        async def unexpected(request, exc):          # outside every handler (middleware, routing)
-            return server.internal_error("other", exc)
+        return [("/health", "health", "GET", health), ("/v1/models", "models", "GET", models),
+                ("/v1/models/{model_id:path}", "models", "GET", model), ("/metrics", "metrics", "GET", metrics),
+                ("/v1/completions", "completions", "POST", completions),
+                ("/v1/chat/completions", "chat_completions", "POST", chat_completions),
+                ("/v1/responses", "responses", "POST", respond)]
 
-        from contextlib import asynccontextmanager
+    def _err(self, e: HTTPError, endpoint: str):
+        from starlette.responses import JSONResponse
 
-        @asynccontextmanager
-        async def lifespan(app):
-            server.start_engine()
-            try:
-                yield
-            finally:
-                server.draining = True
-                server.stop_engine()
+        self.m_requests.labels(endpoint, str(e.status)).inc()
+        LOG.info("glm-jax-serve: - %s status=%d error=%s", endpoint, e.status, e.message[:200])
+        headers = {"Connection": "close"} if e.status == 413 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-        return Starlette(routes=[
-            Route("/health", handler("health", health, needs_auth=False), methods=["GET"]),
-            Route("/v1/models", handler("models", models), methods=["GET"]),
-            Route("/v1/models/{model_id:path}", handler("models", model), methods=["GET"]),
-            Route("/metrics", handler("metrics", metrics), methods=["GET"]),
-            Route("/v1/completions", handler("completions", completions), methods=["POST"]),
-            Route("/v1/chat/completions", handler("chat_completions", chat_completions), methods=["POST"]),
-        ], lifespan=lifespan, exception_handlers={StarletteHTTPException: http_error, Exception: unexpected})
+    def _auth(self, request):
+        if self.api_key:
+            h = request.headers.get("authorization", "").encode("latin-1")     # the header's bytes as sent
+            if not (h.startswith(b"Bearer ") and hmac.compare_digest(h[7:].strip(), self.api_key)):
+                raise HTTPError(401, "invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key",
+                                type_="authentication_error")
+
+    async def _raw_body(self, request) -> bytes:
+        """The body, refused with 413 past --max_body_mb before it is all read (Content-Length, or as it
+        arrives)."""
+        limit = self.max_body
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+            raise HTTPError(413, f"request body is {int(cl)} bytes, more than --max_body_mb "
+                                 f"({limit / (1 << 20):g} MB)", code="request_too_large")
+        parts, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise HTTPError(413, f"request body is more than --max_body_mb ({limit / (1 << 20):g} MB)",
+                                code="request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def check_ready(self):
+        """503 while the server warms up or drains."""
+        if self.loading:
+            raise HTTPError(503, "the model is loading (warm-up); retry when /health answers 200", code="loading",
+                            type_="server_error")
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down", type_="server_error")
 
     def internal_error(self, endpoint: str, e: BaseException):
         from starlette.responses import JSONResponse
@@ -504,23 +577,30 @@ class Server:
             self._check_size(sum(len(m["content"].encode("utf-8")) for m in msgs), "messages")
             return msgs
         p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
+        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):     # a list of prompts
+            if len(p) > MAX_PROMPTS:
+                raise HTTPError(400, f"'prompt': at most {MAX_PROMPTS} prompts in one request", param="prompt")
+            return [self._one_prompt(x, f"prompt[{i}]") for i, x in enumerate(p)]
+        return [self._one_prompt(p, "prompt")]
+
+    def _one_prompt(self, p, where: str):
+        eng = self.engine
         if isinstance(p, str):
             if not p:
-                raise HTTPError(400, "'prompt': empty", param="prompt")
+                raise HTTPError(400, f"'{where}': empty", param="prompt")
             self._check_size(len(p.encode("utf-8")), "prompt")
             return p
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             if len(p) >= eng.context_limit:
-                raise HTTPError(400, f"'prompt': the prompt is {len(p)} tokens but the context limit is "
+                raise HTTPError(400, f"'{where}': the prompt is {len(p)} tokens but the context limit is "
                                      f"{eng.context_limit} tokens", param="prompt", code="context_length_exceeded")
             V = eng.cfg.vocab_size
             bad = [t for t in p if not 0 <= t < V]
             if bad:
-                raise HTTPError(400, f"'prompt': token id {bad[0]} outside the vocabulary [0, {V})", param="prompt")
+                raise HTTPError(400, f"'{where}': token id {bad[0]} outside the vocabulary [0, {V})", param="prompt")
             return p
-        raise HTTPError(400, "'prompt': expected a string or a list of token ids (one prompt)", param="prompt")
+        raise HTTPError(400, f"'{where}': expected a string or a list of token ids (or a list of those: one per "
+                             f"prompt)", param="prompt")
 
     def _check_size(self, nbytes: int, param: str):
         """Refuse, before tokenizing it, a text that cannot fit the context: every token covers at most
@@ -534,95 +614,103 @@ class Server:
         from starlette.concurrency import run_in_threadpool
 
         endpoint = "chat_completions" if chat else "completions"
-        if self.draining:
-            raise HTTPError(503, "the server is shutting down", type_="server_error")
+        self.check_ready()
         raw = await raw_body(request)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         # JSON parsing, checks and tokenization in a worker thread: /health and the streams keep answering
         job = await run_in_threadpool(self._submit, raw, chat, endpoint, loop, q)
-        return await self._respond(request, job, q)
+        return await replies.respond(self, request, job, q)
 
     def _submit(self, raw: bytes, chat: bool, endpoint: str, loop, q):
-        """Parse and check a request, tokenize it, submit its n generations.  Returns the job (a dict)."""
-        eng, sched = self.engine, self.sched
-        V = eng.cfg.vocab_size
+        """Parse and check a request, tokenize it, submit its generations.  Returns the job (a dict)."""
         body = self.parse_body(raw)
         check_fields(body, chat)
-        prompt = self._prompt(body, chat)
+        return self.submit_body(body, chat, endpoint, loop, q)
+
+    def submit_body(self, body: dict, chat: bool, endpoint: str, loop, q, prefix: str = "") -> dict:
+        """Submit a checked request body's generations (a chat's n, or each completion prompt's n); the job's
+        ``reqs`` in choice order."""
+        eng = self.engine
+        V = eng.cfg.vocab_size
+        prompts = [self._prompt(body, chat)] if chat else self._prompt(body, chat)
         args = sampling_args(body, V, default_max=16 if not chat else 1 << 30)
         n = _field(body, "n", int, 1, 1, MAX_N)
-        stream = bool(body.get("stream") or False)
-        so = body.get("stream_options")
-        if so is not None and not isinstance(so, dict):
-            raise HTTPError(400, "'stream_options': expected an object", param="stream_options")
-        include_usage = (so or {}).get("include_usage", False)
-        if include_usage is not None and not isinstance(include_usage, bool):
-            raise HTTPError(400, f"'stream_options.include_usage': expected a boolean (true or false), got "
-                                 f"{json.dumps(include_usage)[:80]}", param="stream_options.include_usage")
-        include_usage = bool(include_usage)
+        stream, include_usage = stream_args(body)
         bias = logit_bias_arg(body, V)
         top_lp = logprobs_arg(body, chat)
         tools, choice = tools_arg(body) if chat else (None, "none")
-        schema = response_format_arg(body) if chat else None
-        if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
-            raise HTTPError(400, "'parallel_tool_calls': expected a boolean", param="parallel_tool_calls")
-        grammar = None
-        try:
-            if schema is not None:
-                if choice == "required" or isinstance(choice, dict):
-                    raise HTTPError(400, "'response_format': cannot be combined with 'tool_choice' required or a "
-                                         "named function", param="response_format")
-                grammar = json_schema_grammar(schema)
-            elif choice == "required" or isinstance(choice, dict):
-                grammar = tool_call_grammar(tools, choice["name"] if isinstance(choice, dict) else None,
-                                            marker=self._marker, multiple=body.get("parallel_tool_calls") is not False)
-        except GlmJaxError as e:
-            raise HTTPError(400, _one_line(e), param="response_format" if schema is not None else "tools") from None
+        compact = C.compact_tool_calls(getattr(eng.tokenizer, "template", None))     # GLM-4.7's call form
+        grammar = constraint_arg(body, tools, choice, self._marker, compact) if chat else None
         if grammar is not None and eng.tokenizer is None:
             raise HTTPError(400, "constrained decoding needs the model's tokenizer.json",
-                            param="response_format" if schema is not None else "tool_choice")
-        with_tools = chat and (tools is not None or any(m.get("tool_calls") for m in prompt))
+                            param="response_format" if body.get("response_format") else "tool_choice")
+        with_tools = chat and (tools is not None or any(m.get("tool_calls") for m in prompts[0]))
         if with_tools:          # rendered here: the template gets the tools (or they are written into the messages)
             try:
-                prompt = C.chat_ids(eng.tokenizer, eng.tokenizer.template, prompt, tools=tools)
+                prompts = [C.chat_ids(eng.tokenizer, eng.tokenizer.template, prompts[0], tools=tools)]
             except GlmJaxError as e:
                 raise HTTPError(400, _one_line(e), param="messages") from None
-        parse_tools = tools is not None and choice != "none"
+        parse_tools = tools is not None      # tool_choice none: markup still kept out of content, calls dropped
         job = dict(chat=chat, endpoint=endpoint, stream=stream, include_usage=include_usage, top_lp=top_lp,
-                   tools=tools if parse_tools else None, reqs=[], rid=("chatcmpl-" if chat else "cmpl-") +
-                   secrets.token_hex(12), created=int(time.time()), forced=grammar is not None and schema is None)
-        seed0 = args.pop("seed")
-        reqs = job["reqs"]
-        try:
-            for i in range(n):
-                def on_event(req, text, toks, done, i=i):
-                    loop.call_soon_threadsafe(q.put_nowait, (i, text, len(toks), done))
+                   tools=tools, drop_calls=choice == "none", reqs=[], created=int(time.time()),
+                   rid=(prefix or ("chatcmpl-" if chat else "cmpl-")) + secrets.token_hex(12))
+        self._start(job, prompts, n, args, dict(chat=chat and not with_tools, loop=loop, q=q, bias=bias,
+                                                 grammar=grammar, parse_tools=parse_tools))
+        if not chat and body.get("echo"):
+            job["echo"] = [p if isinstance(p, str) else eng.decode(p) for p in prompts for _ in range(n)]
+        job["prompt_tokens"] = sum(len(job["reqs"][k * n].prompt) for k in range(len(prompts)))
+        return job
 
-                seed = (seed0 + i + (1 << 63)) % (1 << 64) - (1 << 63)     # choice i: the request's seed + i
-                req = eng.request(prompt, chat=chat and not with_tools, on_event=on_event, where=endpoint,
-                                  seed=seed, **args)
-                limit = eng.context_limit
-                req.sampling.max_new_tokens = min(req.sampling.max_new_tokens, max(0, limit - len(req.prompt)))
-                if bias or grammar is not None or top_lp is not None:
-                    req.processor = Processor(V, bias=bias, grammar=grammar, tokenizer=eng.tokenizer,
-                                              eos_ids=eng.cfg.eos_token_ids, top_logprobs=top_lp)
-                if parse_tools and self._special_markers:
-                    req.stream.decode = self._decode_keeping_markers
-                sched.submit(req)
-                reqs.append(req)
+    def _start(self, job: dict, prompts: list, n: int, args: dict, how: dict):
+        """Submit n requests per prompt (choice k*n + i: prompt k with the request's seed + i)."""
+        eng, sched, reqs = self.engine, self.sched, job["reqs"]
+        seed0 = args.pop("seed")
+        grammar, loop, q = how["grammar"], how["loop"], how["q"]
+        try:
+            for k, prompt in enumerate(prompts):
+                for i in range(n):
+                    def on_event(req, text, toks, done, c=k * n + i):
+                        loop.call_soon_threadsafe(q.put_nowait, (c, text, len(toks), done))
+
+                    seed = (seed0 + i + (1 << 63)) % (1 << 64) - (1 << 63)     # choice i: the request's seed + i
+                    req = eng.request(prompt, chat=how["chat"], on_event=on_event, where=job["endpoint"],
+                                      seed=seed, **args)
+                    limit = eng.context_limit
+                    req.sampling.max_new_tokens = min(req.sampling.max_new_tokens,
+                                                      max(0, limit - len(req.prompt)))
+                    if how["bias"] or grammar is not None or job["top_lp"] is not None:
+                        req.processor = self._processor(req, how["bias"], grammar, job["top_lp"])
+                    if how["parse_tools"] and self._special_markers:
+                        req.stream.decode = self._decode_keeping_markers
+                    sched.submit(req)
+                    reqs.append(req)
         except GlmJaxError as e:
             for r in reqs:
                 sched.cancel(r)
             if isinstance(e, QueueFull):
                 raise HTTPError(429, _one_line(e), code="queue_full", type_="rate_limit_error")
             code = "context_length_exceeded" if "context limit" in str(e) else None
-            raise HTTPError(400, _one_line(e), param="messages" if chat else "prompt", code=code)
+            raise HTTPError(400, _one_line(e), param="messages" if job["chat"] else "prompt", code=code)
         except BaseException:
             for r in reqs:
                 sched.cancel(r)
             raise
-        return job
+
+    def _processor(self, req, bias, grammar, top_lp) -> Processor:
+        """A request's logits processor; a grammar (a function of the tokens it may take) fits its max tokens."""
+        eng = self.engine
+        text = None
+        if grammar is not None:
+            try:
+                text = grammar(req.sampling.max_new_tokens)
+            except (GlmJaxError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
+                raise HTTPError(400, f"invalid schema ({_one_line(e)})", param=grammar.param) from None
+        try:
+            return Processor(eng.cfg.vocab_size, bias=bias, grammar=text, tokenizer=eng.tokenizer,
+                             eos_ids=eng.cfg.eos_token_ids, top_logprobs=top_lp)
+        except GlmJaxError as e:
+            raise HTTPError(400, _one_line(e), param=grammar.param if grammar else "logit_bias") from None
 
     # ------------------------------------------------------------------ tool-call markers as special tokens
     @property
@@ -671,10 +759,6 @@ class Server:
                 "top_logprobs": [{dec([a]): b for a, b in top} for _, _, top in ents] if job["top_lp"] else None,
                 "text_offset": offs}
 
-    @staticmethod
-    def _finish_reason(job, req, calls) -> str:
-        return "tool_calls" if calls and req.finish_reason == "stop" else req.finish_reason
-
     def _log(self, job, status: int):
         for i, req in enumerate(job["reqs"]):
             ttft = (req.t_first - req.t_submit) * 1000 if req.t_first else float("nan")
@@ -687,7 +771,7 @@ class Server:
 
     def _usage(self, job) -> dict:
         reqs = job["reqs"]
-        p, c = len(reqs[0].prompt), sum(len(r.out) for r in reqs)
+        p, c = job.get("prompt_tokens", len(reqs[0].prompt)), sum(len(r.out) for r in reqs)
         u = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         cached = getattr(reqs[0], "cached_tokens", None)
         if cached is not None:
@@ -699,169 +783,6 @@ class Server:
             if req.t_first is not None and not getattr(req, "_ttft_seen", False):
                 req._ttft_seen = True
                 self.m_ttft.observe(req.t_first - req.t_submit)
-
-    def _message(self, job, req):
-        """(choice fields, tool calls) of a finished request."""
-        text = req.text
-        calls = []
-        if job["tools"] is not None:
-            text, found = C.parse_tool_calls(text, job["tools"])
-            calls = [{"id": "call_" + secrets.token_hex(12), "type": "function", "function": c} for c in found]
-        return text, calls
-
-    async def _respond(self, request, job, q):
-        from starlette.responses import JSONResponse
-
-        sched, chat, endpoint, reqs = self.sched, job["chat"], job["endpoint"], job["reqs"]
-        rid, created = job["rid"], job["created"]
-        self.m_prompt.inc(len(reqs[0].prompt))
-        obj = "chat.completion" if chat else "text_completion"
-
-        if not job["stream"]:
-            try:
-                left = len(reqs)
-                while left:
-                    try:
-                        i, text, n, done = await asyncio.wait_for(q.get(), timeout=0.25)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            for r in reqs:
-                                sched.cancel(r)
-                            self.m_requests.labels(endpoint, "499").inc()
-                            self._log(job, 499)
-                            return JSONResponse({}, status_code=499)
-                        continue
-                    left -= bool(done)
-            except asyncio.CancelledError:
-                for r in reqs:
-                    sched.cancel(r)
-                raise
-            self._observe(job)
-            for req in reqs:
-                if isinstance(req.error, RamBudgetError):    # refused by the memory plan: nothing went wrong here
-                    self._log(job, 400)
-                    raise _memory_refusal(req.error)
-                if req.error is not None:
-                    self._log(job, 500)
-                    return self.internal_error(endpoint, req.error)
-            choices = []
-            for i, req in enumerate(reqs):
-                text, calls = self._message(job, req)
-                reason = self._finish_reason(job, req, calls)
-                lp = self._logprobs(job, req, 0, len(req.out))
-                if chat:
-                    msg = {"role": "assistant", "content": text if (text or not calls) else None}
-                    if calls:
-                        msg["tool_calls"] = calls
-                    choices.append({"index": i, "message": msg, "finish_reason": reason, "logprobs": lp})
-                else:
-                    choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": lp})
-                self.m_gen.inc(len(req.out))
-            self.m_requests.labels(endpoint, "200").inc()
-            self._log(job, 200)
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": choices, "usage": self._usage(job), "system_fingerprint": None})
-
-        from sse_starlette.sse import AppStatus, EventSourceResponse
-
-
-        # SIGTERM drains: uvicorn stops accepting and waits for the open responses, and our streams end when their
-        # generation ends, so sse-starlette must not cut them at shutdown (its default)
-        AppStatus.disable_automatic_graceful_drain()
-
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = job["include_usage"]
-
-        def chunk(i, text=None, reason=None, role=False, lp=None, tool_calls=None):
-            if chat:
-                delta = {}
-                if role:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                if tool_calls is not None:
-                    delta["tool_calls"] = tool_calls
-                ch = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
-            else:
-                ch = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": lp}
-            d = {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name, "choices": [ch]}
-            if include_usage:
-                d["usage"] = None
-            return json.dumps(d)
-
-        def held(text: str) -> int:
-            """How much of a tool-using stream's text may be sent: up to a (possible start of a) tool call."""
-            j = text.find(C.TOOL_CALL)
-            if j >= 0:
-                return j
-            for k in range(min(len(C.TOOL_CALL) - 1, len(text)), 0, -1):
-                if C.TOOL_CALL.startswith(text[-k:]):
-                    return len(text) - k
-            return len(text)
-
-        async def events():
-            status = 499
-            sent_text = [""] * len(reqs)          # tool-using streams: the text sent so far
-            sent_tok = [0] * len(reqs)
-            try:
-                if chat:
-                    for i in range(len(reqs)):
-                        yield {"data": chunk(i, "", role=True)}
-                left = len(reqs)
-                while left:
-                    i, text, n, done = await q.get()
-                    req = reqs[i]
-                    lp = self._logprobs(job, req, sent_tok[i], len(req.out))
-                    sent_tok[i] = len(req.out)
-                    if job["tools"] is not None:
-                        full = req.stream.text[:req.stream.sent]
-                        cut = held(full)
-                        text = full[len(sent_text[i]):cut] if cut > len(sent_text[i]) else ""
-                        sent_text[i] += text
-                        if C.TOOL_CALL in full:
-                            sent_text[i] = full[:cut]           # nothing after a call starts goes out as content
-                    if text or (lp and lp.get("content", lp.get("tokens"))):
-                        # the per-token event, encoded here (one JSON line: sse_starlette passes bytes through)
-                        yield b"data: " + chunk(i, text, lp=lp).encode() + b"\r\n\r\n"
-                    if done:
-                        left -= 1
-                        self._observe(job)
-                        if req.error is not None:
-                            continue
-                        calls = []
-                        if job["tools"] is not None:
-                            content, calls = self._message(job, req)
-                            if content.startswith(sent_text[i]) and len(content) > len(sent_text[i]):
-                                yield {"data": chunk(i, content[len(sent_text[i]):])}
-                            for k, c in enumerate(calls):
-                                yield {"data": chunk(i, tool_calls=[{"index": k, "id": c["id"], "type": "function",
-                                                                     "function": c["function"]}])}
-                        yield {"data": chunk(i, None if chat else "", reason=self._finish_reason(job, req, calls))}
-                errs = [r.error for r in reqs if r.error is not None]
-                if errs and isinstance(errs[0], RamBudgetError):
-                    yield {"data": json.dumps(_memory_refusal(errs[0]).body())}
-                    status = 400
-                elif errs:
-                    LOG.error("glm-jax-serve: %s: internal error: %s", endpoint, _one_line(errs[0]), exc_info=errs[0])
-                    yield {"data": json.dumps(HTTPError(500, _one_line(errs[0]), type_="server_error").body())}
-                    status = 500
-                else:
-                    if include_usage:
-                        yield {"data": json.dumps({"id": rid, "object": chunk_obj, "created": created,
-                                                   "model": self.model_name, "choices": [],
-                                                   "usage": self._usage(job)})}
-                    status = 200
-                for r in reqs:
-                    self.m_gen.inc(len(r.out))
-                yield {"data": "[DONE]"}
-            finally:
-                for r in reqs:
-                    if not r.done:          # the client went away: free the row
-                        sched.cancel(r)
-                self.m_requests.labels(endpoint, str(status)).inc()
-                self._log(job, status)
-
-        return EventSourceResponse(events(), ping=15)
 
 
 def _max_token_bytes(engine) -> int:
@@ -963,11 +884,7 @@ def main(argv):
         LOG.setLevel(logging.INFO)
         LOG.propagate = False
         warmup = limits.pop("warmup")
-        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, **limits)
-        if warmup:
-            comp, wall = srv.sched.warmup()
-            print(f"glm-jax-serve: warm-up {wall:.1f} s ({comp:.1f} s compiling; --nowarmup skips it)",
-                  file=sys.stderr, flush=True)
+        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, warmup=warmup, **limits)
         sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -976,7 +893,8 @@ def main(argv):
             raise GlmJaxError(f"--host={FLAGS.host} --port={FLAGS.port}: cannot listen ({e.strerror or e})") from None
         port = sock.getsockname()[1]
         print(f"glm-jax-serve: serving {srv.model_name} on http://{FLAGS.host}:{port}/v1 "
-              f"(max_batch {engine.opts['max_batch']}, {engine.opts['fetch']})", file=sys.stderr, flush=True)
+              f"(max_batch {engine.opts['max_batch']}, {engine.opts['fetch']})" +
+              ("; warming up: /health answers 503 until ready" if warmup else ""), file=sys.stderr, flush=True)
         cfg = srv.uvicorn_config(timeout_graceful_shutdown=600)
         _DrainingServer(cfg).run(sockets=[sock])
     except GlmJaxError as e:

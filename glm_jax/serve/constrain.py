@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import GlmJaxError
+from . import bounds as B
 
 _TOKENIZERS = {}
 
@@ -33,13 +34,17 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
     return t
 
 
-def json_schema_grammar(schema) -> str:
-    """A llguidance grammar for JSON matching ``schema`` (compact: no free whitespace, so a small budget ends it)."""
+def json_schema_grammar(schema, budget: int = 1 << 20, strict: bool = False) -> str:
+    """A llguidance grammar for JSON matching ``schema`` that always closes within ``budget`` tokens (bounds.py:
+    every string, number, array and map bounded; compact, no free whitespace), ``strict``: no undeclared keys."""
     import llguidance
 
+    if not isinstance(schema, dict):
+        raise GlmJaxError("invalid JSON schema (expected an object)")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-    except (ValueError, TypeError) as e:
+        return llguidance.LLMatcher.grammar_from_json_schema(B.fitted(schema, budget, strict),
+                                                             defaults={"whitespace_flexible": False})
+    except (ValueError, TypeError, RecursionError) as e:
         raise GlmJaxError(f"invalid JSON schema ({e})") from None
 
 
@@ -47,43 +52,78 @@ def _lit(s: str) -> str:
     return json.dumps(s)
 
 
-def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True) -> str:
-    """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects): one call of the
-    function ``name``, or (``name`` None) one call of any of them, or with ``multiple`` one or more.  Each call is
-    ``<tool_call>NAME\\n`` then, per argument, ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``, then
-    ``</tool_call>``: the required arguments in the schema's order, then the optional ones (each optional); a string
-    value is raw text (an ``enum``: one of its values), any other value JSON matching its schema.  ``marker(text)``
-    may map a marker to a special-token reference (``<[id]>``)."""
+MAX_CALLS = 4        # parallel calls a required / named tool_choice allows (then the turn ends)
+MIN_SCALE = 16       # fewer calls rather than argument strings shorter than this
+
+
+def _call(f: dict, L: int, lean: bool, mk, compact: bool = False):
+    """(the Lark rule body of one call of function f at scale L, the most bytes it can take or None); ``compact``:
+    GLM-4.7's form, without the newlines between a call's parts (chat.compact_tool_calls)."""
+    nl = "" if compact else "\n"
+    sep = "" if compact else " " + _lit(nl)           # Lark has no empty literal: the newline term left out
+    params = f.get("parameters") or {}
+    props = params.get("properties") or {}
+    strict = f.get("strict") is True
+    req = [p for p in params.get("required") or [] if p in props]
+    opt = [] if lean else [p for p in props if p not in req]
+    parts = [f'{mk("<tool_call>")} {_lit(f["name"] + nl)}']
+    size = len(f"<tool_call>{f['name']}\n</tool_call>".encode())      # the newlines counted either way: a bound
+    for j, p in enumerate(req + opt):
+        sch = props[p] if isinstance(props[p], dict) else {}
+        if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
+            val = "(" + " | ".join(_lit(str(v)) for v in sch["enum"]) + ")"
+            vsize = max(len(str(v).encode()) for v in sch["enum"])
+        elif sch.get("type") == "string" and not {"pattern", "format", "const"} & set(sch):
+            n = sch.get("maxLength")
+            n = min(n, L) if isinstance(n, int) and n >= 0 else L
+            val, vsize = f"/[^<]{{0,{n}}}/", 4 * n
+        else:
+            b = B.bounded(sch, L, strict, lean=lean)
+            val, vsize = "%json " + json.dumps(b), B.longest(B.bounded(sch, L, strict, top=False, lean=lean))
+        arg = f'{mk("<arg_key>")} {_lit(p)} {mk("</arg_key>")}{sep} {mk("<arg_value>")} {val} ' \
+              f'{mk("</arg_value>")}{sep}'
+        parts.append(f"({arg})" + ("" if j < len(req) else "?"))
+        size = None if size is None or vsize is None else \
+            size + vsize + len(f"<arg_key>{p}</arg_key>\n<arg_value></arg_value>\n".encode())
+    parts.append(mk("</tool_call>"))
+    return " ".join(parts), size
+
+
+def _fit_calls(fns: list, budget: int, multiple: bool):
+    """(calls allowed, scale, lean): as many calls (up to MAX_CALLS) as fit ``budget`` with argument strings of at
+    least MIN_SCALE characters, else one call at the largest scale that fits (or only its required arguments)."""
+    def size(L, lean, k):
+        sizes = [_call(f, L, lean, _lit)[1] for f in fns]
+        return None if None in sizes else k * (max(sizes) + 1)
+
+    for lean in (False, True):
+        for k in ((MAX_CALLS, 2, 1) if multiple else (1,)):
+            L = B.fit(lambda L: size(L, lean, k), budget)
+            if L is not None and (L >= MIN_SCALE or k == 1):
+                return k, L, lean
+    if size(0, False, 1) is None:
+        return 1, min(max(0, int(budget)), B.MAX_SCALE), False
+    return 1, 0, True
+
+
+def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True,
+                      budget: int = 1 << 20, compact: bool = False) -> str:
+    """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects), then the end of
+    the turn: one call of the function ``name``, or (``name`` None) one call of any of them, or with ``multiple``
+    one or more (at most MAX_CALLS).  Each call is ``<tool_call>NAME\\n`` then, per argument,
+    ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``, then ``</tool_call>``: the required arguments in the
+    schema's order, then the optional ones (each optional); a string value is raw text (an ``enum``: one of its
+    values), any other value JSON matching its schema (bounds.py; ``strict`` functions: no undeclared keys).  All
+    of it fits ``budget`` tokens (_fit_calls).  ``compact``: GLM-4.7's form, the same without those newlines
+    (chat.compact_tool_calls).  ``marker(text)`` may map a marker to a special-token reference (``<[id]>``)."""
     mk = marker or _lit
-    rules, calls = [], []
-    for k, t in enumerate(tools):
-        f = t["function"]
-        if name is not None and f["name"] != name:
-            continue
-        params = f.get("parameters") or {}
-        props = params.get("properties") or {}
-        req = [p for p in params.get("required") or [] if p in props]
-        opt = [p for p in props if p not in req]
-        parts = [f'{mk("<tool_call>")} {_lit(f["name"] + chr(10))}']
-        for j, p in enumerate(req + opt):
-            sch = props[p] if isinstance(props[p], dict) else {}
-            if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
-                val = "(" + " | ".join(_lit(str(v)) for v in sch["enum"]) + ")"
-            elif sch.get("type") == "string":
-                n = sch.get("maxLength")
-                val = f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) and n >= 0 else "/[^<]*/"
-            else:
-                val = "%json " + json.dumps(sch or {})
-            arg = f'{mk("<arg_key>")} {_lit(p)} {mk("</arg_key>")} "\\n" {mk("<arg_value>")} {val} ' \
-                  f'{mk("</arg_value>")} "\\n"'
-            parts.append(f"({arg})" + ("" if j < len(req) else "?"))
-        parts.append(mk("</tool_call>"))
-        rules.append(f"call_{k}: " + " ".join(parts))
-        calls.append(f"call_{k}")
-    if not calls:
+    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not fns:
         raise GlmJaxError(f"no tool named {name!r}")
-    body = " | ".join(calls)
-    start = f"start: ({body})" if name is not None or not multiple else f"start: ({body}) (\"\\n\"? ({body}))*"
+    k, L, lean = _fit_calls(fns, budget, multiple)
+    rules = [f"call_{i}: " + _call(f, L, lean, mk, compact)[0] for i, f in enumerate(fns)]
+    body = " | ".join(f"call_{i}" for i in range(len(fns)))
+    start = f"start: ({body})" + (f" (\"\\n\"? ({body})){{0,{k - 1}}}" if k > 1 else "")
     return "\n".join([start] + rules)
 
 

@@ -332,7 +332,7 @@ def _with_shipped_tokens(c: dict) -> dict:
 
 
 def make_model(out: str, config: dict, zipf: float = 0.0, seed: int = 0, log=print, dtype: str = "bfloat16") -> str:
-    """Write a random glm4_moe / glm_moe_dsa HF checkpoint (bf16 unless dtype, hub per-expert keys, sharded) with the
+    """Write a random glm4_moe / glm_moe_dsa / glm4_moe_lite HF checkpoint (bf16 unless dtype, hub per-expert keys, sharded) with the
     shipped model's tokenizer into out (skipped when out/config.json exists); llama.cpp's converter accepts it
     through hf_to_gguf.py."""
     from tools.fixtures.synth_model import write_hf_checkpoint

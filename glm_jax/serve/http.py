@@ -1,0 +1,22 @@
+"""glm-jax-serve's error answers: ``HTTPError`` (status, message, the field it names) and its OpenAI-style body."""
+
+from __future__ import annotations
+
+from .. import options as O
+from ..experts.store import RamBudgetError
+
+one_line = O.one_line
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param=None, code=None, type_="invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def memory_refusal(e: RamBudgetError) -> HTTPError:
+    """A request the memory plan refused (Engine.memory_guard: its K/V growth does not fit the RAM budget)."""
+    return HTTPError(400, one_line(e), code="insufficient_memory")
