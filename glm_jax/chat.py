@@ -3,18 +3,89 @@ transformers renders it (a sandboxed environment with trim_blocks / lstrip_block
 ``strftime_now``, ``tojson``; variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, and
 the special tokens by name), then tokenized; special tokens written in the template are recognised by the
 tokenizer.  A checkpoint without a template gets the GLM format:
-``[gMASK]<sop><|role|>\\ncontent ... <|assistant|>\\n``.  ``glm-jax --chat`` and the server use the same code."""
+``[gMASK]<sop><|role|>\\ncontent ... <|assistant|>\\n``.  ``glm-jax --chat`` and the server use the same code.
+
+Only the template's own markup yields control tokens: every string a client supplies (content, names, tool names,
+arguments, tool definitions, ids) has its special-token texts swapped for nonce sentinels before rendering
+(``Guard``), and ``encode_rendered`` splits the rendered text at the special tokens left (the template's), encodes
+the text between them with special-token parsing off and the sentinels restored -- so ``<|system|>`` typed in a
+message is the 7 tokens of its text, never the role token (vLLM / llama-server tokenize messages the same way)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from typing import Optional
 
+from . import fileio
 from .errors import GlmJaxError
 
 GLM_TOKENS = ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
 ROLES = ("system", "user", "assistant")
+
+
+class Guard:
+    """A client's strings with their special-token texts (``specials``) swapped for sentinels
+    ``\\ue000<nonce><i>\\ue001`` (the nonce is per render, so a client cannot forge one); ``restore`` puts the texts
+    back (also where a template's ``tojson(ensure_ascii=True)`` escaped the sentinel's characters)."""
+
+    def __init__(self, specials):
+        self.nonce = secrets.token_hex(8)
+        self.table = []
+        toks = sorted((t for t in specials if t), key=len, reverse=True)
+        self.pat = re.compile("|".join(map(re.escape, toks))) if toks else None
+        self.back = re.compile(r"(?:\ue000|\\ue000)" + self.nonce + r"(\d+)(?:\ue001|\\ue001)")
+
+    def _swap(self, m) -> str:
+        self.table.append(m.group(0))
+        return f"\ue000{self.nonce}{len(self.table) - 1}\ue001"
+
+    def text(self, s: str) -> str:
+        return s if self.pat is None else self.pat.sub(self._swap, s)
+
+    def deep(self, x):
+        """Every string in a JSON-like value, dict keys included."""
+        if isinstance(x, str):
+            return self.text(x)
+        if isinstance(x, dict):
+            return {self.deep(k): self.deep(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [self.deep(v) for v in x]
+        return x
+
+    def messages(self, messages: list) -> list:
+        """Checked messages (check_messages) with every client string guarded; roles are checked names, kept."""
+        return [{k: (v if k == "role" else self.deep(v)) for k, v in m.items()} for m in messages]
+
+    def restore(self, s: str) -> str:
+        return self.back.sub(lambda m: self.table[int(m.group(1))], s)
+
+
+def encode_rendered(tokenizer, text: str, guard: Guard) -> list:
+    """Ids of a rendered chat text: its special tokens (the template's, since the guard took the clients') as their
+    ids, an lstrip / rstrip token taking the whitespace beside it as the tokenizers library does; the text between
+    them, sentinels restored, encoded with special-token parsing off."""
+    specials = tokenizer.special_tokens            # {text: (id, lstrip, rstrip)}
+    if guard.pat is None:
+        return tokenizer.encode_plain(guard.restore(text))
+    ids, pos, strip_next = [], 0, False
+    for m in guard.pat.finditer(text):
+        tid, lstrip, rstrip = specials[m.group(0)]
+        piece = text[pos:m.start()]
+        if strip_next:
+            piece = piece.lstrip()
+        if lstrip:
+            piece = piece.rstrip()
+        if piece:
+            ids += tokenizer.encode_plain(guard.restore(piece))
+        ids.append(tid)
+        pos, strip_next = m.end(), rstrip
+    piece = text[pos:].lstrip() if strip_next else text[pos:]
+    if piece:
+        ids += tokenizer.encode_plain(guard.restore(piece))
+    return ids
 
 
 TEMPLATE_FILE = "chat_template.jinja"   # where transformers 5 saves a tokenizer's template (GLM-4.6 / 4.7 hub repos)
@@ -28,19 +99,17 @@ def load_template(model_dir: str) -> Optional[dict]:
     cfg = {}
     if os.path.exists(path):
         try:
-            with open(path) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError) as e:
-            raise GlmJaxError(f"{path}: cannot read ({e})") from None
+            cfg = fileio.read_json(path)
+        except OSError as e:
+            raise GlmJaxError(f"{path}: cannot read ({e.strerror or e})") from None
         if not isinstance(cfg, dict):
             raise GlmJaxError(f"{path}: expected a JSON object")
     t = cfg.get("chat_template")
     if os.path.exists(jinja):
         try:
-            with open(jinja, encoding="utf-8") as f:
-                t, path = f.read(), jinja
+            t, path = fileio.read_bounded(jinja, fileio.JSON_MAX).decode("utf-8"), jinja
         except (OSError, UnicodeDecodeError) as e:
-            raise GlmJaxError(f"{jinja}: cannot read ({e})") from None
+            raise GlmJaxError(f"{jinja}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     if t is None:
         return None
     if isinstance(t, list):      # [{"name": "default", "template": ...}, ...]
@@ -225,10 +294,13 @@ def render(template: dict, messages: list, add_generation_prompt: bool = True, t
 
 
 def chat_ids(tokenizer, template: Optional[dict], messages: list, tools: Optional[list] = None) -> list:
-    """Token ids of a chat prompt (ends with the assistant's turn opened)."""
+    """Token ids of a chat prompt (ends with the assistant's turn opened); control tokens only from the markup."""
     messages = check_messages(messages)
+    guard = Guard(tokenizer.special_tokens)
+    messages = guard.messages(messages)
+    tools = guard.deep(tools) if tools is not None else None
     if template is not None:
-        return tokenizer.encode(render(template, messages, tools=tools))
+        return encode_rendered(tokenizer, render(template, messages, tools=tools), guard)
     messages = with_tools(None, messages, tools)
     ids = [tokenizer.token_id(t) for t in GLM_TOKENS]
     if any(i is None for i in ids):
@@ -240,5 +312,5 @@ def chat_ids(tokenizer, template: Optional[dict], messages: list, tools: Optiona
         rid = tokenizer.token_id(f"<|{m['role']}|>")
         if rid is None:
             raise GlmJaxError(f"{tokenizer.path}: no <|{m['role']}|> token for a {m['role']} message")
-        out += [rid] + tokenizer.encode("\n" + m["content"])
-    return out + [a] + tokenizer.encode("\n")
+        out += [rid] + encode_rendered(tokenizer, "\n" + m["content"], guard)
+    return out + [a] + tokenizer.encode_plain("\n")

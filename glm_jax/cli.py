@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 
 from absl import app, flags
@@ -125,6 +126,30 @@ def _say(msg: str):
         pass
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM: handled like Ctrl-C (what was generated kept, the stats line, the usage history saved by
+    Engine.close), exit 128 + 15."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def _interrupted(e: BaseException) -> int:
+    return 128 + signal.SIGTERM if isinstance(e, _Terminated) else 130
+
+
+def _locale_text(text: str) -> str:
+    """``text`` as the UTF-8 its bytes are where the locale (POSIX / C without UTF-8 mode) decoded argv as ASCII:
+    its surrogate-escaped bytes put back together; unchanged where they are not UTF-8."""
+    if not any("\udc80" <= c <= "\udcff" for c in text):
+        return text
+    try:
+        return text.encode(sys.getfilesystemencoding(), "surrogateescape").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return text
+
+
 def _prompt_problem(text: str) -> str | None:
     """Why ``--prompt`` is not text (bytes that are not UTF-8 arrive as lone surrogates), or None."""
     try:
@@ -134,6 +159,26 @@ def _prompt_problem(text: str) -> str | None:
         c = ord(e.object[e.start])
         what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"character U+{c:04X}"
         return f"not valid UTF-8 ({what} at position {e.start}); pass UTF-8 text, or token ids with --prompt_ids"
+
+
+def _prompt_arg():
+    """--prompt (text) or --prompt_ids (a list of ids), checked."""
+    if FLAGS.prompt_ids or FLAGS["prompt_ids"].present:
+        if FLAGS["prompt"].present:
+            raise GlmJaxError("flags --prompt and --prompt_ids: give one of them, not both")
+        try:
+            prompt = [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got "
+                              f"{O.one_line(FLAGS.prompt_ids)[:80]!r}")
+        if not prompt:
+            raise GlmJaxError("flag --prompt_ids: no token ids given (expected comma-separated integers)")
+        return prompt
+    prompt = sys.stdin.read() if FLAGS.prompt == "-" else _locale_text(FLAGS.prompt)
+    why = _prompt_problem(prompt)
+    if why:
+        raise GlmJaxError(f"flag --prompt: {why}")
+    return prompt
 
 
 def _read_line(prompt: str) -> str:
@@ -181,6 +226,10 @@ def main(argv):
     from absl import logging
 
     _ensure_std_streams()
+    try:
+        prev = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:                       # not the main thread
+        prev = None
     if not FLAGS["verbosity"].present:       # keep jax's backend-probe INFO lines off the terminal
         logging.set_verbosity(logging.WARNING)
     engine = None
@@ -190,19 +239,7 @@ def main(argv):
         opts = O.from_flags()
         if FLAGS.output_json:      # before the generation, so that its result is never lost at the end
             O.check_writable(FLAGS.output_json, "--output_json")
-        if FLAGS.prompt_ids:
-            if FLAGS["prompt"].present:
-                raise GlmJaxError("flags --prompt and --prompt_ids: give one of them, not both")
-            try:
-                prompt = [int(t) for t in FLAGS.prompt_ids.split(",") if t.strip()]
-            except ValueError:
-                raise GlmJaxError(f"flag --prompt_ids: expected comma-separated integers, got "
-                                  f"{O.one_line(FLAGS.prompt_ids)[:80]!r}")
-        else:
-            prompt = sys.stdin.read() if FLAGS.prompt == "-" else FLAGS.prompt
-            why = _prompt_problem(prompt)
-            if why:
-                raise GlmJaxError(f"flag --prompt: {why}")
+        prompt = _prompt_arg()
         # one seed rule for glm-jax and glm-jax-serve: no --seed -> a fresh random seed (printed with the stats
         # when sampling, and in --output_json), --seed=N -> reproducible
         seed = FLAGS.seed if FLAGS.seed is not None else secrets.randbits(63)
@@ -247,8 +284,8 @@ def main(argv):
                                 raise
                             gone = True
                     shown = len(toks)
-        except KeyboardInterrupt:        # Ctrl-C: keep what was printed, say how far it got
-            interrupted = True
+        except KeyboardInterrupt as e:   # Ctrl-C / SIGTERM: keep what was printed, say how far it got
+            interrupted = _interrupted(e)
         except _StdoutGone:
             gone = True
         if not gone:
@@ -260,26 +297,32 @@ def main(argv):
                 gone = True
         res = st.result or engine.scheduler.result(st.req, st.compile0)
         tail = (f" | seed {seed}" if FLAGS.temperature > 0 and FLAGS.seed is None else "") + \
-            (" | interrupted" if interrupted else "") + (" | stdout closed" if gone else "")
+            ({130: " | interrupted", 143: " | terminated"}.get(interrupted, "")) + (" | stdout closed" if gone else "")
         _say(format_stats(res.stats) + tail)
         if FLAGS.output_json:            # an interrupted run's too: what was generated is kept
-            O.write_json_output(FLAGS.output_json, dict(res.to_json(), seed=seed, interrupted=interrupted))
+            O.write_json_output(FLAGS.output_json, dict(res.to_json(), seed=seed, interrupted=bool(interrupted)))
         if interrupted:
-            return 130
+            return interrupted
     except GlmJaxError as e:
         _say(f"glm-jax: error: {_one_line(e)}")
         return 2
-    except KeyboardInterrupt:            # before the generation started (loading, compiling): no traceback
-        _say("\nglm-jax: interrupted")
-        return 130
+    except KeyboardInterrupt as e:       # before the generation started (loading, compiling): no traceback
+        _say("\nglm-jax: " + ("terminated" if isinstance(e, _Terminated) else "interrupted"))
+        return _interrupted(e)
     finally:
         if engine is not None:
             engine.close()
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
     return 0
 
 
 def run():
-    app.run(main, flags_parser=parse_flags)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except KeyboardInterrupt as e:      # outside main (absl's start-up): no traceback either
+        _say("\nglm-jax: interrupted")
+        sys.exit(_interrupted(e))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import functools
 import math
 import numbers
 import os
+import stat
 import sys
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -23,7 +25,7 @@ import numpy as np
 import glm_jax_plugins as P
 from glm_jax_plugins import contract
 
-from . import chat, compile_cache, kernels, paths
+from . import chat, compile_cache, fileio, kernels, paths
 from . import fit as F
 from . import memory as MEM
 from . import model as M
@@ -71,13 +73,27 @@ class Tokenizer:
 
         self.path = path
         try:
-            self.tok = HFTok.from_file(path)
+            self.tok = HFTok.from_str(fileio.read_bounded(path, fileio.TOKENIZER_MAX).decode("utf-8"))
         except Exception as e:
             raise GlmJaxError(f"{path}: cannot load tokenizer ({e})") from None
         self.template = chat.load_template(os.path.dirname(path))
+        self._lock = threading.Lock()        # encode_special_tokens is the tokenizer's state: toggled under it
+        self.special_tokens = {t.content: (i, t.lstrip, t.rstrip)
+                               for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """Text -> ids, special-token texts parsed as the special tokens (a raw prompt is the caller's own)."""
+        with self._lock:
+            return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list:
+        """Text -> ids with special-token parsing off: ``<|system|>`` is its characters' tokens (a client's text)."""
+        with self._lock:
+            self.tok.encode_special_tokens = True
+            try:
+                return self.tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self.tok.encode_special_tokens = False
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
@@ -95,6 +111,7 @@ class Tokenizer:
         return chat.chat_ids(self, self.template, msgs)
 
 
+VERIFY_READS = {"first": "first", "always": "always", "off": "none"}     # --verify_reads -> the container's mode
 
 
 class Engine(Runner):
@@ -199,17 +216,15 @@ class Engine(Runner):
 
     @classmethod
     def _from_glm5_next(cls, path: str, opts: "O.Options", cfg: ModelConfig, container: bool) -> "Engine":
-        """glm5_next (GLM-5.3 text): every weight resident, read from its HF checkpoint; the resident one-jit step.
+        """glm5_next (GLM-5.3 text): every weight resident, read from its HF checkpoint or a converted container
+        (read whole); the resident one-jit step.
         Its KDA layers' state holds every token a row has seen and cannot be rolled back or cut back to a shorter
         prefix: no speculative decoding; a row's cache is reused only by a prompt extending everything it holds
         (Runner.recurrent_state)."""
         what = f"{path}: glm5_next (GLM-5.3)"
-        if container:
-            raise GlmJaxError(f"{what}: converted containers (streamed experts) are not supported yet; load its "
-                              f"Hugging Face checkpoint")
         if opts["fetch"] not in ("auto", "resident"):
             raise GlmJaxError(f"{what}: {opts.label('fetch')}={opts['fetch']} is not supported yet (every expert "
-                              f"resident: fetch=resident)")
+                              f"resident: fetch=resident{', the container read whole into RAM' if container else ''})")
         if opts["mesh"]:
             raise GlmJaxError(f"{what}: {opts.label('mesh')} is not supported yet")
         if opts["dense_format"] != "native":
@@ -221,7 +236,10 @@ class Engine(Runner):
         opts["fetch"] = "resident"
         dtype = _pick_dtype(opts["dtype"], path, cfg)
         kernel = _pick_kernel(opts["kernels"])
-        params = G5W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel)
+        if container:       # every expert read into RAM in the container's format (no streamed path yet)
+            params = G5W.load_container_params(path, cfg, dtype=dtype, kernel=kernel)
+        else:
+            params = G5W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel)
         tok_path = os.path.join(path, "tokenizer.json")
         eng = cls(path, cfg, params, opts, Tokenizer(tok_path) if os.path.exists(tok_path) else None, None, kernel)
         eng._kv_planned = None          # (its memory guard keeps no plan: Engine.__init__'s)
@@ -245,6 +263,9 @@ class Engine(Runner):
         for s in seqs:
             if not s:
                 raise GlmJaxError("logits: empty token sequence")
+            if len(s) > self.context_limit:
+                raise GlmJaxError(f"logits: the sequence is {len(s)} tokens but the context limit is "
+                                  f"{self.context_limit} tokens")
         B = len(seqs)
         T = _bucket(max(len(s) for s in seqs))
         self._route_acc = {}
@@ -467,12 +488,13 @@ def _load_with_store(path: str, cfg: ModelConfig, opts, container: bool, how: _W
     """The dense weights into params and the routed experts behind an expert store (a container, or an HF dir
     streamed / on a mesh), fitted to the RAM budget.  Returns (params, store, fitted: the memory plan or None)."""
     src = store = fitted = None
+    verify = VERIFY_READS[opts["verify_reads"]]
     try:
         if container:     # manifest, config and sizes checked at open; the dense file's crc before use
-            src = C.open_container(path, cfg, verify="first", direct_io=opts["direct_io"])
+            src = C.open_container(path, cfg, verify=verify, direct_io=opts["direct_io"])
             C.verify_dense(path, src.manifest)
         if how.plan is None:  # what fits, from headers and the manifest: refused here, before any weights
-            src = src if src is not None else C.open_expert_source(path, cfg, verify="first")
+            src = src if src is not None else C.open_expert_source(path, cfg, verify=verify)
             fitted = fit_memory(path, cfg, opts, src, how.dtype, how.kv_dtype, how.dense_kernel, how.pack)
             if not fitted.all_fit:
                 # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
@@ -480,7 +502,7 @@ def _load_with_store(path: str, cfg: ModelConfig, opts, container: bool, how: _W
                 MEM.compact_heap()
             if container and fitted.direct_io != src.direct_io:
                 src.close()
-                src = C.open_container(path, cfg, verify="first", direct_io=fitted.direct_io)
+                src = C.open_container(path, cfg, verify=verify, direct_io=fitted.direct_io)
             opts["direct_io"] = fitted.direct_io
             opts["dense_format"] = fitted.dense_format
             if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
@@ -497,7 +519,7 @@ def _load_with_store(path: str, cfg: ModelConfig, opts, container: bool, how: _W
             jax.clear_caches()
         MEM.trim()
         if how.plan is not None:
-            src = src if src is not None else C.open_expert_source(path, cfg, verify="first",
+            src = src if src is not None else C.open_expert_source(path, cfg, verify=verify,
                                                                    direct_io=opts["direct_io"])
         store = _open_store(path, cfg, opts, src, fitted, how)
     except BaseException:
@@ -594,12 +616,11 @@ def _check_mesh_options(opts, plan, fetch: str):
 
 def declared_dtype(path: str) -> str:
     """The checkpoint's declared dtype (config.json ``dtype`` / ``torch_dtype``), "" if none."""
-    import json
-
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            c = json.load(f)
-    except (OSError, ValueError):
+        c = fileio.read_json(os.path.join(path, "config.json"))
+    except OSError:
+        return ""
+    if not isinstance(c, dict):
         return ""
     d = c.get("dtype") or c.get("torch_dtype") or ""
     return d if isinstance(d, str) else ""
@@ -713,6 +734,28 @@ _COMPILE_CACHE = [None]      # the persistent-cache directory this process set (
 _HEALED: set = set()
 
 
+def _trusted_cache_dir(d: str, opt: str, label: str) -> Optional[str]:
+    """The compilation cache's entries are native code this process loads: the directory must be this user's, like
+    the kernels' (kernels.dir_problem: owner and no group / world write, up to the root); one of ours that others
+    may write is made private (and said so).  Otherwise an explicit one is an error and the default one unused."""
+    try:
+        st = os.stat(d)
+        if st.st_uid == os.getuid() and st.st_mode & 0o022:
+            os.chmod(d, stat.S_IMODE(st.st_mode) & ~0o077)
+            print(f"glm-jax: note: {label} {d} was writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                  f"made it mode {stat.S_IMODE(st.st_mode) & ~0o077:o}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    why = kernels.dir_problem(d)
+    if why is None:
+        return d
+    if opt:
+        raise GlmJaxError(f"{label}={opt}: not used as the compilation cache: {why} (its entries are code this "
+                          f"process would run)")
+    print(f"glm-jax: note: running without the compilation cache {d} ({why})", file=sys.stderr, flush=True)
+    return None
+
+
 def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
     """Point JAX's persistent compilation cache at the per-user cache dir (``paths.cache_root``), another directory,
     or nowhere ('off').  Every program is cached (min compile time 0), so a second start compiles nothing.  An
@@ -727,6 +770,8 @@ def set_compile_cache(opt: str = "", label: str = "--compile_cache"):
             if opt:
                 raise GlmJaxError(f"{label}={opt}: cannot use it as the compilation cache ({e.strerror or e})") from None
             d = None
+    if d is not None:
+        d = _trusted_cache_dir(d, opt, label)
     cur = jax.config.jax_compilation_cache_dir
     if d is not None and d not in _HEALED:      # unreadable entries removed, once per directory and process
         _HEALED.add(d)

@@ -14,6 +14,11 @@
                                  raising LockBusy at once with ``blocking=False``; ``remove=True`` unlinks it at the
                                  end, safely (the inode is re-checked after locking)
     directory_lock(path)         the same on a directory itself
+    read_bounded(path, limit)    every file the project reads whole (JSON, tokenizer, manifest, index, keys): a
+                                 regular file of at most ``limit`` bytes, else FileProblem (an OSError) -- a FIFO is
+                                 opened without blocking and never read, /dev/zero is refused, not read until OOM
+    read_json(path, limit)       read_bounded + json.loads; a bad document (a 100,000-digit integer included) is a
+                                 FileProblem naming why, never a traceback
 """
 
 from __future__ import annotations
@@ -26,6 +31,70 @@ import stat
 import tempfile
 import time
 from typing import Optional
+
+
+JSON_MAX = 64 << 20          # config.json, generation_config, manifest.json, a sharded index, tokenizer_config
+TOKENIZER_MAX = 256 << 20    # tokenizer.json (GLM-4.5's: 20 MB)
+
+
+class FileProblem(OSError):
+    """A file refused by ``read_bounded`` / ``read_json``: ``str()`` is the one-line reason, without the path."""
+
+    def __init__(self, msg: str):
+        super().__init__(msg)
+        self.strerror = msg
+
+    def __str__(self):
+        return self.strerror
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_bounded(path: str, limit: int) -> bytes:
+    """The bytes of regular file ``path``, at most ``limit`` of them; FileProblem for anything else (a FIFO is
+    opened O_NONBLOCK, so no writer is waited for, and never read; a file that grows past the limit while read is
+    refused too)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileProblem(f"{_kind(st.st_mode)}, not a regular file")
+        if st.st_size > limit:
+            raise FileProblem(f"{st.st_size} bytes, more than the {limit >> 20} MB a file of this kind may have")
+        parts, n = [], 0
+        while True:
+            b = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not b:
+                break
+            parts.append(b)
+            n += len(b)
+            if n > limit:
+                raise FileProblem(f"more than the {limit >> 20} MB a file of this kind may have")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str, limit: int = JSON_MAX):
+    """The JSON document in ``path`` (read_bounded); FileProblem for invalid JSON, invalid UTF-8, a number past
+    Python's integer digit limit or nesting past its recursion limit."""
+    import json
+
+    data = read_bounded(path, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise FileProblem("invalid JSON (nested too deeply)") from None
+    except UnicodeDecodeError as e:
+        raise FileProblem(f"not UTF-8 (byte {e.start})") from None
+    except ValueError as e:
+        raise FileProblem(f"invalid JSON ({str(e).splitlines()[0][:200]})") from None
 
 
 class LockBusy(OSError):

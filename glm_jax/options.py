@@ -169,6 +169,11 @@ OPTIONS = [
         "experts do not all fit the RAM budget (the page cache would hold a second copy inside the same limit), "
         "where the file system supports it.", env=("DIRECT",)),
     Opt("io_threads", 4, "int", "Parallel expert reads.", env=("PIPE_WORKERS",), lo=1, hi=256),
+    Opt("verify_reads", "first", "enum", "Checksums of the expert records read from a container: first (each record's "
+        "crc32 checked at its first read in the process: a record changed on disk after that is used as it is), "
+        "always (at every read: a record changed under a running server is refused; one crc32 pass over every byte "
+        "read, in the reading thread), off (never: a damaged file gives wrong numbers, not an error).",
+        ("first", "always", "off")),
     Opt("overlap", True, "bool", "The loop's layers (fetch=loop; fused programs have no host step between layers): "
         "compute the layer's resident (hit) experts and the shared expert while its misses are read (decode-sized "
         "forwards; bitwise the same output). Decode 1.07-1.14x in the GLM-4.5-Air slice's 0.3x box "
@@ -268,6 +273,10 @@ SERVE_OPTIONS = [
         "--prefill_chunk), so no client waits for a "
         "compile. With --compile_cache a later start loads most of them from it (--fetch=callback / fused "
         "programs hold a host callback and compile at every start)."),
+    Opt("prefix_cache_scope", "key", "enum", "Whose finished requests' K/V a request may reuse (the prefix cache): "
+        "key = requests made with the same API key (and the same cache_salt field, if sent); global = any request "
+        "(between keys, cached_tokens and the time to the first token then tell one client how much of another's "
+        "prompt it guessed).", choices=("key", "global")),
 ]
 SERVE_BY_NAME = {o.name: o for o in SERVE_OPTIONS}
 
@@ -658,6 +667,8 @@ def define_serve_flags():
             continue
         if o.kind == "bool":
             flags.DEFINE_boolean(o.name, o.default, o.help)
+        elif o.kind == "enum":
+            flags.DEFINE_enum(o.name, o.default, o.choices, o.help)
         else:
             flags.DEFINE_float(o.name, o.default, o.help + f" [{_range_text(o)}]")
 

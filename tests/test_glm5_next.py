@@ -212,3 +212,37 @@ def test_missing_key_names_it(tmp_path):
     shutil.copy(os.path.join(FIX, "config.json"), tmp_path / "config.json")
     with pytest.raises(WeightError, match="layers.0.self_attn.k_conv1d.weight"):
         load_params(str(tmp_path), load_config(str(tmp_path)))
+
+
+CLAMP = os.path.join(os.path.dirname(__file__), "golden", "glm5next_clamp")
+
+
+@pytest.mark.parametrize("kernel", ["xla", "native"])
+def test_routed_clamp_matches_transformers(kernel, monkeypatch):
+    """The fixture whose routed experts' gate and |up| exceed swiglu_limit (expected.json): the seam's clamp gives
+    transformers' logits on the XLA and the native backend; the same forward with the routed clamp dropped misses
+    them by far more than the tolerance (the clamp acts there)."""
+    from glm_jax import kernels
+    if kernel == "native" and not kernels.load():
+        pytest.skip(f"native kernels unavailable: {kernels.last_error()}")
+    cfg = load_config(CLAMP)
+    with open(os.path.join(CLAMP, "expected.json")) as f:
+        doc = json.load(f)
+    assert min(doc["max_routed_gate"], doc["max_routed_up_abs"]) > cfg.swiglu_limit
+    with np.load(os.path.join(CLAMP, "expected.npz")) as z:
+        ids, want = z["input_ids"], z["logits"]
+    params = load_params(CLAMP, cfg, kernel=kernel)
+
+    def logits():
+        f = jax.jit(functools.partial(glm5_next.step, cfg))
+        out = []
+        for b in range(2):
+            cache = glm5_next.init_cache(cfg, 1, S, jnp.float32)
+            lg = f(params, cache, jnp.asarray(ids[b:b + 1]), jnp.zeros((1,), jnp.int32))[0]
+            out.append(np.asarray(lg[0]))
+        return np.stack(out)
+
+    assert np.abs(logits() - want).max() <= TOL
+    seam = glm5_next.moe_routed
+    monkeypatch.setattr(glm5_next, "moe_routed", lambda *a, limit=None, **kw: seam(*a, **kw))
+    assert np.abs(logits() - want).max() > 100 * TOL

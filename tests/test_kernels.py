@@ -69,7 +69,7 @@ def _bank(fmt, E, H, I, seed):
     return bank, quant.quantize(gu, fmt) + quant.quantize(dn, fmt)
 
 
-def _seam_reference(fmt, ref, slots, w, x, terms=False):
+def _seam_reference(fmt, ref, slots, w, x, terms=False, limit=None):
     gq, gs, dq, ds = ref
     E = gq.shape[0]
     T, K = slots.shape
@@ -82,7 +82,10 @@ def _seam_reference(fmt, ref, slots, w, x, terms=False):
                 continue
             h = _matvec(gq[s], None if gs is None else gs[s], fmt, x[t]).astype(np.float32)
             I = h.shape[0] // 2
-            a = (_silu(h[:I]) * h[I:]).astype(np.float32)
+            g, u = h[:I], h[I:]
+            if limit is not None:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            a = (_silu(g) * u).astype(np.float32)
             y = _matvec(dq[s], None if ds is None else ds[s], fmt, a)
             if terms:
                 out[t, k] = y
@@ -212,6 +215,51 @@ def test_grouped_qlinear_is_one_qlinear_per_group_bitwise(fmt):
             assert np.abs(got[:, g] - ref).max() <= 2e-5 * np.abs(ref).max()
         # a row's result does not depend on the rows beside it
         assert np.array_equal(np.asarray(jax.jit(quant.qdot_grouped)(jnp.asarray(x[:1]), w)), got[:1])
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8_row", "int4_g64"])
+def test_clamped_seam_matches_the_emulation_on_every_backend_and_build(fmt):
+    """The SwiGLU clamp (silu(min(gate, L)) * clip(up, -L, L)) with gate/up values well past L: the native kernel
+    (glmjax_moe_clamped, per-(t, k) terms too), its portable build (bitwise, quantized formats) and the XLA
+    backends (gather, the quantized slot scan, the float all-slots prefill) all give the clamped emulation, which
+    differs from the unclamped one by far more than the tolerance (the clamp acts)."""
+    E, H, I, T, K, L = 6, 192, 96, 5, 3, 0.5
+    nbank, ref_q = _bank(fmt, E, H, I, seed=31)
+    rng = np.random.default_rng(32)
+    slots = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    ref = _seam_reference(fmt, ref_q, slots, w, x, limit=L)
+    plain = _seam_reference(fmt, ref_q, slots, w, x)
+    scale = max(1.0, np.abs(ref).max())
+    assert np.abs(ref - plain).max() > 0.1 * scale
+
+    def check(got):
+        err = np.abs(np.asarray(got) - ref)
+        assert err.max() <= 5e-3 * scale and err.mean() <= 2e-4 * scale, (fmt, err.max(), err.mean())
+
+    def native(v, terms=False):
+        return np.asarray(jax.jit(lambda x: kernels.moe(
+            x, jnp.asarray(slots), jnp.asarray(w), nbank.gate_up, nbank.gate_up_scale, nbank.down, nbank.down_scale,
+            nbank.fmt, nbank.group("gate_up"), nbank.group("down"), I, terms=terms, variant=v, limit=L))(x))
+    check(native(""))
+    check((native("", terms=True) * w[:, :, None]).sum(1))
+    port = native(kernels.load_portable())
+    if fmt not in quant.FLOAT_FORMATS or not kernels.has_vnni():
+        assert np.array_equal(port, native(""))
+    check(port)
+    rng = np.random.default_rng(31)             # _bank's float experts again, in the XLA backend's layout
+    gu = rng.normal(size=(E, 2 * I, H)).astype(np.float32) * 0.1
+    dn = rng.normal(size=(E, H, I)).astype(np.float32) * 0.1
+    xbank = quant.bank_from_float(gu, dn, fmt, kernel="xla")
+    ones = jnp.ones((T, K), bool)
+    gq, gs, dq, ds = ref_q          # the XLA backends multiply the dequantized weights by float activations
+    deq = (quant.dequantize(gq, gs, fmt).astype(np.float32), None, quant.dequantize(dq, ds, fmt).astype(np.float32),
+           None)
+    ref = _seam_reference("f32", deq, slots, w, x, limit=L)
+    for gather in (True, False):
+        check(jax.jit(lambda x, g=gather: M.moe_routed(x, jnp.asarray(slots), jnp.asarray(w), ones, xbank,
+                                                        gather=g, limit=L))(x))
 
 
 def test_portable_build_computes_the_quantized_formats_bitwise_like_the_native_one():

@@ -157,8 +157,6 @@ def test_models_retrieve_and_404s(client):
     (True, dict(top_logprobs=3), "top_logprobs"),
     (True, dict(logit_bias={"99999": 5}), "logit_bias"),
     (True, dict(logit_bias={"5": 101}), "logit_bias"),
-    (True, dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
-     "response_format"),
     (False, dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
     (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": [1]}}}), "response_format"),
@@ -380,6 +378,38 @@ def test_required_calls_end_the_turn_and_markup_never_reaches_content(client):
             text, reason = ch.message.content or "", ch.finish_reason
             assert ch.message.tool_calls is None
         assert reason == "length" and "<" not in text and "arg_" not in text
+
+
+def test_a_forced_tool_choice_beside_a_response_format_calls_the_tool(client):
+    """An agent with tools and a structured output type sends both tool_choice required and a json_schema format
+    (openai-agents does on its first turn): the turn is the call (before: a 400 naming response_format)."""
+    import json
+
+    rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    r = client.chat.completions.create(model="glm-jax-default", messages=USER, max_tokens=60, temperature=0,
+                                       tools=[CLOCK], tool_choice="required", response_format=rf)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and not ch.message.content
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "time" and isinstance(json.loads(call.function.arguments)["utc"], bool)
+
+
+def test_tool_choice_auto_beside_a_response_format_can_still_call(client):
+    """tools (auto) and a json_schema format, as an agent with a structured output type sends them: the reply is a
+    call or the JSON (before: the JSON grammar alone, a call could never start).  A bias toward "<" (the
+    call's first token in the shipped vocabulary) takes the call branch; without it, the greedy reply is JSON."""
+    import json
+
+    rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    kw = dict(model="glm-jax-default", messages=USER, max_tokens=60, temperature=0, tools=[CLOCK],
+              response_format=rf)
+    ch = client.chat.completions.create(logit_bias={"33": 100}, **kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and not ch.message.content, ch
+    assert [c.function.name for c in ch.message.tool_calls][0] == "time"
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.message.tool_calls or isinstance(json.loads(ch.message.content)["ok"], bool)
 
 
 def test_pydantic_style_schemas_and_json_object_close(client):

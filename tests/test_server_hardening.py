@@ -215,7 +215,9 @@ def test_non_ascii_bearer_keys(server, monkeypatch):
         return int(head.split()[1]), rest
     status, rest = send("clé".encode())
     assert status == 401 and json.loads(rest)["error"]["code"] == "invalid_api_key"
-    monkeypatch.setattr(server, "api_key", "clé-ü".encode("utf-8"))
+    from glm_jax.serve.tenancy import Keys
+
+    monkeypatch.setattr(server, "keys", Keys("clé-ü"))
     assert send("clé-ü".encode())[0] == 200
     assert send("cle-u".encode())[0] == 401
     assert send("clé-ü".encode("latin-1"))[0] == 401
@@ -344,18 +346,21 @@ schemas = st.recursive(scalars | st.sampled_from(["object", "string", "integer",
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(body=r_bodies, schema=schemas, where=st.sampled_from(["responses", "response_format", "tool"]))
+@given(body=r_bodies, schema=schemas, where=st.sampled_from(["responses", "response_format", "tool", "auto"]))
 def test_fuzz_responses_and_schemas(server, body, schema, where):
-    """/v1/responses bodies, and random JSON schemas as a response_format or a forced tool's parameters: never a
-    500, never a hang."""
+    """/v1/responses bodies, and random JSON schemas as a response_format, a forced tool's parameters or both
+    (tool_choice auto: calls or the JSON): never a 500, never a hang."""
     path, chat = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                         "properties": {"a": schema}}}}
     if where == "responses":
         path = "/v1/responses"
     elif where == "response_format":
-        body = dict(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    else:
-        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-                                                                             "properties": {"a": schema}}}}
+        body = dict(chat, response_format=rf)
+    elif where == "tool":
         body = dict(chat, tools=[tool], tool_choice="required")
+    else:
+        body = dict(chat, tools=[tool], response_format=rf)
     _check(_post(server, path, raw=json.dumps(body).encode(), timeout=60))
     assert _health_ms(server) < 2000

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from glm_jax.serve import bounds as B
-from glm_jax.serve.constrain import MAX_CALLS, json_schema_grammar, tool_call_grammar
+from glm_jax.serve.constrain import MAX_CALLS, calls_or_json_grammar, json_schema_grammar, tool_call_grammar
 from glm_jax.serve.toolcalls import ToolCallParser, parse
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
@@ -142,6 +142,26 @@ def test_required_tool_calls_end_the_turn(tok, multiple):
                 assert set(args) == {"text", "meta"} and set(args["meta"]) <= {"tag"}      # strict
         counts.add(len(calls))
     assert (max(counts) > 1) == multiple
+
+
+def test_tool_choice_auto_beside_a_json_format_allows_calls_or_the_json(tok):
+    """An agent's turn with tools (auto) and a structured output format: calls or the format's JSON, each ending
+    within the budget (before: the JSON grammar alone, so no tool could ever be called)."""
+    rng = np.random.default_rng(0)
+    budget = 200
+    g = calls_or_json_grammar([WEATHER], PYDANTIC, budget=budget)
+    kinds = set()
+    for _ in range(12):
+        out, text = _walk(tok, g, budget, rng)
+        content, calls, cut = parse(text, [WEATHER])
+        assert len(out) <= budget and not cut, text
+        if calls:
+            assert content == "" and all(c["function"]["name"] == "weather" for c in calls)
+            kinds.add("calls")
+        else:
+            assert {"name", "age"} <= set(json.loads(text)), text
+            kinds.add("json")
+    assert kinds == {"calls", "json"}
 
 
 def test_a_reply_with_tool_choice_none_drops_calls_and_their_markup():

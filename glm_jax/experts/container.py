@@ -54,6 +54,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 from ..kernels import formats as quant
 from ..model.config import ModelConfig
@@ -422,6 +423,7 @@ class LayerEntry:
     verified: np.ndarray     # bool [E]
     fd: int = -1
     direct_fd: Optional[int] = None
+    stale: bool = False      # a read failed: the file is opened again before the next (it may have been replaced)
 
 
 class Container:
@@ -436,15 +438,35 @@ class Container:
         self.direct_io = direct_io
         self.expert_layers = tuple(sorted(entries))
         for e in entries.values():
-            e.fd = os.open(e.path, os.O_RDONLY)
-            try:   # whole-record reads: kernel readahead beyond a record only wastes disk bandwidth
-                os.posix_fadvise(e.fd, 0, 0, os.POSIX_FADV_RANDOM)
-            except (AttributeError, OSError):
-                pass
-            if direct_io:
-                e.direct_fd = _open_direct(e.path)
-                if e.direct_fd is None:
-                    raise ContainerError(f"{e.path}: O_DIRECT is not supported on this file system (drop --direct_io)")
+            self._open(e)
+
+    def _open(self, e: LayerEntry):
+        e.fd = os.open(e.path, os.O_RDONLY)
+        try:   # whole-record reads: kernel readahead beyond a record only wastes disk bandwidth
+            os.posix_fadvise(e.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except (AttributeError, OSError):
+            pass
+        if self.direct_io:
+            e.direct_fd = _open_direct(e.path)
+            if e.direct_fd is None:
+                raise ContainerError(f"{e.path}: O_DIRECT is not supported on this file system (drop --direct_io)")
+
+    def _reopen(self, ent: LayerEntry):
+        """After a failed read: the layer's file opened again by name (restored, or replaced by a good copy), its
+        records checked again at their next read; a missing file is one error line."""
+        for fd in (ent.fd, ent.direct_fd):
+            if fd is not None and fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        ent.fd, ent.direct_fd = -1, None
+        try:
+            self._open(ent)
+        except OSError as err:
+            raise ContainerError(f"{ent.path}: layer {ent.layer}: cannot open ({err.strerror or err})") from None
+        ent.verified[:] = False
+        ent.stale = False
 
     @property
     def dense_path(self) -> str:
@@ -496,6 +518,8 @@ class Container:
         """(jobs, finish): the record's read as independent callables (see ``record_reads``; run them on any
         threads, each returns its bytes), then ``finish()`` once all are done (the checksum check)."""
         ent = self.entry(layer)
+        if ent.stale:
+            self._reopen(ent)
         off = int(ent.offsets[e])
 
         def guard(r):
@@ -503,13 +527,22 @@ class Container:
                 try:
                     return r()
                 except EOFError:
+                    ent.stale = True
                     raise TruncatedError(f"{ent.path}: layer {layer} expert {e}: file truncated (record at offset "
                                          f"{off}, length {int(ent.lengths[e])})") from None
+                except OSError as err:          # EIO, a file gone from under a reopened fd, ...
+                    ent.stale = True
+                    raise ContainerError(f"{ent.path}: layer {layer} expert {e}: read failed "
+                                         f"({err.strerror or err})") from None
             return job
 
         def finish():
             if self.verify == "always" or (self.verify in ("first", "all") and not ent.verified[e]):
-                self._check(ent, e, dests)
+                try:
+                    self._check(ent, e, dests)
+                except ChecksumError:
+                    ent.stale = True
+                    raise
 
         return [guard(r) for r in record_reads(ent.fd, ent.direct_fd, ent.layout, off, dests, chunk)], finish
 
@@ -555,10 +588,9 @@ def read_manifest(path: str) -> dict:
     if not os.path.exists(mpath):
         raise ContainerError(f"{mpath}: not found (not a glm-jax container; run glm-jax-convert)")
     try:
-        with open(mpath, "rb") as f:
-            man = json.loads(f.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ContainerError(f"{mpath}: invalid JSON: {e}") from None
+        man = fileio.read_json(mpath)
+    except fileio.FileProblem as e:
+        raise ContainerError(f"{mpath}: {e}") from None
     except OSError as e:
         raise ContainerError(f"{mpath}: cannot read ({e.strerror or e})") from None
     if not isinstance(man, dict):
@@ -792,6 +824,25 @@ class TensorInfo:
     nbytes: int
 
 
+def _check_layout(fpath: str, hdr: dict):
+    """The tensors' byte ranges tile the data section (no two overlap: two experts would share weights) and the
+    safetensors library accepts the file (its own validation, the reader every other tool uses)."""
+    spans = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in hdr.items() if k != "__metadata__")
+    for (s0, e0, k0), (s1, e1, k1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise SourceError(f"{fpath}: tensors '{k0}' and '{k1}' overlap (data_offsets [{s0}, {e0}] and "
+                              f"[{s1}, {e1}])")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(fpath, framework="numpy"):
+            pass
+    except ImportError:
+        return
+    except Exception as e:          # noqa: BLE001  (SafetensorError and what its Rust side raises)
+        raise SourceError(f"{fpath}: the safetensors library refuses it ({' '.join(str(e).split())[:200]})") from None
+
+
 class SafeTensorsDir:
     """Raw, header-only safetensors index over a single file or a sharded directory.
 
@@ -831,7 +882,7 @@ class SafeTensorsDir:
                 raise SourceError(f"{fpath}: bad safetensors header (header length {hlen} exceeds the file)")
             try:
                 hdr = json.loads(f.read(hlen).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise SourceError(f"{fpath}: bad safetensors header: {e}") from None
         if not isinstance(hdr, dict):
             raise SourceError(f"{fpath}: bad safetensors header (expected a JSON object)")
@@ -858,6 +909,8 @@ class SafeTensorsDir:
             if int(np.prod(shape, dtype=np.int64)) * _np_dtype(_ST_DTYPES[dt]).itemsize != e - s:
                 raise bad(f"{e - s} bytes for shape {shape} of {dt}")
             self.tensors[k] = TensorInfo(k, fpath, _ST_DTYPES[dt], tuple(shape), base + s, e - s)
+        _check_layout(fpath, hdr)
+
 
     def __contains__(self, key):
         return key in self.tensors
@@ -969,6 +1022,14 @@ class HFExperts:
             raise SourceError(f"{self.st.info(key).file}: '{sk}': {err}") from None
         check_finite(w, f"{key}[{e}]", self.st.info(key).file)
         return w
+
+    def describe(self, layer: int, e: int) -> str:
+        """The file and tensor(s) expert ``e`` of ``layer`` comes from (error messages)."""
+        k = expert_keys(layer)
+        if k["fused_gate_up"] in self.st:
+            return f"{self.st.info(k['fused_gate_up']).file}: '{k['fused_gate_up']}'[{e}] / '{k['fused_down']}'[{e}]"
+        key = k["per"](e, "gate")
+        return f"{self.st.info(key).file}: '{k['per'](e, '{gate,up,down}')}'"
 
     def get(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, H], up [I, H], down [H, I]) as float32."""

@@ -34,11 +34,15 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 from ..fileio import LockBusy, directory_lock, exclusive_lock
 from ..kernels import formats as quant
 from ..model.config import load_config
 from ..options import one_line
+from . import weights as W
+from . import glm5_next_weights as G5W
+from .glm5_next_weights import TextTensors
 from .container import (
     ALIGN,
     CONVERT_MARKER,
@@ -130,17 +134,15 @@ def _atomic_json(path: str, obj):
 
 def _load_json(path: str) -> Optional[dict]:
     try:
-        with open(path, "rb") as f:
-            d = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        d = fileio.read_json(path)
+    except OSError:
         return None
     return d if isinstance(d, dict) else None
 
 
 def source_fingerprint(st: SafeTensorsDir, src: str) -> str:
     h = hashlib.sha256()
-    with open(os.path.join(src, "config.json"), "rb") as f:
-        h.update(f.read())
+    h.update(fileio.read_bounded(os.path.join(src, "config.json"), fileio.JSON_MAX))
     for k in sorted(st.tensors):
         t = st.tensors[k]
         h.update(f"{k}|{t.dtype}|{t.shape}|{t.nbytes}\n".encode())
@@ -185,7 +187,10 @@ def _convert_layer(hf: HFExperts, dst: str, L: int, lay: RecordLayout, E: int, w
         with open(tmp, "wb") as f:
             for e in range(E):
                 g, u, d = hf.get(L, e)
-                buf, crc = lay.encode(g, u, d)
+                try:
+                    buf, crc = lay.encode(g, u, d)
+                except quant.FormatError as err:        # (the int4 scales' range): which tensor
+                    raise ConvertError(f"{hf.describe(L, e)}: {err}") from None
                 f.write(buf)
                 crcs.append(crc)
                 prog.update(1, f"layer {L}")
@@ -220,7 +225,8 @@ def _dense_kind(key: str, shape: tuple, dtype: str, dense_format: str, tied: boo
         return "keep"
     last = key.split(".")[-2] if key.count(".") else key
     router = key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias")
-    if router or "norm" in last or key.endswith(".bias") or len(shape) < 2:
+    # glm5_next's short convolutions: f32 as transformers keeps them (_keep_in_fp32_modules_strict)
+    if router or "norm" in last or key.endswith(".bias") or len(shape) < 2 or "conv1d" in last:
         return "f32"
     if dense_format in ("int8", "int4_g64") and len(shape) == 2 and key.endswith(".weight"):
         head = (key == "lm_head.weight" or key.endswith("shared_head.head.weight")
@@ -313,6 +319,28 @@ def safetensors_size(plan: list, metadata: dict) -> int:
     """The byte size ``write_safetensors_streaming`` will write for this plan."""
     return 8 + len(_header_bytes(plan, metadata)) + sum(int(np.prod(sh, dtype=np.int64)) * _ITEM[dt]
                                                         for _, dt, sh, _ in plan)
+
+
+def check_dense_shapes(st: SafeTensorsDir, cfg) -> None:
+    """Every dense tensor the engine loads is in the source with the shape config.json implies (a transposed
+    k_proj, an embedding larger than vocab_size: converted and --verify'd OK before, then refused by the engine)."""
+    shapes = G5W.dense_shapes if cfg.model_type == "glm5_next" else W.dense_shapes     # each family's key map
+    for k, shape in shapes(cfg, st.__contains__).items():
+        if k not in st:
+            raise ConvertError(f"{st.path}: missing tensor '{k}' (config.json implies shape {list(shape)})")
+        got = _stored_shape(st, k)
+        if tuple(got) != tuple(shape):
+            raise ConvertError(f"{st.info(k).file}: tensor '{k}' has shape {list(got)}, but config.json implies "
+                               f"{list(shape)}")
+
+
+def _stored_shape(st: SafeTensorsDir, k: str) -> tuple:
+    """The unquantized shape of ``k``: a container's int4 dense weight (uint8 beside a ``_scale``) packs two
+    values a byte, so its rows hold twice the stored columns."""
+    ti = st.info(k)
+    if ti.dtype == "uint8" and k + DENSE_SCALE_SUFFIX in st and len(ti.shape) == 2:
+        return (ti.shape[0], 2 * ti.shape[1])
+    return tuple(ti.shape)
 
 
 # ----------------------------------------------------------------------------- files to copy
@@ -438,11 +466,11 @@ def convert(src: str, dst: str, expert_format: str = "int4_g64", group_size: Opt
                            f"it runs as it is (glm-jax --model={src}), and glm-jax-convert --verify --dst={src} "
                            f"checks it")
     cfg = load_config(src)
-    if cfg.model_type == "glm5_next":       # its KDA / hyper-connection layers have no streamed path yet
-        raise ConvertError(f"--src={src}: glm5_next (GLM-5.3) checkpoints are not converted yet; they run from the "
-                           f"checkpoint itself (glm-jax --model={src}, every weight resident)")
     st = SafeTensorsDir(src)
+    if cfg.model_type == "glm5_next":       # its text part under the flat names; the vision tower is not converted
+        st = TextTensors(st, cfg)
     try:
+        check_dense_shapes(st, cfg)
         fp = source_fingerprint(st, src)
         if os.path.exists(dst) and not os.path.isdir(dst):
             raise ConvertError(f"--dst={dst}: is a file, not a directory")
@@ -477,13 +505,14 @@ def _dst_lock(dst: str, real: str):
             f"then re-run")
     with contextlib.ExitStack() as stack:
         try:
+            os.makedirs(os.path.dirname(real) or ".", exist_ok=True)     # mkdir -p, as for --dst itself
             stack.enter_context(exclusive_lock(_lock_path(real), blocking=False, remove=True))
         except LockBusy:
             raise ConvertError(busy) from None
-        except OSError:
+        except OSError as e:
             if not os.path.isdir(real):
-                raise ConvertError(f"--dst={dst}: cannot create it (directory {os.path.dirname(real)} is not "
-                                   "writable)") from None
+                raise ConvertError(f"--dst={dst}: cannot create it ({e.filename or os.path.dirname(real)}: "
+                                   f"{e.strerror or e})") from None
             try:
                 stack.enter_context(directory_lock(real, blocking=False))
             except LockBusy:
@@ -611,8 +640,7 @@ def _convert_steps(st, hf, cfg, src, dst, fp, fmt, mfmt, gsize, dense_format, pr
         linfo[str(L)] = {"file": layer_file_name(L), "format": lay.fmt, "layout": lay.to_json(),
                          "num_experts": rec["num_experts"], "size": rec["num_experts"] * lay.record_len}
         experts += expert_records(L, lay, rec["crcs"])
-    with open(os.path.join(src, "config.json"), "rb") as f:
-        src_cfg_sha = hashlib.sha256(f.read()).hexdigest()
+    src_cfg_sha = hashlib.sha256(fileio.read_bounded(os.path.join(src, "config.json"), fileio.JSON_MAX)).hexdigest()
     man = {
         "format_version": FORMAT_VERSION,
         "created_by": "glm-jax-convert",
@@ -658,7 +686,8 @@ def verify(dst: str) -> str:
         verify_dense(dst, c.manifest)
     finally:
         c.close()
-    return f"{dst}: OK (all record and dense checksums verified)"
+    check_dense_shapes(SafeTensorsDir(dst), cfg)
+    return f"{dst}: OK (all record and dense checksums and dense shapes verified)"
 
 
 _one_line = one_line

@@ -6,6 +6,9 @@ routed experts (weights.load_experts); the q/k/v short convolutions as three [D,
 ``f_a_proj`` / ``f_b_proj`` / ``dt_bias`` / ``A_log`` directly under ``self_attn``; hyper-connections as
 ``hc_{attn,ffn}_{fn,base,scale}``.  Everything is read as float (the dense formats and the streamed path come
 later); ``_keep_in_fp32_modules_strict``'s tensors stay f32.
+
+glm-jax-convert reads the text part through ``TextTensors`` (the flat ``model.`` names; the vision tower is not
+converted); a converted container loads with every expert resident (``load_container_params``).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..kernels.formats import bank_from_float
+from ..kernels.formats import FLOAT_FORMATS, ExpertBank, bank_from_float, with_kernel
 from ..model.config import ModelConfig
 from ..model.dsa_pool import load_pooled_params
 from ..model.glm5_next import is_linear
 from ..model.kda import load_kda_params
+from .container import Container, SafeTensorsDir, open_container, verify_dense
 from .tensors import WeightError
 from .weights import TensorSource, _bank_fmt, _mlp, load_experts
 
@@ -132,3 +136,98 @@ def load_params(path: str, cfg: ModelConfig, dtype=None, expert_fmt: Optional[st
     params["mtp"] = None
     return params
 
+
+
+def dense_shapes(cfg: ModelConfig, has_key=None) -> dict:
+    """{flat key: shape} of every dense tensor ``load_params`` reads for ``cfg`` (its key map with a ``get`` that
+    records: the converter refuses what the engine would refuse).  ``has_key``: unused (no MTP layer is built)."""
+    want = {}
+
+    def get(key, shape=None):
+        want[key] = tuple(shape)
+        return np.broadcast_to(np.zeros((), np.float32), shape)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    get("model.embed_tokens.weight", (V, H))
+    get("model.norm.weight", (H,))
+    if not cfg.tie_word_embeddings:
+        get("lm_head.weight", (V, H))
+    for i in range(cfg.num_hidden_layers):
+        load_layer(get, cfg, i)
+    return want
+
+
+class TextTensors:
+    """A SafeTensorsDir seen as a flat text-only checkpoint: ``model.X`` reads ``<prefix>X`` (``text_prefix``), the
+    top-level ``lm_head.weight`` as it is; the vision tower's tensors and those of layers past ``num_hidden_layers``
+    (the MTP layer hub checkpoints carry, which transformers skips on load) are not listed (what glm-jax-convert
+    reads)."""
+
+    def __init__(self, st: SafeTensorsDir, cfg: ModelConfig):
+        self.st, self.path = st, st.path
+        prefix = text_prefix(st)
+        past = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + 8))
+        names = {("model." + k[len(prefix):] if k.startswith(prefix) else k): k
+                 for k in st.keys() if k.startswith(prefix) or not k.startswith("model.")}
+        self._names = {n: k for n, k in names.items() if not n.startswith(past)}
+        self.tensors = {n: st.tensors[k] for n, k in self._names.items()}
+
+    def keys(self):
+        return self._names.keys()
+
+    def __contains__(self, key):
+        return key in self._names
+
+    def _k(self, key: str) -> str:
+        return self._names.get(key, key)
+
+    def info(self, key: str):
+        return self.st.info(self._k(key))
+
+    def read(self, key: str) -> np.ndarray:
+        return self.st.read(self._k(key))
+
+    def read_row(self, key: str, i: int) -> np.ndarray:
+        return self.st.read_row(self._k(key), i)
+
+    def read_float(self, key: str) -> np.ndarray:
+        return self.st.read_float(self._k(key))
+
+    def is_fp8(self, key: str) -> bool:
+        return self.st.is_fp8(self._k(key))
+
+    def close(self):
+        self.st.close()
+
+
+def container_bank(cont: Container, layer: int, kernel: str) -> ExpertBank:
+    """Every expert of one layer of a converted container as a resident ExpertBank (the records' own format and
+    layout: quantized formats in the native kernels' tiles, which the XLA paths read through ``as_rows``)."""
+    import jax.numpy as jnp
+
+    lay, E = cont.layout(layer), cont.num_experts(layer)
+    arrs = {s.name: np.empty((E,) + tuple(s.shape), s.np_dtype) for s in lay.sections}
+    for e in range(E):
+        cont.read_expert(layer, e, {n: a[e] for n, a in arrs.items()})
+    arrs = {n: jnp.asarray(a) for n, a in arrs.items()}
+    if lay.fmt in FLOAT_FORMATS:
+        bank = ExpertBank(arrs["gate_up"], arrs["down"], fmt=lay.fmt)
+    else:
+        bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs["gate_up_scale"], arrs["down_scale"], fmt=lay.fmt,
+                          layout="tiles", hidden=lay.hidden, inter=lay.inter)
+    return with_kernel(bank, kernel)
+
+
+def load_container_params(path: str, cfg: ModelConfig, dtype=None, kernel: str = "xla") -> dict:
+    """A glm-jax-convert container of a glm5_next checkpoint: the dense file through ``load_params`` (quantized
+    dense tensors dequantized on read), every routed expert resident in the container's format."""
+    cont = open_container(path, cfg, verify="first")
+    try:
+        verify_dense(path, cont.manifest)
+        params = load_params(path, cfg, dtype, expert_fmt=None, kernel=kernel,
+                             src=TensorSource(path, files=[cont.dense_path]))
+        for i, lp in enumerate(params["layers"]):
+            if cfg.is_moe_layer(i):
+                lp["experts"] = container_bank(cont, i, kernel)
+    finally:
+        cont.close()
+    return params

@@ -63,14 +63,16 @@ import functools
 import json
 import mmap
 import os
+import sys
 import threading
 import time
 from typing import Optional
 
 import numpy as np
 
-from .. import paths
+from .. import fileio, paths
 from ..errors import GlmJaxError
+from ..kernels import dir_problem
 from ..kernels.formats import FLOAT_FORMATS, ExpertBank, with_kernel
 from ..memory import cache_slots, default_budget, evict_page_cache, huge_pages, move_pages, round_up_gb
 from ..model.config import ModelConfig
@@ -221,14 +223,37 @@ def _parse_usage(d, cfg: Optional[ModelConfig]) -> Optional[dict]:
     return out
 
 
+def _trusted_state_root(opt: str, labels: dict, src) -> Optional[str]:
+    """The state directory (usage histories: which experts get pinned), checked like the kernels' and the compile
+    cache's: one of ours others may write is made private; one others control (another owner, a parent others may
+    write without the sticky bit) is refused when named and unused (no history) when it is the default."""
+    root = paths.state_root(opt)
+    if root is None:
+        return None
+    try:
+        st = os.stat(root)
+        if st.st_uid == os.getuid() and st.st_mode & 0o022:
+            os.chmod(root, st.st_mode & 0o7755 & ~0o077)
+    except OSError:
+        pass
+    why = dir_problem(root)
+    if why is None:
+        return root
+    if opt:
+        src.close()
+        raise StoreError(f"{labels.get('state_dir') or '--state_dir'}={opt}: not used: {why} (other users could "
+                         f"choose this run's pinned experts)")
+    print(f"glm-jax: note: keeping no usage history ({root}: {why})", file=sys.stderr, flush=True)
+    return None
+
+
 def load_usage(path: str, cfg: Optional[ModelConfig] = None, strict: bool = False, label: str = "") -> dict:
     """{layer: float counts [E]} from a usage-history file.  Lenient (``{}`` if absent / unreadable / another
     model's) unless ``strict``: then a file that is not this model's usage history is a StoreError naming
     ``label`` (the flag or alias the user set)."""
     try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = fileio.read_json(path)
+    except OSError as e:
         if strict:
             raise StoreError(f"{label or path}: {path} is not a glm-jax usage-history file ({e})") from None
         return {}
@@ -525,7 +550,7 @@ class ExpertStore:
         rec = {L: src.layout(L).record_len for L in layers}
         rec_sum = sum(rec.values())
         max_rec = max(rec.values())
-        usage_path = paths.usage_file(paths.state_root(state_dir), model_dir)
+        usage_path = paths.usage_file(_trusted_state_root(state_dir, labels, src), model_dir)
         pins = {}
         if pin:
             plabel = labels.get("pin") or "--pin"
@@ -663,8 +688,15 @@ class ExpertStore:
         t = time.perf_counter()
         pend, lc.pending = lc.pending, []
         n = 0
-        for futs in pend:
-            n += sum(f.result() for f in futs)
+        for experts, slots, futs in pend:
+            try:
+                n += sum(f.result() for f in futs)
+            except Exception as e:      # noqa: BLE001  (a prefetch is a guess: undone; a fetch reads them again)
+                for f in futs:
+                    f.exception()       # every read of the group finished before its slots are freed
+                with self._lock:
+                    self._undo_prefetch(L, lc, experts, slots)
+                self._read_failed(e)
         dt = time.perf_counter() - t
         with self._lock:
             self._stats["bytes_read"] += n
@@ -764,7 +796,14 @@ class ExpertStore:
                     so[es] = ss
                     landed(es, lc.bank, so)
             if miss:
-                self._read_many(layer, miss, slots, during, land)
+                try:
+                    self._read_many(layer, miss, slots, during, land)
+                except BaseException as e:
+                    self._undo_fetch(layer, lc, miss, slots, ev_after, ids)
+                    self._read_failed(e)
+                    raise
+                self.health["consecutive"] = 0
+                self.last_error = None
             elif during is not None:
                 during()
             ov = self._stats["overlap_s"] - o0     # the caller's work beside the reads: neither waiting nor the store's
@@ -788,6 +827,44 @@ class ExpertStore:
             st["io_wait_s"] += t2 - t1
             st["fetch_s"] += time.perf_counter() - t0 - wait_pf - ov
             return lc.bank, out_slot_of
+
+    def _undo_fetch(self, layer: int, lc: _Layer, miss: list, slots: list, ev_after: list, ids):
+        """A fetch whose reads failed (short read, checksum, EIO, a missing file): the store as it was but for the
+        experts evicted to make room (their slots may hold part of a miss now): the misses not cached, their slots
+        free, the experts evicted after the reads still cached in their slots, the usage counts unchanged.  Caller
+        holds the lock; no read is in flight (_read_many waits for all before raising)."""
+        idx = self.index[layer]
+        idx.cached.difference_update(miss)
+        idx.cached.update(e for e in ev_after if lc.slot_of[e] >= 0 and e not in miss)
+        for e in miss:
+            lc.slot_of[e] = -1
+        lc.free.extend(slots)
+        self._usage[layer] -= np.bincount(ids.astype(np.int64), minlength=lc.E)[:lc.E]
+
+    def _undo_prefetch(self, layer: int, lc: _Layer, experts: list, slots: list):
+        idx = self.index[layer]
+        for e, s in zip(experts, slots):
+            if lc.slot_of[e] == s:
+                lc.slot_of[e] = -1
+                idx.cached.discard(e)
+                lc.prefetched.discard(e)
+                lc.free.append(s)
+
+    def _read_failed(self, e: BaseException):
+        """Counted for /health (a store that keeps failing) and kept as the error a compiled program's host callback
+        raised (``take_error``: fetch=fused / callback runs fetch inside XLA, which wraps the error)."""
+        if not isinstance(e, Exception):
+            return
+        h = self.health
+        h["errors"] += 1
+        h["consecutive"] += 1
+        h["last"] = " ".join(str(e).split())[:300]
+        self.last_error = e if isinstance(e, GlmJaxError) else StoreError(f"expert read failed: {h['last']}")
+
+    def take_error(self):
+        """The last read error (then forgotten), or None."""
+        e, self.last_error = self.last_error, None
+        return e
 
     def replay_hits(self, layer: int, unions: list) -> bool:
         """``fetch(layer, u)`` for each ``u`` (ids without repeats) in order, where every expert of every ``u`` is
@@ -1035,7 +1112,7 @@ class ExpertStore:
             futs = [f for fs in self._submit(layer, todo, slots) for f in fs]
             if self.sim_disk_gbps > 0:      # the simulated disk time runs in the background too
                 futs.append(self._pool.submit(lambda t=self._sim_disk(len(todo)): time.sleep(t) or 0))
-            lc.pending.append(futs)
+            lc.pending.append((todo, slots, futs))
             self._stats["prefetch_loads"] += len(todo)
             self._stats["expert_loads"] += len(todo)
             self._stats["loads_per_layer"][layer] = self._stats["loads_per_layer"].get(layer, 0) + len(todo)
@@ -1052,6 +1129,9 @@ class ExpertStore:
         return s
 
     def reset_stats(self):
+        if not hasattr(self, "health"):     # expert reads that failed (/health): not a run's statistics
+            self.health = dict(errors=0, consecutive=0, last=None)
+            self.last_error = None
         self._stats = dict(bytes_read=0, expert_loads=0, hits_pinned=0, hits_cache=0, misses=0, evictions=0,
                            requested=0, fetch_calls=0, io_wait_s=0.0, read_s=0.0, fetch_s=0.0,
                            loads_per_layer={}, prefetch_loads=0, prefetch_hits=0, prefetch_unused=0,

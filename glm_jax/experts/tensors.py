@@ -5,11 +5,11 @@ finiteness check every loaded float weight passes.  A leaf of ``glm_jax.experts`
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 
 
@@ -24,9 +24,8 @@ def read_index(path: str, error=None) -> dict:
     error = error or WeightError
     idx = os.path.join(path, INDEX_NAME)
     try:
-        with open(idx, "rb") as f:
-            raw = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raw = fileio.read_json(idx)
+    except OSError as e:
         raise error(f"{idx}: invalid index file ({e})") from None
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wm, dict) or not wm:

@@ -220,6 +220,35 @@ def load_layer(get: Callable, cfg: ModelConfig, i: int, moe: bool) -> dict:
     return lp
 
 
+def dense_shapes(cfg: ModelConfig, has_key: Callable) -> dict:
+    """{key: shape} of every dense (non-expert) tensor ``load_params`` reads for ``cfg`` -- the same key map, with
+    a ``get`` that records instead of reading (its arrays are zero-strided views: nothing allocated) -- so the
+    converter refuses what the engine would refuse.  ``has_key``: the optional MTP tensors present in the source."""
+    want = {}
+
+    def get(key, shape=None, dt=np.float32):
+        want[key] = tuple(shape)
+        return np.broadcast_to(np.zeros((), np.float32), shape)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    get("model.embed_tokens.weight", (V, H))
+    get("model.norm.weight", (H,))
+    if not cfg.tie_word_embeddings:
+        get("lm_head.weight", (V, H))
+    for i in range(cfg.num_hidden_layers):
+        load_layer(get, cfg, i, cfg.is_moe_layer(i))
+    L = cfg.num_hidden_layers
+    pre = f"model.layers.{L}."
+    if cfg.has_mtp and has_key(pre + "eh_proj.weight"):
+        for k, shp in (("enorm.weight", (H,)), ("hnorm.weight", (H,)), ("eh_proj.weight", (H, 2 * H)),
+                       ("shared_head.norm.weight", (H,))):
+            get(pre + k, shp)
+        for k in ("shared_head.head.weight", "embed_tokens.weight"):
+            if has_key(pre + k):
+                get(pre + k, (V, H))
+        load_layer(get, cfg, L, True)
+    return want
+
+
 _F32_KEYS = ("router_w", "router_bias", "weights_proj")   # kept f32 as transformers does
 
 

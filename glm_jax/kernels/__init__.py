@@ -30,10 +30,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import Optional
 
 import numpy as np
 
-from .. import paths
+from .. import fileio, paths
 
 FMT_CODE = {"f32": 0, "bf16": 1, "int8_row": 2, "int4": 3}
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qkernels.cc")
@@ -102,8 +103,7 @@ def file_problem(lib: str) -> str | None:
     if st.st_mode & 0o022:
         return f"writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
     try:
-        with open(_stamp_path(lib)) as f:
-            stamp = json.load(f)
+        stamp = fileio.read_json(_stamp_path(lib), 1 << 20)
         want_size, want_hash = int(stamp["size"]), str(stamp["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return "no valid build stamp"
@@ -255,6 +255,7 @@ def _load():
     jax.ffi.register_ffi_target("glmjax_qlinear", jax.ffi.pycapsule(lib.GlmJaxQLinear), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_qlinear_grouped", jax.ffi.pycapsule(lib.GlmJaxQLinearGrouped), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_moe", jax.ffi.pycapsule(lib.GlmJaxMoe), platform="cpu")
+    jax.ffi.register_ffi_target("glmjax_moe_clamped", jax.ffi.pycapsule(lib.GlmJaxMoeClamped), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_sink", jax.ffi.pycapsule(lib.GlmJaxSink), platform="cpu")
     jax.ffi.register_ffi_target("glmjax_attn", jax.ffi.pycapsule(lib.GlmJaxAttn), platform="cpu")
     i32, i64, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -279,7 +280,7 @@ def load_portable() -> str:
                 raise KernelError("no C++ compiler found ($CXX, g++, c++, clang++)")
             lib = _checked_library(cxx, ("-DGLMJAX_PORTABLE",))
             for name, sym in (("glmjax_qlinear", lib.GlmJaxQLinear), ("glmjax_qlinear_grouped", lib.GlmJaxQLinearGrouped),
-                              ("glmjax_moe", lib.GlmJaxMoe),
+                              ("glmjax_moe", lib.GlmJaxMoe), ("glmjax_moe_clamped", lib.GlmJaxMoeClamped),
                               ("glmjax_attn", lib.GlmJaxAttn)):
                 jax.ffi.register_ffi_target(name + "_portable", jax.ffi.pycapsule(sym), platform="cpu")
             _state["portable"] = lib
@@ -363,22 +364,25 @@ def qlinear_grouped(x, q, scale, fmt: str, group: int, out: int, variant: str = 
 
 
 def moe(x, slots, weights, gate_up, gate_up_scale, down, down_scale, fmt: str, gu_group: int, dn_group: int,
-        inter: int, terms: bool = False, variant: str = ""):
+        inter: int, terms: bool = False, variant: str = "", limit: Optional[float] = None):
     """The MoE seam.  x [T, H] f32; slots [T, K] int32 (bank slot, -1 = invalid); weights [T, K] f32; the bank's
     arrays (float row-major or quantized tiles, quant.py), ``inter`` the experts' intermediate size.  Returns out
     [T, H] f32 = sum_k weights * expert(x) in routing order, or with ``terms`` the unweighted per-(t, k) expert
-    outputs [T, K, H] f32 (0 where invalid)."""
+    outputs [T, K, H] f32 (0 where invalid).  ``limit``: the SwiGLU clamp (gate <= limit, |up| <= limit) through
+    the glmjax_moe_clamped target; None calls glmjax_moe, the program every unclamped family compiles."""
     import jax
     import jax.numpy as jnp
 
     T, H = x.shape
     K = slots.shape[1]
     shape = (T, K, H) if terms else (T, H)
-    return jax.ffi.ffi_call("glmjax_moe" + variant, jax.ShapeDtypeStruct(shape, jnp.float32))(
+    extra = {} if limit is None else {"limit": np.float32(limit)}
+    target = "glmjax_moe" if limit is None else "glmjax_moe_clamped"
+    return jax.ffi.ffi_call(target + variant, jax.ShapeDtypeStruct(shape, jnp.float32))(
         x.astype(jnp.float32), slots.astype(jnp.int32), weights.astype(jnp.float32), gate_up,
         _scales(gate_up_scale, 4), down, _scales(down_scale, 4),
         fmt=np.int32(fmt_code(fmt)), gu_group=np.int64(gu_group), dn_group=np.int64(dn_group),
-        mode=np.int32(1 if terms else 0), inter=np.int64(inter))
+        mode=np.int32(1 if terms else 0), inter=np.int64(inter), **extra)
 
 
 def attention(q, k, v, pos, rows, scale: float, variant: str = ""):

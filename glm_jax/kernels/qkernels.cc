@@ -4,6 +4,7 @@
 //   glmjax_moe     : the MoE seam: for every valid (t, k), e = slots[t, k]:
 //                      y_tk = down_e( silu(gate_e x_t) * up_e x_t ),  out[t] = sum_k weights[t, k] * y_tk
 //                    (mode 0: out [T, H]; mode 1: the per-(t, k) terms y [T, K, H], invalid entries 0)
+//   glmjax_moe_clamped : the same with the SwiGLU clamp: silu(min(gate, limit)) * clamp(up, -limit, limit)
 //   glmjax_attn    : GQA attention of a few query rows over the [B, S, nkv, hd] f32 / f16 K/V cache (see "attention")
 //   glmjax_sink    : a running decode loop hands its tokens to the host without calling Python (see "Stream sink")
 //
@@ -1055,10 +1056,12 @@ inline void widen(const KV* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = kv_at(x, i);
 }
 
-ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
-                   ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::AnyBuffer gus, ffi::AnyBuffer dn,
-                   ffi::AnyBuffer dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
-                   int64_t dn_group, int32_t mode, int64_t inter) {
+// clamp: the SwiGLU clamp (glmjax_moe_clamped): act = silu(min(gate, limit)) * min(max(up, -limit), limit), a NaN
+// kept as NaN (torch's clamp); without it the act is today's silu(gate) * up, the same instructions.
+ffi::Error MoeRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::AnyBuffer gus, ffi::AnyBuffer dn,
+                  ffi::AnyBuffer dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
+                  int64_t dn_group, int32_t mode, int64_t inter, bool clamp, float limit) {
   auto xd = x.dimensions(), sd = slots.dimensions(), gd = gu.dimensions(), dd = dn.dimensions();
   if (xd.size() != 2 || sd.size() != 2 || gd.size() < 2 || dd.size() < 2)
     return ffi::Error::InvalidArgument("glmjax_moe: rank");
@@ -1152,7 +1155,10 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     for (int64_t q = q0; q < q1; ++q) {
       const float* hq = h.data() + q * I2;
       float* a = act.data() + q * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = silu(hq[i]) * hq[I + i];
+      if (clamp)
+        for (int64_t i = 0; i < I; ++i) a[i] = silu(std::min(hq[i], limit)) * std::clamp(hq[I + i], -limit, limit);
+      else
+        for (int64_t i = 0; i < I; ++i) a[i] = silu(hq[i]) * hq[I + i];
       prep_row(fmt, a, I, Ld, pd + q * Ld.bytes, &aprep[q]);
     }
   };
@@ -1213,6 +1219,21 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     }
   }
   return ffi::Error::Success();
+}
+
+ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
+                   ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::AnyBuffer gus, ffi::AnyBuffer dn,
+                   ffi::AnyBuffer dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
+                   int64_t dn_group, int32_t mode, int64_t inter) {
+  return MoeRun(pool, x, slots, weights, gu, gus, dn, dns, out, fmt, gu_group, dn_group, mode, inter, false, 0.f);
+}
+
+ffi::Error MoeClampedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu, ffi::AnyBuffer gus, ffi::AnyBuffer dn,
+                          ffi::AnyBuffer dns, ffi::ResultBuffer<ffi::F32> out, int32_t fmt, int64_t gu_group,
+                          int64_t dn_group, int32_t mode, int64_t inter, float limit) {
+  if (!(limit > 0.f)) return ffi::Error::InvalidArgument("glmjax_moe_clamped: limit must be > 0");
+  return MoeRun(pool, x, slots, weights, gu, gus, dn, dns, out, fmt, gu_group, dn_group, mode, inter, true, limit);
 }
 
 // ------------------------------------------------------------------------------------------------ attention
@@ -1520,6 +1541,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoe, MoeImpl,
                                   .Attr<int64_t>("dn_group")
                                   .Attr<int32_t>("mode")
                                   .Attr<int64_t>("inter"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmJaxMoeClamped, MoeClampedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int64_t>("gu_group")
+                                  .Attr<int64_t>("dn_group")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int64_t>("inter")
+                                  .Attr<float>("limit"));
 
 extern "C" int glmjax_has_vnni() { return GLMJAX_VNNI; }
 

@@ -13,11 +13,11 @@ the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Optional
 
+from .. import fileio
 from ..errors import GlmJaxError, NonFiniteError  # noqa: F401  (re-exported)
 
 class ConfigError(GlmJaxError):
@@ -497,10 +497,9 @@ def glm5_next_config(raw: dict, source: str, generation_config: Optional[dict] =
 
 def _read_json(path: str, what: str):
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+        return fileio.read_json(path)
+    except fileio.FileProblem as e:                  # a FIFO, /dev/zero, too large, invalid JSON, a huge integer
+        raise ConfigError(f"{path}: {what}: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read {what} ({e.strerror or e})") from None
 

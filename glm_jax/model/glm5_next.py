@@ -13,9 +13,8 @@ and logits = lm_head(RMSNorm(mean over the streams)).  Params of one layer: ``{"
 "moe": {router_w, router_bias, shared} + "experts" (an ExpertBank)}``.  Cache of one layer: kda.py's state on
 linear-attention layers, dsa_pool.py's K/V on indexed ones.
 
-The clamp (``swiglu_limit``: gate <= limit, |up| <= limit) is applied in the dense MLP and the shared expert here;
-the routed experts run through the seam, whose SwiGLU has no clamp: they agree with transformers where no routed
-expert's gate or up projection exceeds the limit (the golden fixture records its largest).
+The clamp (``swiglu_limit``: gate <= limit, |up| <= limit) is applied in the dense MLP and the shared expert here,
+and in the routed experts by the seam (``moe_routed(..., limit=)``, every backend).
 """
 
 from __future__ import annotations
@@ -84,7 +83,8 @@ def ffn(cfg: ModelConfig, lp, hn, valid_bt, resident, layer: int, start, plugin:
     after = plugin(before)
     if bank is None:
         bank, slot_of = lp["experts"], lp.get("slot_of")
-    routed = moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of).reshape(B, T, H)
+    routed = moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of,
+                        limit=cfg.swiglu_limit).reshape(B, T, H)
     return routed + clamped_mlp(lp["moe"]["shared"], hn, cfg.swiglu_limit), (before, after)
 
 

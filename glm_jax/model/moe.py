@@ -44,18 +44,21 @@ COMMS = ("psum", "all_to_all")
 
 
 # ----------------------------------------------------------------------------- the entry point
-def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: Optional[bool] = None):
+def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: Optional[bool] = None,
+               limit: Optional[float] = None):
     """THE MOE SEAM.  x [T, H]; ids/weights/valid [T, K]; bank: S expert slots; slot_of [E] id -> slot (None: identity).
 
     out[t] = sum_k valid[t,k] * weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k].
     Small T*K gathers the selected slots; otherwise every slot is computed for every token and each token's K
     outputs are picked from those (no data-dependent shapes either way); ``gather`` forces the choice.
     A mesh bank (``bank.mesh`` set; glm_jax/runtime/mesh.py) holds its slots sharded over the mesh's ``expert`` axis and
-    takes a slot map ``[n, E]`` (shard d's slot of each expert, -1 elsewhere) as ``slot_of``."""
+    takes a slot map ``[n, E]`` (shard d's slot of each expert, -1 elsewhere) as ``slot_of``.
+    ``limit`` (glm5_next's ``swiglu_limit``): the SwiGLU clamp on every backend, silu(min(gate, limit)) *
+    clip(up, -limit, limit) as transformers' Glm5NextTextExperts; None: no clamp, the unclamped program unchanged."""
     dt = x.dtype
     if bank.mesh is not None:
-        return _mesh_moe(x, ids, weights, valid, bank, slot_of, gather).astype(dt)
-    return _moe_f32(x, ids, weights, valid, bank, slot_of, gather).astype(dt)
+        return _mesh_moe(x, ids, weights, valid, bank, slot_of, gather, limit).astype(dt)
+    return _moe_f32(x, ids, weights, valid, bank, slot_of, gather, limit).astype(dt)
 
 def moe_real_rows(x, ids, weights, valid, bank: ExpertBank, slot_of=None, rows: Optional[int] = None):
     """``moe_routed`` where only rows [:rows] of x [N, H] can be real (static ``rows``: a padded decode / verify):
@@ -70,31 +73,36 @@ def real_rows(part, like, rows: Optional[int]):
     """``part`` [rows, H] as the first rows of an array shaped ``like`` (the rest zeros); rows None: ``part``."""
     return part if rows is None else jnp.zeros_like(like).at[:rows].set(part)
 
-def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None):
+def swiglu(h, limit: Optional[float] = None):
+    """h [..., 2I] (gate | up) -> silu(gate) * up, with the clamp where ``limit`` is set."""
+    I = h.shape[-1] // 2
+    if limit is None:           # traced in the order the unclamped seam always has: its programs stay as they were
+        return jax.nn.silu(h[..., :I]) * h[..., I:]
+    return jax.nn.silu(jnp.minimum(h[..., :I], limit)) * jnp.clip(h[..., I:], -limit, limit)
+
+def moe_terms(x, ids, valid, bank: ExpertBank, slot_of=None, limit: Optional[float] = None):
     """The gather path's per-(t, k) expert outputs y [T, K, H] f32 (unweighted; invalid entries read slot 0 and
     must be masked by the caller).  ``moe_combine(where(m, y1, y2), ...)`` over two partial computations is
     bitwise equal to one ``moe_routed`` (the streaming loop's overlap of hits and misses relies on it).  A mesh
     bank: ``slot_of`` is its slot map, invalid entries come out 0."""
     if bank.mesh is not None:
-        return _mesh_terms(x, ids, valid, bank, slot_of)
+        return _mesh_terms(x, ids, valid, bank, slot_of, limit)
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     if bank.kernel == "native":
-        return _native(x, slots, jnp.ones(ids.shape, F32), valid, bank, terms=True)
+        return _native(x, slots, jnp.ones(ids.shape, F32), valid, bank, terms=True, limit=limit)
     bank = as_rows(bank)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     if bank.fmt not in FLOAT_FORMATS:      # quantized: no dequantized weight copy (quant.take_dot)
         def one(xs):                        # one row at a time: XLA:CPU's reduce codegen depends on the row
             x1, s1 = xs                     # count, and a row's result must not (decode vs verify, bitwise)
             h = take_dot(bank, "gate_up", s1[None], x1[None, None, :])      # [1,K,2I] f32
-            I = h.shape[-1] // 2
-            a = jax.nn.silu(h[..., :I]) * h[..., I:]
+            a = swiglu(h, limit)
             return take_dot(bank, "down", s1[None], a)[0]                   # [K,H] f32
         return jax.lax.map(one, (x, slots))                                 # [T,K,H] f32
     gu, dn = bank_take(bank, slots, x.dtype)                                # [T,K,2I,H], [T,K,H,I]
-    I = dn.shape[-1]
     h = jnp.einsum("th,tkih->tki", x, gu)
-    a = jax.nn.silu(h[..., :I]) * h[..., I:]
+    a = swiglu(h, limit)
     return jnp.einsum("tki,tkhi->tkh", a, dn).astype(F32)
 
 def moe_combine(y, weights, valid):
@@ -107,37 +115,38 @@ def moe_finish(mp, h, hn, routed, rows=None):
 
 
 # ----------------------------------------------------------------------------- one device: native or xla
-def _moe_f32(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: Optional[bool] = None):
+def _moe_f32(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: Optional[bool] = None,
+             limit: Optional[float] = None):
     """``moe_routed`` on one device's bank, in f32 (a mesh bank's shards each run this on their own slots)."""
     T, K = ids.shape
     S = bank.num_slots
     slots = ids if slot_of is None else jnp.take(slot_of, ids, axis=0)
     dt = x.dtype
     if bank.kernel == "native":     # glm_jax/kernels: each used expert once over its tokens, summed in routing order
-        return _native(x, slots, weights, valid, bank, terms=False)
+        return _native(x, slots, weights, valid, bank, terms=False, limit=limit)
     bank = as_rows(bank)
     slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
     if (T * K <= S) if gather is None else gather:
-        return moe_combine(moe_terms(x, ids, valid, bank, slot_of), weights, valid)
+        return moe_combine(moe_terms(x, ids, valid, bank, slot_of, limit), weights, valid)
     if bank.fmt not in FLOAT_FORMATS:
-        return moe_combine(_slot_terms(x, slots, valid, bank), weights, valid)
+        return moe_combine(_slot_terms(x, slots, valid, bank, limit), weights, valid)
     gu, dn = bank_all(bank, dt)                                             # [S,2I,H], [S,H,I]
-    I = dn.shape[-1]
     h = jnp.einsum("th,sih->tsi", x, gu)
-    a = jax.nn.silu(h[..., :I]) * h[..., I:]
+    a = swiglu(h, limit)
     y = jnp.einsum("tsi,shi->tsh", a, dn).astype(F32)                      # [T,S,H]
     # summed in routing order (k), not slot order: where an expert sits depends on the cache's history, and
     # the output must not (bitwise)
     return moe_combine(jnp.take_along_axis(y, slots[:, :, None], axis=1), weights, valid)
 
-def _native(x, slots, weights, valid, bank: ExpertBank, terms: bool):
+def _native(x, slots, weights, valid, bank: ExpertBank, terms: bool, limit: Optional[float] = None):
     S = bank.num_slots
     slots = jnp.where(valid & (slots >= 0), jnp.clip(slots, 0, S - 1), -1).astype(jnp.int32)
     w = jnp.where(valid, weights, 0.0).astype(F32)
     return kernels.moe(x.astype(F32), slots, w, bank.gate_up, bank.gate_up_scale, bank.down, bank.down_scale,
-                       bank.fmt, bank.group("gate_up"), bank.group("down"), bank.dims[1], terms=terms)
+                       bank.fmt, bank.group("gate_up"), bank.group("down"), bank.dims[1], terms=terms,
+                       limit=limit)
 
-def _slot_terms(x, slots, valid, bank: ExpertBank):
+def _slot_terms(x, slots, valid, bank: ExpertBank, limit: Optional[float] = None):
     """Quantized banks, many tokens: per-(t, k) expert outputs y [T, K, H] f32, computing each slot that some valid
     (t, k) uses once for all T tokens (a scan over the slots; ``lax.cond`` skips the unused ones) with only that
     slot dequantized.  Dequantizing every slot at once would hold S experts in float: 19 GB (bf16) to 38 GB (f32)
@@ -149,9 +158,8 @@ def _slot_terms(x, slots, valid, bank: ExpertBank):
     def body(y, s):
         def compute(y):
             gu, dn = bank_take(bank, s[None], x.dtype)                       # [1,2I,H], [1,H,I]
-            I = dn.shape[-1]
             h = jnp.einsum("th,ih->ti", x, gu[0])
-            a = jax.nn.silu(h[:, :I]) * h[:, I:]
+            a = swiglu(h, limit)
             ys = jnp.einsum("ti,hi->th", a, dn[0]).astype(F32)
             return jnp.where((slots == s)[:, :, None], ys[:, None, :], y)
         return jax.lax.cond(used[s], compute, lambda y: y, y), None
@@ -223,30 +231,30 @@ def _smap(bank, body, args, arg_specs, out_spec):
     return jax.shard_map(body, mesh=bank.mesh, in_specs=tuple(arg_specs) + (_bank_specs(bank),),
                          out_specs=out_spec, check_vma=False)(*args, lb)
 
-def _mesh_moe(x, ids, weights, valid, bank, slot_map, gather=None):
+def _mesh_moe(x, ids, weights, valid, bank, slot_map, gather=None, limit=None):
     """The seam on a mesh bank: out [T, H] f32 = sum_k valid * weights * expert_{ids}(x), replicated."""
     if bank.comm == "all_to_all":
-        return _moe_all_to_all(x, ids, weights, valid, bank, slot_map)
+        return _moe_all_to_all(x, ids, weights, valid, bank, slot_map, limit)
 
     def body(x, ids, w, v, smap, lb):
         slots = jnp.take(smap[0], ids, axis=0)                        # -1: the expert lives on another shard
         here = v & (slots >= 0)
-        return jax.lax.psum(_moe_f32(x, slots, w, here, lb, None, gather), EXPERT)
+        return jax.lax.psum(_moe_f32(x, slots, w, here, lb, None, gather, limit), EXPERT)
 
     return _smap(bank, body, (x, ids, weights, valid, slot_map), (P(), P(), P(), P(), P(EXPERT)), P())
 
-def _mesh_terms(x, ids, valid, bank, slot_map):
+def _mesh_terms(x, ids, valid, bank, slot_map, limit=None):
     """Per-(t, k) unweighted expert outputs [T, K, H] f32 on a mesh bank (each entry computed by the shard holding its
     expert, zero elsewhere, summed over the shards); invalid entries are 0."""
     def body(x, ids, v, smap, lb):
         slots = jnp.take(smap[0], ids, axis=0)
         here = v & (slots >= 0)
-        y = moe_terms(x, slots, here, lb, None)
+        y = moe_terms(x, slots, here, lb, None, limit)
         return jax.lax.psum(jnp.where(here[..., None], y, 0.0), EXPERT)
 
     return _smap(bank, body, (x, ids, valid, slot_map), (P(), P(), P(), P(EXPERT)), P())
 
-def _moe_all_to_all(x, ids, weights, valid, bank, slot_map):
+def _moe_all_to_all(x, ids, weights, valid, bank, slot_map, limit=None):
     n = bank.mesh.shape[EXPERT]
     T, K = ids.shape
     H = x.shape[-1]
@@ -277,7 +285,7 @@ def _moe_all_to_all(x, ids, weights, valid, bank, slot_map):
         got = recv_s.reshape(n * C, 1)
         # each received row is one (t, k) entry: the seam with K = 1 and weight 1 is its expert's output (the
         # gather path for few rows, each used slot once for many: a prefill)
-        y = _moe_f32(recv_x.reshape(n * C, H), got, jnp.ones(got.shape, F32), got >= 0, lb, None, None)
+        y = _moe_f32(recv_x.reshape(n * C, H), got, jnp.ones(got.shape, F32), got >= 0, lb, None, None, limit)
         y = y.reshape(n, C, H)
         back = jax.lax.all_to_all(y, EXPERT, 0, 0, tiled=False)                  # [n, C, H]: my entries' results
         terms = back.sum(0).reshape(Tl, K, H)                                    # one non-zero source per entry

@@ -9,7 +9,8 @@ gets those positions written back into its row and prefills only the rest -- lla
 Entries are least-recently-used first out, bounded by ``max_bytes`` (``--prefix_store_mb``).  An entry is a
 function of its tokens alone (K/V at a position depends on the tokens before it, bitwise the same in every row and
 at every batch width: the scheduler's batch invariance), so it stays valid when the batch cache is replaced or
-grown; ``clear()`` drops everything (the warm-up's junk prompts, a change of weights).
+grown; ``clear()`` drops everything (the warm-up's junk prompts, a change of weights).  Each entry carries the salt
+of the request that left it (``Request.salt``: the server's tenant): a lookup matches entries of its own salt only.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class PrefixStore:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self.entries = collections.OrderedDict()    # id -> (tokens tuple, [{key: np [n, ...]} per layer], nbytes)
+        self.salts = {}                             # id -> the salt it was saved under
         self.bytes = 0
         self._next = 0
         self.counters = collections.Counter()       # saved / restored / evicted entries, restored tokens
@@ -46,28 +48,33 @@ class PrefixStore:
 
     def clear(self):
         self.entries.clear()
+        self.salts.clear()
         self.bytes = 0
         self.counters.clear()
 
     # ------------------------------------------------------------------ lookup
-    def best(self, prompt: list, limit: int) -> tuple[Optional[int], int]:
-        """(entry id, matched tokens) of the entry sharing the longest prefix with ``prompt`` (at most ``limit``
-        tokens), or (None, 0)."""
+    def best(self, prompt: list, limit: int, salt=None) -> tuple[Optional[int], int]:
+        """(entry id, matched tokens) of the entry of ``salt`` sharing the longest prefix with ``prompt`` (at most
+        ``limit`` tokens), or (None, 0)."""
         best, m = None, 0
         for k, (toks, _, _) in self.entries.items():
+            if self.salts.get(k) != salt:
+                continue
             n = common_prefix(toks, prompt, limit)
             if n > m:
                 best, m = k, n
         return best, m
 
     # ------------------------------------------------------------------ save / restore
-    def save(self, rt, row: int, tokens: list) -> bool:
-        """Copy row ``row``'s K/V at positions 0..len(tokens)-1 (which hold ``tokens``) to host RAM."""
+    def save(self, rt, row: int, tokens: list, salt=None) -> bool:
+        """Copy row ``row``'s K/V at positions 0..len(tokens)-1 (which hold ``tokens``) to host RAM, under ``salt``."""
         n = len(tokens)
         if self.max_bytes <= 0 or n < MIN_TOKENS:
             return False
         toks = tuple(tokens)
         for k, (t, _, _) in list(self.entries.items()):
+            if self.salts.get(k) != salt:
+                continue
             if len(t) >= n and t[:n] == toks:             # held already (as a prefix of a longer entry)
                 self.entries.move_to_end(k)
                 return False
@@ -81,6 +88,7 @@ class PrefixStore:
             self._drop(next(iter(self.entries)))
             self.counters["evicted"] += 1
         self.entries[self._next] = (toks, snap, nbytes)
+        self.salts[self._next] = salt
         self._next += 1
         self.bytes += nbytes
         self.counters["saved"] += 1
@@ -101,5 +109,6 @@ class PrefixStore:
 
     def _drop(self, key: int):
         _, _, nbytes = self.entries.pop(key)
+        self.salts.pop(key, None)
         self.bytes -= nbytes
 

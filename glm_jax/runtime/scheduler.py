@@ -187,6 +187,9 @@ class Request:
         self.seg_run = None          # a prefill segment under way (Runner.segment_steps) and its positions
         self.seg_n = 0
         self.cached_tokens = 0       # prompt tokens whose KV a finished row still held (the prefix cache)
+        # the prefix cache's tenant: K/V is reused only between requests of the same salt (the server's API key and
+        # cache_salt), so a request's cached_tokens never measures another tenant's prompt
+        self.salt = None
         self.done_event = threading.Event()
         self.spec = None
         self.plan = None
@@ -218,6 +221,7 @@ class Scheduler:
         self.stream_interval = int(stream_interval)      # --stream_interval
         self.prefix_cache = bool(prefix_cache)           # --prefix_cache
         self.row_toks = [[] for _ in range(int(max_batch))]  # per row: the tokens whose K/V it holds at 0..len-1
+        self.row_salt = [None] * int(max_batch)              # per row: the salt of the request that left them
         self.row_freed = [0.0] * int(max_batch)          # when each row was last freed (LRU among free rows)
         self.kv_epoch = None                             # rt.kv_epoch the rows' contents belong to
         # K/V of sequences the rows no longer hold, in host RAM (--prefix_store_mb; not on a mesh)
@@ -409,6 +413,7 @@ class Scheduler:
                 self._prefill_chunk(req)
             except Exception as e:
                 self._fail(req, e)
+                self._check_cache(e)
         dec = [r for r in self.rows if r is not None and r.state == "decode"]
         if dec:
             others_wait = any(r is not None and r.state == "prefill" for r in self.rows) or (
@@ -419,6 +424,20 @@ class Scheduler:
                 for r in dec:
                     if not r.done:
                         self._fail(r, e)
+                self._check_cache(e)
+
+    def _check_cache(self, e: Exception):
+        """After a failed forward: a program that donated the K/V cache and failed inside (a host callback's expert
+        read under fetch=callback) leaves it deleted; the rows still holding it fail too and the next request gets a
+        new cache, instead of every later request failing on the deleted array."""
+        leaves = jax.tree_util.tree_leaves(self.rt._cache)
+        if not any(getattr(a, "is_deleted", lambda: False)() for a in leaves):
+            return
+        for r in self.rows:
+            if r is not None and not r.done:
+                self._fail(r, e)
+        self.rt._cache = None
+        self.rt.kv_epoch += 1
 
     # ------------------------------------------------------------------ rows
     def _reap(self):
@@ -477,10 +496,10 @@ class Scheduler:
         write that prefix's K/V into the row.  Returns the prompt tokens whose K/V the row now holds."""
         held = self.row_toks[i]
         if len(held) > m:
-            self.saved.save(self.rt, i, held)
+            self.saved.save(self.rt, i, held, salt=self.row_salt[i])
         if req.plan is not None:                         # speculation prefills the whole prompt (_match)
             return m
-        key, ms = self.saved.best(req.prompt, len(req.prompt) - 1)
+        key, ms = self.saved.best(req.prompt, len(req.prompt) - 1, salt=req.salt)
         if ms > m:
             self.saved.restore(self.rt, key, i, ms)
             return ms
@@ -496,7 +515,7 @@ class Scheduler:
         prompt token to prefill: its logits give the first output token).  None under speculation (its drafter
         needs the whole prompt's hidden states)."""
         prompt = req.prompt
-        if not self.prefix_cache or req.plan is not None:
+        if not self.prefix_cache or req.plan is not None or self.row_salt[i] != req.salt:
             return 0
         held = self.row_toks[i]
         n = min(len(held), len(prompt) - 1)
@@ -659,6 +678,9 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, toks=()):
         if req.done:
             return
+        failed = getattr(req.processor, "failed", None)
+        if failed is not None and reason != "error":   # its constraint broke: the text ends invalid, not "stop"
+            req.error, reason = failed, "error"
         req.finish_reason = reason
         self._end_segment(req)
         prev, req.state = req.state, "done"
@@ -671,6 +693,7 @@ class Scheduler:
                 seq = req.prompt + req.out
                 held = req.pf_done if prev == "prefill" else min(int(self.pos[i]), len(seq))
                 self.row_toks[i] = seq[:held]
+                self.row_salt[i] = req.salt
         if req.spec is not None:
             req.spec_stats = req.spec.stats()
             self.counters["drafts_proposed"] += req.spec_stats["drafts_proposed"]
@@ -693,8 +716,15 @@ class Scheduler:
             self.rt.segment_done()
 
     def _fail(self, req: Request, e: Exception):
-        req.error = e
+        req.error = self._cause(e)
         self._finish(req, "error")
+
+    def _cause(self, e: Exception) -> Exception:
+        """The store's own error for a compiled program whose host callback failed reading experts (fetch=fused /
+        callback: XLA raises its runtime error around the callback's traceback, 74 lines); else ``e``."""
+        take = getattr(getattr(self.rt, "store", None), "take_error", None)
+        err = take() if take is not None else None
+        return err if err is not None and not isinstance(e, GlmJaxError) else e
 
     # ------------------------------------------------------------------ decode
     def _decode(self, dec: list, n: int):

@@ -15,7 +15,6 @@ exits 0.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -33,8 +32,8 @@ from ..engine import Engine, default_model_path
 from ..errors import GlmJaxError
 from ..experts.store import RamBudgetError
 from ..runtime.scheduler import QueueFull
-from . import replies, responses
-from .constrain import Processor, json_schema_grammar, tool_call_grammar
+from . import replies, responses, tenancy
+from .constrain import Processor, calls_or_json_grammar, json_schema_grammar, tool_call_grammar
 from .http import HTTPError, memory_refusal
 
 FLAGS = flags.FLAGS
@@ -42,7 +41,10 @@ FLAGS = flags.FLAGS
 O.define_model_flag()
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
 flags.DEFINE_integer("port", 8000, "TCP port (0: any free port, printed at start).", lower_bound=0, upper_bound=65535)
-flags.DEFINE_string("api_key", "", "If set, every /v1 request and /metrics must send 'Authorization: Bearer KEY'.")
+flags.DEFINE_string("api_key", "", "If set, every /v1 request and /metrics must send 'Authorization: Bearer KEY'. "
+                    "Visible to every local user in /proc/PID/cmdline: prefer --api_key_file or $GLM_JAX_API_KEY.")
+flags.DEFINE_string("api_key_file", "", "A file of API keys, one a line (mode 600; each key its own prefix-cache "
+                    "tenant); with --api_key and $GLM_JAX_API_KEY every key given is accepted.")
 flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a free row; beyond it: HTTP 429 (0 = no limit).",
                      lower_bound=0)
 flags.DEFINE_string("served_model_name", "", "The model id clients send and /v1/models lists (default: the model "
@@ -85,7 +87,7 @@ def _field(body: dict, name: str, kind, default=None, lo=None, hi=None, nullable
 
 # the request fields each endpoint takes (anything else with a value is a 400 naming it, never ignored)
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
-                 "stop", "logit_bias", "logprobs", "user", "frequency_penalty", "presence_penalty"}
+                 "stop", "logit_bias", "logprobs", "user", "frequency_penalty", "presence_penalty", "cache_salt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
@@ -135,8 +137,11 @@ def logit_bias_arg(body: dict, vocab: int):
     lb = body.get("logit_bias")
     if lb is None:
         return None
-    if not isinstance(lb, dict) or len(lb) > vocab:
+    if not isinstance(lb, dict):
         raise HTTPError(400, "'logit_bias': expected an object {\"token id\": bias}", param="logit_bias")
+    if len(lb) > vocab:
+        raise HTTPError(400, f"'logit_bias': {len(lb)} entries, more than the vocabulary's {vocab} tokens",
+                        param="logit_bias")
     out = {}
     for k, v in lb.items():
         try:
@@ -257,14 +262,16 @@ def constraint_arg(body: dict, tools, choice, marker, compact: bool = False):
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise HTTPError(400, "'parallel_tool_calls': expected a boolean", param="parallel_tool_calls")
     forced = choice == "required" or isinstance(choice, dict)
-    if schema is not None:
-        if forced:
-            raise HTTPError(400, "'response_format': cannot be combined with 'tool_choice' required or a named "
-                                 "function", param="response_format")
+    # a forced tool choice wins over a response format (its shape still checked above): that turn is the call(s)
+    # and has no text for the format to shape (agent libraries send both on an agent's first turn)
+    multiple = body.get("parallel_tool_calls") is not False
+    if schema is not None and not forced and choice == "auto":       # an agent's turn: call its tools or answer
+        g = _Grammar(lambda b: calls_or_json_grammar(tools, schema, strict, marker, multiple, b, compact),
+                     "response_format")
+    elif schema is not None and not forced:
         g = _Grammar(lambda b: json_schema_grammar(schema, b, strict), "response_format")
     elif forced:
         name = choice["name"] if isinstance(choice, dict) else None
-        multiple = body.get("parallel_tool_calls") is not False
         g = _Grammar(lambda b: tool_call_grammar(tools, name, marker=marker, multiple=multiple, budget=b,
                                                  compact=compact), "tools")
     else:
@@ -272,19 +279,60 @@ def constraint_arg(body: dict, tools, choice, marker, compact: bool = False):
     return g                         # built for the first request, before it is submitted (Server._processor)
 
 
+def rendered_bytes(messages: list, tools: list) -> int:
+    """Bytes of every string a chat template renders of a request (message contents, tool calls' names and
+    arguments, every string in the tools' definitions): a lower bound on the rendered prompt's size."""
+    def strings(x) -> int:
+        if isinstance(x, str):
+            return len(x.encode("utf-8", "surrogatepass"))
+        if isinstance(x, dict):
+            return sum(strings(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(strings(v) for v in x)
+        return 0
+    return strings([(m.get("content"), m.get("tool_calls")) for m in messages]) + strings(tools)
+
+
+def tenant_of(request):
+    """The API key's index the request authenticated with (Server._auth), None without keys."""
+    return getattr(request.state, "tenant", None)
+
+
+def request_salt(body: dict, tenant, scope: str):
+    try:
+        return tenancy.cache_salt(body, tenant, scope)
+    except GlmJaxError as e:
+        raise HTTPError(400, _one_line(e), param="cache_salt") from None
+
+
+def store_health(engine, body: dict):
+    """(/health's body, status): a store whose last expert read failed (a truncated, corrupt or missing expert
+    file) is "degraded" with HTTP 503 and the error, until a read succeeds again."""
+    h = getattr(getattr(engine, "store", None), "health", None)
+    if not isinstance(h, dict) or not h.get("errors"):
+        return body, 200
+    body["store"] = {"read_errors": h["errors"], "failing_fetches": h["consecutive"], "last_error": h["last"]}
+    if h["consecutive"] and body["status"] == "ok":
+        body["status"] = "degraded"
+        return body, 503
+    return body, 200
+
+
 # ----------------------------------------------------------------------------- the app
 class Server:
     def __init__(self, engine, model_name: str = "", api_key: str = "", max_queue: int = 64,
                  max_body_mb: float = O.SERVE_BY_NAME["max_body_mb"].default,
                  read_timeout_s: float = O.SERVE_BY_NAME["read_timeout_s"].default,
-                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default, warmup: bool = False):
+                 keep_alive_s: float = O.SERVE_BY_NAME["keep_alive_s"].default, warmup: bool = False,
+                 prefix_cache_scope: str = O.SERVE_BY_NAME["prefix_cache_scope"].default):
         self.engine = engine
         self.loading = bool(warmup)          # the engine thread warms up first: /health and /v1 answer 503 till then
         self.sched = engine.scheduler
         self.sched.max_queue = max_queue
         self.sched.kv_reserve = engine.kv_reserve_tokens  # the planned K/V, allocated at the first request
         self.model_name = model_name or _default_name(engine.path)
-        self.api_key = api_key.encode("utf-8")           # compared as bytes (hmac.compare_digest)
+        self.keys = tenancy.Keys(api_key)                # a key or a list of them; each a prefix-cache tenant
+        self.prefix_cache_scope = prefix_cache_scope
         self.max_body = int(max_body_mb * (1 << 20))
         self.read_timeout_s = float(read_timeout_s)
         self.keep_alive_s = float(keep_alive_s)
@@ -449,8 +497,9 @@ class Server:
         async def health(request):
             if server.loading:               # llama-server's answer while it loads
                 return JSONResponse({"status": "loading"}, status_code=503)
-            return JSONResponse({"status": "draining" if server.draining else "ok",
-                                 "running": server.sched.running, "waiting": server.sched.waiting})
+            return JSONResponse(*store_health(server.engine, {"status": "draining" if server.draining else "ok",
+                                                              "running": server.sched.running,
+                                                              "waiting": server.sched.waiting}))
 
         async def models(request):
             server.m_requests.labels("models", "200").inc()
@@ -492,9 +541,10 @@ class Server:
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     def _auth(self, request):
-        if self.api_key:
+        if self.keys:
             h = request.headers.get("authorization", "").encode("latin-1")     # the header's bytes as sent
-            if not (h.startswith(b"Bearer ") and hmac.compare_digest(h[7:].strip(), self.api_key)):
+            request.state.tenant = self.keys.match(h)
+            if request.state.tenant is None:
                 raise HTTPError(401, "invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key",
                                 type_="authentication_error")
 
@@ -619,16 +669,16 @@ class Server:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         # JSON parsing, checks and tokenization in a worker thread: /health and the streams keep answering
-        job = await run_in_threadpool(self._submit, raw, chat, endpoint, loop, q)
+        job = await run_in_threadpool(self._submit, raw, chat, endpoint, loop, q, tenant_of(request))
         return await replies.respond(self, request, job, q)
 
-    def _submit(self, raw: bytes, chat: bool, endpoint: str, loop, q):
+    def _submit(self, raw: bytes, chat: bool, endpoint: str, loop, q, tenant=None):
         """Parse and check a request, tokenize it, submit its generations.  Returns the job (a dict)."""
         body = self.parse_body(raw)
         check_fields(body, chat)
-        return self.submit_body(body, chat, endpoint, loop, q)
+        return self.submit_body(body, chat, endpoint, loop, q, tenant=tenant)
 
-    def submit_body(self, body: dict, chat: bool, endpoint: str, loop, q, prefix: str = "") -> dict:
+    def submit_body(self, body: dict, chat: bool, endpoint: str, loop, q, prefix: str = "", tenant=None) -> dict:
         """Submit a checked request body's generations (a chat's n, or each completion prompt's n); the job's
         ``reqs`` in choice order."""
         eng = self.engine
@@ -640,6 +690,9 @@ class Server:
         bias = logit_bias_arg(body, V)
         top_lp = logprobs_arg(body, chat)
         tools, choice = tools_arg(body) if chat else (None, "none")
+        salt = request_salt(body, tenant, self.prefix_cache_scope)
+        if tools is not None:       # what the template renders of them counts, before anything is tokenized
+            self._check_size(rendered_bytes(prompts[0], tools), "tools")
         compact = C.compact_tool_calls(getattr(eng.tokenizer, "template", None))     # GLM-4.7's call form
         grammar = constraint_arg(body, tools, choice, self._marker, compact) if chat else None
         if grammar is not None and eng.tokenizer is None:
@@ -654,9 +707,11 @@ class Server:
         parse_tools = tools is not None      # tool_choice none: markup still kept out of content, calls dropped
         job = dict(chat=chat, endpoint=endpoint, stream=stream, include_usage=include_usage, top_lp=top_lp,
                    tools=tools, drop_calls=choice == "none", reqs=[], created=int(time.time()),
-                   rid=(prefix or ("chatcmpl-" if chat else "cmpl-")) + secrets.token_hex(12))
+                   rid=(prefix or ("chatcmpl-" if chat else "cmpl-")) + secrets.token_hex(12),
+                   grammar_param=getattr(grammar, "param", None),
+                   check_calls=getattr(grammar, "param", None) != "tools")    # calls no grammar held to a schema
         self._start(job, prompts, n, args, dict(chat=chat and not with_tools, loop=loop, q=q, bias=bias,
-                                                 grammar=grammar, parse_tools=parse_tools))
+                                                 grammar=grammar, parse_tools=parse_tools, salt=salt))
         if not chat and body.get("echo"):
             job["echo"] = [p if isinstance(p, str) else eng.decode(p) for p in prompts for _ in range(n)]
         job["prompt_tokens"] = sum(len(job["reqs"][k * n].prompt) for k in range(len(prompts)))
@@ -683,6 +738,7 @@ class Server:
                         req.processor = self._processor(req, how["bias"], grammar, job["top_lp"])
                     if how["parse_tools"] and self._special_markers:
                         req.stream.decode = self._decode_keeping_markers
+                    req.salt = how.get("salt")
                     sched.submit(req)
                     reqs.append(req)
         except GlmJaxError as e:
@@ -875,6 +931,9 @@ def main(argv):
         limits = O.serve_from_flags()
         if not FLAGS["max_batch"].present:      # the memory plan may lower it (fit.plan_rows); a given one stays
             opts.set_auto("max_batch", SERVE_MAX_BATCH)
+        keys, warn = tenancy.api_keys(FLAGS.api_key, FLAGS.api_key_file)
+        if warn:
+            print(f"glm-jax-serve: warning: {warn}", file=sys.stderr, flush=True)
         engine = Engine.from_options(FLAGS.model or None, opts)
         import socket
 
@@ -884,7 +943,7 @@ def main(argv):
         LOG.setLevel(logging.INFO)
         LOG.propagate = False
         warmup = limits.pop("warmup")
-        srv = Server(engine, FLAGS.served_model_name, FLAGS.api_key, FLAGS.max_queue, warmup=warmup, **limits)
+        srv = Server(engine, FLAGS.served_model_name, keys, FLAGS.max_queue, warmup=warmup, **limits)
         sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -900,6 +959,9 @@ def main(argv):
     except GlmJaxError as e:
         print(f"glm-jax-serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:           # Ctrl-C while loading (serving drains on it instead)
+        print("\nglm-jax-serve: interrupted", file=sys.stderr)
+        return 130
     finally:
         if engine is not None:
             engine.close()
@@ -928,7 +990,11 @@ def _DrainingServer(cfg):
 
 def run():
     FLAGS.set_default("max_batch", SERVE_MAX_BATCH)
-    absl_app.run(main, flags_parser=parse_flags)
+    try:
+        absl_app.run(main, flags_parser=parse_flags)
+    except KeyboardInterrupt:
+        print("\nglm-jax-serve: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,12 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
+
+if sys.version_info >= (3, 11):
+    from re import _parser as _re_parser
+else:                                                  # pragma: no cover - before 3.11
+    import sre_parse as _re_parser
 
 MAX_SCALE = 1 << 16          # the largest string bound given (a longer string needs the schema's own maxLength)
 MAX_ITEMS = 16               # arrays and free maps: the most items / keys a bound allows
@@ -223,3 +229,55 @@ def fitted(schema, budget: int, strict: bool = False):
     if longest(bounded(schema, 0, strict, top=False)) is None:
         return bounded(schema, min(max(0, int(budget)), MAX_SCALE), strict)
     return bounded(schema, 0, strict, lean=True)
+
+
+TOKEN_BYTES_MAX = 1024   # more bytes than any one token of a real vocabulary holds (the longest are a few hundred)
+
+
+def shortest(s) -> int:
+    """The fewest UTF-8 bytes of a compact JSON text valid for schema s -- 0 where it cannot tell, so that a schema
+    is only ever refused for sure: ``minLength`` / a ``pattern``'s shortest match (Python's own regex parser) /
+    ``minItems`` / required properties, through anyOf (the shortest branch) and allOf (the longest)."""
+    if not isinstance(s, dict) or "$ref" in s:
+        return 0
+    if "const" in s:
+        return len(json.dumps(s["const"]).encode())
+    if isinstance(s.get("enum"), list) and s["enum"]:
+        return min(len(json.dumps(v).encode()) for v in s["enum"])
+    own = [0]
+    for k, pick in (("anyOf", min), ("oneOf", min), ("allOf", max)):
+        if isinstance(s.get(k), list) and s[k]:
+            own.append(pick(shortest(v) for v in s[k]))
+    types = _types(s) or (["object"] if "properties" in s else [])
+    if types:
+        own.append(min(_shortest_of(s, t) for t in types))
+    return max(own)
+
+
+def _shortest_of(s: dict, t: str) -> int:
+    if t == "string":
+        n = s.get("minLength") if isinstance(s.get("minLength"), int) else 0
+        if isinstance(s.get("pattern"), str):
+            try:
+                n = max(n, _re_parser.parse(s["pattern"]).getwidth()[0])
+            except (Exception, RecursionError):       # not Python's dialect: the grammar compiler decides
+                pass
+        return 2 + max(0, n)
+    if t == "array":
+        n = s.get("minItems") if isinstance(s.get("minItems"), int) else 0
+        return 2 + max(0, n) * (shortest(s.get("items")) + 1) - (1 if n > 0 else 0)
+    if t == "object":
+        props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+        req = s.get("required") if isinstance(s.get("required"), list) else []
+        req = [k for k in req if isinstance(k, str)]
+        return 2 + max(0, len(req) - 1) + sum(len(json.dumps(k, ensure_ascii=False).encode()) + 1 +
+                                              shortest(props.get(k)) for k in req)
+    return {"null": 4, "boolean": 4}.get(t, 1)
+
+
+def unfit(schema, budget: int):
+    """Why no JSON valid for ``schema`` fits ``budget`` tokens even at the most bytes a token can hold, or None."""
+    n = shortest(inline_refs(schema))
+    if n > max(0, int(budget)) * TOKEN_BYTES_MAX:
+        return f"its shortest valid JSON is {n} bytes, more than {budget} tokens can hold"
+    return None

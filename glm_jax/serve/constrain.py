@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import fileio
 from ..errors import GlmJaxError
 from . import bounds as B
 
@@ -28,8 +29,7 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
     key = (tokenizer.path, vocab_size, tuple(sorted(eos_ids)))
     t = _TOKENIZERS.get(key)
     if t is None:
-        with open(tokenizer.path) as f:
-            text = f.read()
+        text = fileio.read_bounded(tokenizer.path, fileio.TOKENIZER_MAX).decode("utf-8")
         t = _TOKENIZERS[key] = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
     return t
 
@@ -41,6 +41,9 @@ def json_schema_grammar(schema, budget: int = 1 << 20, strict: bool = False) -> 
 
     if not isinstance(schema, dict):
         raise GlmJaxError("invalid JSON schema (expected an object)")
+    why = B.unfit(schema, budget)
+    if why:
+        raise GlmJaxError(f"the schema cannot be satisfied within the request's tokens ({why})")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(B.fitted(schema, budget, strict),
                                                              defaults={"whitespace_flexible": False})
@@ -64,13 +67,20 @@ def _call(f: dict, L: int, lean: bool, mk, compact: bool = False):
     params = f.get("parameters") or {}
     props = params.get("properties") or {}
     strict = f.get("strict") is True
-    req = [p for p in params.get("required") or [] if p in props]
+    req = params.get("required") or []
+    if not isinstance(props, dict) or not isinstance(req, list) or not all(isinstance(p, str) for p in req):
+        raise GlmJaxError(f"tool {f['name']}: parameters: 'properties' must be an object and 'required' a list of "
+                          f"names")
+    req = [p for p in req if p in props]
     opt = [] if lean else [p for p in props if p not in req]
     parts = [f'{mk("<tool_call>")} {_lit(f["name"] + nl)}']
     size = len(f"<tool_call>{f['name']}\n</tool_call>".encode())      # the newlines counted either way: a bound
     for j, p in enumerate(req + opt):
         sch = props[p] if isinstance(props[p], dict) else {}
         if sch.get("type") == "string" and isinstance(sch.get("enum"), list) and sch["enum"]:
+            if any("<" in str(v) for v in sch["enum"]):     # the call's markup: a value would end the argument
+                raise GlmJaxError(f"tool {f['name']}: parameter {p}: an enum value contains '<', which GLM's "
+                                  f"tool-call format cannot hold inside a string argument")
             val = "(" + " | ".join(_lit(str(v)) for v in sch["enum"]) + ")"
             vsize = max(len(str(v).encode()) for v in sch["enum"])
         elif sch.get("type") == "string" and not {"pattern", "format", "const"} & set(sch):
@@ -106,8 +116,23 @@ def _fit_calls(fns: list, budget: int, multiple: bool):
     return 1, 0, True
 
 
+def _check_fits(fns: list, budget: int):
+    """Refuse where no call fits ``budget`` tokens: each function's required arguments (raw strings: no quotes)
+    at their shortest (bounds.shortest) exceed what the tokens can hold even at the most bytes a token takes."""
+    need = []
+    for f in fns:
+        params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {}
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        req = params.get("required") if isinstance(params.get("required"), list) else []
+        need.append(sum(max(0, B.shortest(B.inline_refs(props[p])) - 2) for p in req
+                        if isinstance(p, str) and p in props))
+    if min(need) > max(0, int(budget)) * B.TOKEN_BYTES_MAX:
+        raise GlmJaxError(f"tool {fns[need.index(min(need))]['name']}: parameters: the required arguments' shortest "
+                          f"values take {min(need)} bytes, more than the request's {budget} tokens can hold")
+
+
 def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, multiple: bool = True,
-                      budget: int = 1 << 20, compact: bool = False) -> str:
+                      budget: int = 1 << 20, compact: bool = False, must_fit: bool = True) -> str:
     """A Lark grammar (llguidance) for GLM-format tool calls of ``tools`` (OpenAI tool objects), then the end of
     the turn: one call of the function ``name``, or (``name`` None) one call of any of them, or with ``multiple``
     one or more (at most MAX_CALLS).  Each call is ``<tool_call>NAME\\n`` then, per argument,
@@ -120,11 +145,30 @@ def tool_call_grammar(tools: list, name: Optional[str] = None, marker=None, mult
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not fns:
         raise GlmJaxError(f"no tool named {name!r}")
+    if must_fit:                 # the calls are the whole reply: refuse where none can fit
+        _check_fits(fns, budget)
     k, L, lean = _fit_calls(fns, budget, multiple)
     rules = [f"call_{i}: " + _call(f, L, lean, mk, compact)[0] for i, f in enumerate(fns)]
     body = " | ".join(f"call_{i}" for i in range(len(fns)))
     start = f"start: ({body})" + (f" (\"\\n\"? ({body})){{0,{k - 1}}}" if k > 1 else "")
     return "\n".join([start] + rules)
+
+
+def calls_or_json_grammar(tools: list, schema, strict: bool = False, marker=None, multiple: bool = True,
+                          budget: int = 1 << 20, compact: bool = False) -> str:
+    """tool_choice auto beside a JSON response format: the reply is either tool calls (``tool_call_grammar``) or
+    the format's JSON (``json_schema_grammar``), each fitting ``budget``; the model's first token picks which."""
+    why = B.unfit(schema, budget)
+    if why:                      # refused only where neither the JSON nor any call fits
+        _check_fits([t["function"] for t in tools], budget)
+    calls = tool_call_grammar(tools, marker=marker, multiple=multiple, budget=budget, compact=compact,
+                              must_fit=False)
+    answer = json.dumps(B.fitted(schema, budget, strict))
+    return f"start: calls | answer\nanswer: %json {answer}\n" + calls.replace("start:", "calls:", 1)
+
+
+class ConstraintError(GlmJaxError):
+    """A grammar that failed while the reply was generated (a schema no text satisfies past some point)."""
 
 
 class Processor:
@@ -137,6 +181,7 @@ class Processor:
         self.bias_val = np.array([bias[i] for i in sorted(bias)], np.float32) if bias else None
         self.eos = np.array(sorted(eos_ids), np.int64)
         self.matcher = self.bitmask = None
+        self.failed = None      # a ConstraintError once the grammar has failed mid-reply (the request then fails)
         if grammar is not None:
             import llguidance
             import llguidance.numpy as lln
@@ -145,6 +190,9 @@ class Processor:
             if self.matcher.is_error():
                 raise GlmJaxError(f"the constraint does not compile ({self.matcher.get_error()})")
             self.bitmask = lln.allocate_token_bitmask(1, vocab_size)
+            self.allowed()          # the first token's mask: a grammar that fails here (a schema that only refers
+            if self.failed is not None:     # to itself) would end the reply at once with nothing valid in it
+                raise self.failed
         self.top_logprobs = top_logprobs
         self.logprobs = [] if top_logprobs is not None else None     # [(token, logprob, [(token, logprob), ...])]
 
@@ -155,6 +203,9 @@ class Processor:
         if m is None:
             return None
         if m.is_stopped() or m.is_error():
+            if m.is_error() and self.failed is None:
+                err = " ".join(m.get_error().split())[:200]
+                self.failed = ConstraintError(f"the constraint cannot be satisfied ({err})")
             ok = np.zeros(self.V, bool)
             ok[self.eos] = True
             return ok

@@ -14,7 +14,8 @@ import json
 import logging
 
 from ..experts.store import RamBudgetError
-from .http import HTTPError, memory_refusal, one_line
+from .constrain import ConstraintError
+from .http import HTTPError, one_line, request_refusal
 from .toolcalls import ToolCallParser
 
 LOG = logging.getLogger("glm_jax.server")
@@ -22,11 +23,12 @@ LOG = logging.getLogger("glm_jax.server")
 
 class Choice:
     """One request's reply as it streams; ``drop_calls`` (tool_choice none): calls are neither content nor
-    tool_calls."""
+    tool_calls; ``check_calls`` (no grammar forced the calls): a call whose arguments do not validate against its
+    tool's schema is dropped and logged (we promise arguments that validate)."""
 
-    def __init__(self, req, tools, drop_calls: bool = False):
+    def __init__(self, req, tools, drop_calls: bool = False, check_calls: bool = False):
         self.req, self.drop = req, drop_calls
-        self.parser = ToolCallParser(tools) if tools is not None else None
+        self.parser = ToolCallParser(tools, check_calls) if tools is not None else None
         self.sent_tok = 0
         self.whole = None
 
@@ -40,6 +42,8 @@ class Choice:
             if self.parser.truncated:
                 LOG.warning("glm-jax-serve: request %d: a tool call cut off (finish_reason %s) was dropped",
                             self.req.id, self.req.finish_reason)
+            for name, why in self.parser.invalid:
+                LOG.warning("glm-jax-serve: request %d: a call of tool %r was dropped: its %s", self.req.id, name, why)
             if self.drop and self.parser.calls:
                 LOG.warning("glm-jax-serve: request %d: %d tool call(s) dropped (tool_choice none)", self.req.id,
                             len(self.parser.calls))
@@ -89,9 +93,9 @@ async def wait_all(server, request, job, q) -> bool:
 def failure(server, job):
     """A finished job's error as a response (memory refusal: raised as its 400), or None."""
     for req in job["reqs"]:
-        if isinstance(req.error, RamBudgetError):    # refused by the memory plan: nothing went wrong here
+        if isinstance(req.error, (RamBudgetError, ConstraintError)):    # the memory plan's / the schema's refusal
             server._log(job, 400)
-            raise memory_refusal(req.error)
+            raise request_refusal(job, req.error)
         if req.error is not None:
             server._log(job, 500)
             return server.internal_error(job["endpoint"], req.error)
@@ -112,7 +116,7 @@ async def respond(server, request, job, q):
         return bad
     choices = []
     for i, req in enumerate(job["reqs"]):
-        ch = Choice(req, job["tools"], job["drop_calls"])
+        ch = Choice(req, job["tools"], job["drop_calls"], job["check_calls"])
         text, calls = ch.result()
         lp = server._logprobs(job, req, 0, len(req.out))
         if job["chat"]:
@@ -190,7 +194,7 @@ def stream(server, job, q):
 
     async def events():
         status = 499
-        choices = [Choice(r, job["tools"], job["drop_calls"]) for r in reqs]
+        choices = [Choice(r, job["tools"], job["drop_calls"], job["check_calls"]) for r in reqs]
         try:
             for i in range(len(reqs)):
                 if job["chat"]:
@@ -231,8 +235,8 @@ async def _stream_end(server, job, obj: str):
     """The end of a stream: the error, or the usage chunk when asked; then [DONE]; yields the status last."""
     reqs = job["reqs"]
     errs = [r.error for r in reqs if r.error is not None]
-    if errs and isinstance(errs[0], RamBudgetError):
-        yield {"data": json.dumps(memory_refusal(errs[0]).body())}
+    if errs and isinstance(errs[0], (RamBudgetError, ConstraintError)):
+        yield {"data": json.dumps(request_refusal(job, errs[0]).body())}
         status = 400
     elif errs:
         LOG.error("glm-jax-serve: %s: internal error: %s", job["endpoint"], one_line(errs[0]), exc_info=errs[0])

@@ -188,7 +188,8 @@ async def respond(server, request):
     chat = chat_body(body)
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    job = await run_in_threadpool(server.submit_body, chat, True, "responses", loop, q, "resp_")
+    job = await run_in_threadpool(server.submit_body, chat, True, "responses", loop, q, "resp_",
+                                  getattr(request.state, "tenant", None))      # the prefix cache's tenant
     server.m_prompt.inc(job["prompt_tokens"])
     if job["stream"]:
         return replies.sse(_events(server, job, body, q))
@@ -198,7 +199,7 @@ async def respond(server, request):
     if bad is not None:
         return bad
     req = job["reqs"][0]
-    text, calls = replies.Choice(req, job["tools"], job["drop_calls"]).result()
+    text, calls = replies.Choice(req, job["tools"], job["drop_calls"], job["check_calls"]).result()
     output = ([_message_item("msg_" + secrets.token_hex(12), text, "completed")] if text or not calls else []) + \
         [_call_item(c) for c in calls]
     server.m_gen.inc(len(req.out))
@@ -276,7 +277,7 @@ class _Stream:
 
 async def _events(server, job, body, q):
     st, req = _Stream(server, job, body), job["reqs"][0]
-    choice = replies.Choice(req, job["tools"], job["drop_calls"])
+    choice = replies.Choice(req, job["tools"], job["drop_calls"], job["check_calls"])
     status = 499
     try:
         yield st.ev("response.created", response=_response(server, job, body, "in_progress", [], usage=False))

@@ -8,6 +8,11 @@
   string value character by character, any other value when its ``</arg_value>`` arrives, ``}``): the pieces of a
   call joined are its ``arguments``.
 
+With ``check`` (calls the model wrote freely, tool_choice auto: no grammar held them to the schema) a call's events
+are held until it ends and go out only if its arguments validate against the function's ``parameters``
+(``schema_error``: types, enum / const, required and undeclared keys, lengths, ranges, items, anyOf / allOf); one
+that does not is dropped and counted in ``invalid`` (name, reason) -- never content, as its markup never is.
+
 ``finish()`` ends the text: a call still open (cut off by max_tokens or EOS) is dropped (``truncated`` set) and never
 appears in ``calls``; the whole reply is ``content`` plus ``calls``, the same whether it was streamed or not (the
 non-streamed reply is the same parser fed the whole text).  Whitespace around calls is not content (held until
@@ -16,7 +21,9 @@ text that is not whitespace follows)."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
+from typing import Optional
 
 from .. import chat as C
 
@@ -46,9 +53,85 @@ def param_types(tools) -> dict:
     return out
 
 
+_TYPES = {"string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+          "null": lambda v: v is None, "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or
+          (isinstance(v, float) and v.is_integer())}
+
+
+def schema_error(v, s, path: str = "arguments") -> Optional[str]:
+    """Why ``v`` does not validate against JSON schema ``s`` (the subset the call grammar constrains), or None."""
+    if s is False:
+        return f"{path}: not allowed"
+    if not isinstance(s, dict):
+        return None
+    if "const" in s and v != s["const"]:
+        return f"{path}: not the const value"
+    if isinstance(s.get("enum"), list) and v not in s["enum"]:
+        return f"{path}: {json.dumps(v, ensure_ascii=False)[:80]} is not one of the enum values"
+    for k in ("anyOf", "oneOf"):
+        if isinstance(s.get(k), list) and s[k] and all(schema_error(v, b, path) for b in s[k]):
+            return f"{path}: matches none of {k}"
+    for b in s.get("allOf") or [] if isinstance(s.get("allOf"), list) else []:
+        if schema_error(v, b, path):
+            return schema_error(v, b, path)
+    t = s.get("type")
+    types = [t] if isinstance(t, str) else t if isinstance(t, list) else []
+    if types and not any(_TYPES.get(x, lambda v: True)(v) for x in types):
+        return f"{path}: expected {' or '.join(map(str, types))}"
+    if isinstance(v, str):
+        return _string_error(v, s, path)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        lo, hi = s.get("minimum"), s.get("maximum")
+        if (isinstance(lo, (int, float)) and v < lo) or (isinstance(hi, (int, float)) and v > hi):
+            return f"{path}: {v} is out of range"
+    if isinstance(v, list):
+        if len(v) < s.get("minItems", 0) or len(v) > s.get("maxItems", len(v)):
+            return f"{path}: {len(v)} items is out of range"
+        return next((e for i, x in enumerate(v) if (e := schema_error(x, s.get("items"), f"{path}[{i}]"))), None)
+    if isinstance(v, dict):
+        return _object_error(v, s, path)
+    return None
+
+
+def _string_error(v: str, s: dict, path: str) -> Optional[str]:
+    if len(v) < s.get("minLength", 0) or len(v) > s.get("maxLength", len(v)):
+        return f"{path}: length {len(v)} is out of range"
+    try:
+        if isinstance(s.get("pattern"), str) and not re.search(s["pattern"], v):
+            return f"{path}: does not match the pattern"
+    except re.error:                                  # not Python's dialect: the grammar's compiler decided
+        pass
+    return None
+
+
+def _object_error(v: dict, s: dict, path: str) -> Optional[str]:
+    props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+    req = s.get("required") if isinstance(s.get("required"), list) else []
+    miss = [k for k in req if k not in v]
+    if miss:
+        return f"{path}: missing required {miss[0]!r}"
+    extra = s.get("additionalProperties")
+    for k, x in v.items():
+        if k in props:
+            e = schema_error(x, props[k], f"{path}.{k}")
+        elif props and not isinstance(extra, dict) or extra is False:   # the grammar takes no undeclared key
+            e = f"{path}: undeclared key {k!r}"
+        else:
+            e = schema_error(x, extra, f"{path}.{k}")
+        if e:
+            return e
+    return None
+
+
 class ToolCallParser:
-    def __init__(self, tools=None):
+    def __init__(self, tools=None, check: bool = False):
         self.types = param_types(tools)
+        self.check = check
+        self.schemas = {(t.get("function") or {}).get("name"): (t.get("function") or {}).get("parameters")
+                        for t in tools or [] if isinstance(t, dict)}
+        self.invalid = []            # (name, reason) of complete calls whose arguments did not validate (check)
         self.buf = ""
         self.state = "text"          # text | name | between | key | after_key | value
         self.ws = ""                 # whitespace held in text (sent once other text follows)
@@ -80,7 +163,7 @@ class ToolCallParser:
         self.buf = b[j + len(m):]
         if m == C.TOOL_CALL:
             self.ws = ""                             # whitespace before a call is not content
-            self.state, self.cur = "name", {"index": len(self.calls), "args": "", "n": 0}
+            self.state, self.cur = "name", {"index": len(self.calls), "args": "", "n": 0, "held": []}
         else:
             self.stray += 1
         return True
@@ -97,10 +180,32 @@ class ToolCallParser:
         out.append({"content": text})
 
     # ------------------------------------------------------------------ inside a call
+    def _emit(self, out: list, ev: dict):
+        (self.cur["held"] if self.check else out).append(ev)
+
     def _args(self, out: list, s: str):
         if s:
             self.cur["args"] += s
-            out.append({"index": self.cur["index"], "arguments": s})
+            self._emit(out, {"index": self.cur["index"], "arguments": s})
+
+    def _end_call(self, out: list):
+        cur = self.cur
+        self._args(out, "}")
+        why = None
+        if self.check:
+            try:
+                why = schema_error(json.loads(cur["args"]), self.schemas.get(cur["name"]) or {})
+            except ValueError as e:
+                why = f"arguments: not JSON ({e})"
+            if cur["name"] not in self.schemas:
+                why = "no such tool"
+        if why:
+            self.invalid.append((cur["name"], why))
+        else:
+            out.extend(cur["held"])
+            self.calls.append({"id": cur["id"], "type": "function",
+                               "function": {"name": cur["name"], "arguments": cur["args"]}})
+        self.cur, self.state, self.after_call = None, "text", True
 
     def _wait_for(self, *markers) -> bool:
         """The buffer could still become one of markers (after whitespace): wait."""
@@ -115,7 +220,7 @@ class ToolCallParser:
                 return False
             j = min(ends)
             cur.update(name=b[:j].strip(), id="call_" + secrets.token_hex(12))
-            out.append({"index": cur["index"], "id": cur["id"], "name": cur["name"]})
+            self._emit(out, {"index": cur["index"], "id": cur["id"], "name": cur["name"]})
             self._args(out, "{")
             self.buf, self.state = b[j + (b[j] == "\n"):], "between"
             return True
@@ -130,10 +235,7 @@ class ToolCallParser:
                 return True
             self.buf = s[len(m):]
             if m == C.TOOL_CALL_END:
-                self._args(out, "}")
-                self.calls.append({"id": cur["id"], "type": "function",
-                                   "function": {"name": cur["name"], "arguments": cur["args"]}})
-                self.cur, self.state, self.after_call = None, "text", True
+                self._end_call(out)
             elif m == "<arg_key>":
                 self.state = "key"
             else:
@@ -192,9 +294,9 @@ class ToolCallParser:
         return out
 
 
-def parse(text: str, tools=None):
+def parse(text: str, tools=None, check: bool = False):
     """(content, complete calls, truncated) of a whole reply."""
-    p = ToolCallParser(tools)
+    p = ToolCallParser(tools, check)
     p.feed(text)
     p.finish()
     return p.content, p.calls, p.truncated
