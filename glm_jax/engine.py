@@ -39,12 +39,12 @@ from .model.config import ModelConfig, load_config
 from .experts import glm5_next_weights as G5W
 from .model.glm5_next_modules import model_class
 from .runtime import mesh as MESH
+from .runtime.backends import backend_for
+from .runtime.memory_guard import SEGMENT_MAX, MemoryGuard  # noqa: F401  (SEGMENT_MAX re-exported)
 from .runtime.mesh import broadcast_ids
 from .runtime.runner import GenerationResult, Runner  # noqa: F401  (re-exported)
 from .runtime.runner import bucket as _bucket  # noqa: F401  (tests, tools)
 from .runtime.scheduler import Request, Sampling, Scheduler
-from .runtime.speculative import draft_plan
-from .runtime.streaming import moe_call_bytes, segment_bytes, segment_width
 
 _COMPILE_S = [0.0]
 
@@ -112,7 +112,6 @@ class Tokenizer:
 
 
 VERIFY_READS = {"first": "first", "always": "always", "off": "none"}     # --verify_reads -> the container's mode
-SEGMENT_MAX = 2048     # a long prompt's prefill segment (segment_tokens; llama.cpp's default -b)
 
 
 class Engine(Runner):
@@ -139,6 +138,8 @@ class Engine(Runner):
         self.lossy = self.plugin is not None
         if self.plugin_names:
             _preflight(self.plugin, cfg)
+        self.backend = backend_for(opts["fetch"], cfg, self.plugin, store, opts)     # the fetch mode, chosen once
+        self.guard = MemoryGuard(self)                  # the memory plan kept at run time (from_options: its plan)
         self._scheduler = None
         self.kernel = kernel                                # who computes the experts / dense products
         self.checkpoint_dtype = declared_dtype(path) or "unknown"
@@ -176,12 +177,7 @@ class Engine(Runner):
         """``load`` with options already resolved (the CLIs: their flags, with where each value came from)."""
         if not isinstance(opts, O.Options):
             opts = O.resolve(opts)
-        if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise GlmJaxError(f"Engine.load: path must be a directory name (str), got {type(path).__name__}")
-        path = os.fspath(path) if path else default_model_path()
-        if not os.path.isdir(path):
-            raise GlmJaxError(f"{path}: model directory not found" if not os.path.exists(path)
-                              else f"{path}: not a directory (expected a model directory)")
+        path = _model_dir(path)
         # before anything touches a backend: join the cluster (a no-op for one process)
         MESH.init_distributed(opts["coordinator"], opts["num_processes"], opts["process_id"],
                               {k: opts.label(k) for k in ("coordinator", "num_processes", "process_id")})
@@ -195,132 +191,26 @@ class Engine(Runner):
         cfg = load_config(path)
         if cfg.model_type == "glm5_next":
             return cls._from_glm5_next(path, opts, cfg, container)
-        fetch = opts["fetch"]
-        if fetch == "auto" and not container:
-            fetch = "resident"
-        opts["fetch"] = fetch
-        dtype = _pick_dtype(opts["dtype"], path, cfg)
-        kv_dtype = pick_kv_dtype(opts["kv_cache_dtype"], dtype)
-        kernel = _pick_kernel(opts["kernels"])
-        plan = MESH.plan_for(opts, cfg, opts.label("mesh"))
-        # a tensor-parallel mesh: dense weights unfused, on the XLA path (mesh.py); the experts keep ``kernel``
-        dense_kernel = kernel if plan is None or plan.model == 1 else "xla"
-        fuse = plan is None or plan.model == 1
-        pack = None if fuse else True           # tensor-parallel: stored bf16 / int8 dense weights stay so
+        if opts["fetch"] == "auto" and not container:
+            opts["fetch"] = "resident"
+        how = _Weights.choose(path, cfg, opts)
+        plan = how.plan
         if plan is not None:
-            _check_mesh_options(opts, plan, fetch)
-        store = None
-        if fetch == "resident" and not container:   # a plain HF dir: experts straight into params
-            params = W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=dense_kernel,
-                                   dense_fmt=opts["dense_format"], fuse=fuse, pack=pack, expert_kernel=kernel,
+            _check_mesh_options(opts, plan, opts["fetch"])
+        store = fitted = None
+        if opts["fetch"] == "resident" and not container:   # a plain HF dir: experts straight into params
+            params = W.load_params(path, cfg, dtype=how.dtype, expert_fmt=opts["expert_format"],
+                                   kernel=how.dense_kernel, dense_fmt=opts["dense_format"], fuse=how.fuse,
+                                   pack=how.pack, expert_kernel=how.kernel,
                                    expert_bank=None if plan is None else
                                    (lambda load, fmt, k: plan.resident_bank(cfg.n_routed_experts, load, fmt, k)))
         else:
-            src = None
-            fitted = None
-            verify = VERIFY_READS[opts["verify_reads"]]
-            try:
-                if container:     # manifest, config and sizes checked at open; the dense file's crc before use
-                    src = C.open_container(path, cfg, verify=verify, direct_io=opts["direct_io"])
-                    C.verify_dense(path, src.manifest)
-                if plan is None:  # what fits, from headers and the manifest: refused here, before any weights
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify=verify)
-                    fitted = fit_memory(path, cfg, opts, src, dtype, kv_dtype, dense_kernel, pack)
-                    if not fitted.all_fit:
-                        # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
-                        # the room the refit measures for it (memory.compact_heap)
-                        MEM.compact_heap()
-                    if container and fitted.direct_io != src.direct_io:
-                        src.close()
-                        src = C.open_container(path, cfg, verify=verify, direct_io=fitted.direct_io)
-                    opts["direct_io"] = fitted.direct_io
-                    opts["dense_format"] = fitted.dense_format
-                    if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
-                        opts["prefill_chunk"] = fitted.prefill_chunk
-                if container:
-                    params = W.load_dense_params(path, cfg, dtype=dtype, file=src.dense_path, kernel=dense_kernel,
-                                                 dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
-                else:
-                    params = W.load_params(path, cfg, dtype=dtype, expert_fmt=None, kernel=dense_kernel,
-                                           dense_fmt=opts["dense_format"], fuse=fuse, pack=pack)
-                if fitted is not None:
-                    # a RAM budget: the loader's programs (quantize, pack) never run again in this run, and
-                    # what they hold would count against the expert cache (~20 MB in the 0.3x slice box)
-                    jax.clear_caches()
-                MEM.trim()
-                if plan is not None:
-                    src = src if src is not None else C.open_expert_source(path, cfg, verify=verify,
-                                                                           direct_io=opts["direct_io"])
-                cap = opts["cache_cap"] or None
-                if plan is not None and cap:           # --cache_cap: per layer, split over the expert shards
-                    cap = max(1, -(-cap // plan.expert))
-                opener = S.ExpertStore.open if plan is None else functools.partial(S.ShardedStore.open, plan)
-                store = opener(path, cfg, cache_cap=cap,
-                                           ram_gb=opts["ram_gb"] or None,
-                                           direct_io=opts["direct_io"], io_threads=opts["io_threads"],
-                                           read_chunk_mb=opts["read_chunk_mb"],
-                                           pin=opts["pin"] or None, pin_gb=opts["pin_gb"],
-                                           policy=opts["cache_policy"],
-                                           # the whole process counts: what it holds now (runtime + dense
-                                           # weights) and a reserve for compilation and the step's buffers
-                                           used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None
-                                                                         else fitted.workspace)
-                                           + prefix_store_reserve(opts),
-                                           kv_bytes=(M.kv_bytes_per_token(cfg, jnp.dtype(kv_dtype).itemsize) *
-                                                     (opts["max_seq_len"] or F.KV_DEFAULT_TOKENS) * opts["max_batch"]
-                                                     if fitted is None else fitted.kv_bytes),
-                                           # slots for one decode / verify's union; a larger one (a prefill) is
-                                           # fetched and computed in chunks of this many experts (streaming.py)
-                                           max_working_set=(fitted.working_set if fitted is not None
-                                                            and fitted.working_set else working_set(cfg, opts)),
-                                           source=src,
-                                           state_dir=opts["state_dir"],
-                                           labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=kernel,
-                                           **({} if fitted is None or cap else    # an explicit --cache_cap stays
-                                              {"headroom_bytes": F.COMPILE_TRANSIENT}))
-            except BaseException:
-                if src is not None and store is None:
-                    src.close()
-                raise
-            store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
-            # every expert cached, and (the plan's) room for the resident run's whole-model programs too
-            resident = store.can_hold_all() and (fitted is None or fitted.all_fit)
-            if fitted is not None and (fitted.notes or (not resident and not opts["cache_cap"])):
-                import sys  # the memory plan in one line, whenever memory decided something
-
-                print(fitted.line(fitted.inputs, store.cache_cap, resident), file=sys.stderr)
-            if fetch == "resident" and container and store.can_hold_all() and not resident:
-                code = fitted.inputs.resident_code
-                store.close(save_usage=False)
-                fl = opts.label("fetch")
-                raise RamBudgetError(f"{path}: {fl}=resident: every expert fits, but not the compiled programs of a "
-                                     f"resident run ({code / 1e9:.2f} GB at {cfg.num_hidden_layers} layers; raise "
-                                     f"{opts.label('ram_gb')}, or leave {fl} unset: every expert cached, streamed)")
-            if fetch in ("auto", "resident") and container:
-                # every expert fits the RAM budget: load them all now, then run one compiled step per token over
-                # the store's slot arenas (no per-layer host round trip); otherwise stream them: fetch=fused where
-                # the banks alias the store's arenas on one device (its decode runs without a host call while
-                # every expert it meets is cached), else fetch=loop
-                if resident:
-                    store.preload_all()
-                    fetch = "resident"
-                elif fetch == "resident":
-                    cap, E = store.cache_cap, cfg.n_routed_experts
-                    store.close(save_usage=False)
-                    raise RamBudgetError(f"{path}: --fetch=resident needs every expert in RAM, but the budget "
-                                         f"holds {cap} of {E} per layer (raise {opts.label('ram_gb')} or "
-                                         f"--cache_cap, or use --fetch=loop)")
-                else:
-                    fetch = ("fused" if store.aliased and plan is None and (fitted is None or fitted.fused)
-                             else "loop")
-            elif fetch == "resident":
-                raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint or a container")
-            opts["fetch"] = fetch
+            params, store, fitted = _load_with_store(path, cfg, opts, container, how)
+            opts["fetch"] = _settle_fetch(path, cfg, opts, container, store, fitted, plan)
         tok_path = os.path.join(path, "tokenizer.json")
         tok = Tokenizer(tok_path) if os.path.exists(tok_path) else None
-        eng = cls(path, cfg, params, opts, tok, store, kernel, plan)
-        eng._fit = fitted if store is not None and fetch != "resident" else None
-        eng._refit_pending = eng._fit is not None   # the first generation's refit (_refit_memory)
+        eng = cls(path, cfg, params, opts, tok, store, how.kernel, plan)
+        eng.guard = MemoryGuard(eng, fitted if store is not None and opts["fetch"] != "resident" else None)
         eng._kv_planned = fitted.kv_tokens if store is not None and fitted is not None else None
         return eng
 
@@ -352,7 +242,7 @@ class Engine(Runner):
             params = G5W.load_params(path, cfg, dtype=dtype, expert_fmt=opts["expert_format"], kernel=kernel)
         tok_path = os.path.join(path, "tokenizer.json")
         eng = cls(path, cfg, params, opts, Tokenizer(tok_path) if os.path.exists(tok_path) else None, None, kernel)
-        eng._fit, eng._refit_pending, eng._kv_planned = None, False, None
+        eng._kv_planned = None          # (its memory guard keeps no plan: Engine.__init__'s)
         return eng
 
     # ------------------------------------------------------------------ public API
@@ -493,7 +383,7 @@ class Engine(Runner):
                 sched.cancel(r)
             sched._reap()
             raise
-        self._refit_memory()
+        self.guard.refit()
         out = [sched.result(r, compile0) for r in reqs]
         if self.plan is not None:
             for res in out:
@@ -510,102 +400,27 @@ class Engine(Runner):
         self.scheduler.check(req.prompt, req.sampling)     # now, not at the first next(): as generate() does
         return _Stream(self, req)
 
-    def _refit_memory(self):
-        """After the first generation (its programs compiled): what the compile's working memory took is
-        measured, and the part of the workspace reserve it left free goes to the expert cache (fit.py).  Again
-        after any generation that found the cache shrunk by ``memory_guard``: what is measured free then goes
-        back to it, up to what was taken."""
-        if self._kept_plan() is None:
-            return
-        first, taken = self._refit_pending, self.store.sizing.get("taken", 0)
-        lowered = self.store.round_limit is not None
-        if not first and taken <= 0 and not lowered:
-            return
-        self._refit_pending = False
-        self.store.release_transient()           # the generation is done: nothing in flight reads a bank
-        MEM.trim()
-        # the working set memory_guard lowered goes back to the opened one where that fits what is measured free
-        if lowered and self._free_bytes(0, self._later_compile(), self.store.max_working_set) >= 0:
-            self._set_working_set(self.store.max_working_set)
-        free = self._free_bytes(0, self._later_compile())
-        if not first:
-            free = min(free, taken * self.store.sizing.get("per_cap_bytes", 0))
-        self.store.grow_cap(free)
+    # ------------------------------------------------------------------ memory (runtime/memory_guard.py)
+    def memory_guard(self, kv_positions: int = 0, rows: int = 1):
+        self.guard.memory_guard(kv_positions, rows)
 
     def memory_settled(self):
-        self._refit_memory()
+        self.guard.refit()
 
     def warmed_up(self):
-        """Runner.warmed_up (the end of glm-jax-serve's warm-up): where a RAM budget streams the experts through
-        the Python layer loop and the persistent compilation cache holds every program the warm-up compiled, those
-        programs leave memory, and the refit hands what they held to the expert cache.  A program comes back from the
-        cache on disk at its first use (0.6-0.7 s of the first request in the GLM-4.5-Air slice's 0.3x box), and only
-        the ones the requests use come back.  There, kept, the warm-up's programs held ~130 MB and left the cache at
-        1-2 experts a layer (decode 12-14 tok/s); dropped, 8 after the warm-up (22-23 tok/s), and glm-jax-serve's
-        time a token at one client fell from 64-75 to 40 ms (docs/real-scale.md, memory guard).  Programs holding a
-        Python host callback (fetch=callback / fused, meshes) cannot come back from the cache and stay, and so do
-        all where the cache holds every expert."""
-        if self._kept_plan() is None:
-            return
-        if (self.opts["fetch"] == "loop" and self.plan is None and jax.config.jax_compilation_cache_dir
-                and not self.store.can_hold_all()):
-            self._drop_programs()
-        self._refit_memory()
-
-    def _drop_programs(self):
-        """Every compiled program out of memory (each compiles again, or comes back from the compile cache on disk,
-        at its next use), the streamed forwards' shapes forgotten with them (before_new_shapes makes room again),
-        and the freed heap handed back to the OS."""
-        jax.clear_caches()
-        self._shapes_run.clear()
-        MEM.trim()
-
-    def _kept_plan(self):
-        """The memory plan this run keeps to (a fitted store without an explicit --cache_cap), else None."""
-        f = getattr(self, "_fit", None)
-        return f if f is not None and self.store is not None and not self.opts["cache_cap"] else None
+        self.guard.warmed_up()
 
     def kv_give_back(self) -> bool:
-        return self._kept_plan() is not None
-
-    def _set_working_set(self, w: int):
-        """The store fetches at most ``w`` experts at a time (ExpertStore.limit_rounds) and the kept plan's inputs
-        count that working set's buffers (fit.with_working_set)."""
-        w = min(int(w), int(self.store.max_working_set or w))
-        self._fit.inputs = F.with_working_set(self._fit.inputs, w)
-        self.store.limit_rounds(w)
-
-    def _free_bytes(self, grow: int, later: int, working_set: Optional[int] = None) -> int:
-        """fit.refit_free as measured now, the KV cache about to grow by ``grow`` bytes and ``later`` kept free for
-        compiling: the one measurement of the refit, the guard and before_new_shapes.  ``working_set``: as if the
-        store fetched that many experts at a time (_set_working_set)."""
-        f = self._kept_plan()
-        inp = f.inputs if working_set is None else F.with_working_set(f.inputs, working_set)
-        return F.refit_free(inp, f.plan, self._private_bytes() + grow, self._kv_bytes() + grow,
-                            self.store.cache_cap, later=later)
-
-    def _private_bytes(self) -> int:
-        """The process's private memory with the expert cache counted full: the slots of a cap grown since they
-        were filled take their pages as experts are read (ExpertStore.unfilled_bytes)."""
-        return MEM.private_bytes() + self.store.unfilled_bytes()
-
-    def _later_compile(self) -> int:
-        """What the budget keeps free between requests for programs not compiled yet.  fetch=loop without
-        speculation compiles only where a forward's shapes are new (Runner.before_new_shapes), and takes
-        fit.LATER_COMPILE back from the expert cache right then, so between requests it keeps only
-        fit.LATER_COMPILE_WARM (the sampler's programs of a new case): in the GLM-4.5-Air slice's 0.3x box that is
-        2-3 more experts a layer (docs/real-scale.md, memory guard).  fetch=fused's programs also follow the
-        attention window, which grows during a decode, and speculation's drafts their sampling parameters: they
-        keep fit.LATER_COMPILE free throughout."""
-        loop = self.opts["fetch"] == "loop" and draft_plan(self) is None
-        return F.LATER_COMPILE_WARM if loop else F.LATER_COMPILE
+        return self.guard.kv_give_back()
 
     def before_new_shapes(self):
-        """Runner.before_new_shapes: a streamed forward about to compile its programs.  Where the budget keeps only
-        fit.LATER_COMPILE_WARM free between requests, the expert cache gives back what makes fit.LATER_COMPILE
-        free first (the cap lowered; the next generation's refit hands it back)."""
-        if self._kept_plan() is not None and self._later_compile() != F.LATER_COMPILE:
-            self._keep_free(0, F.LATER_COMPILE)
+        self.guard.before_new_shapes()
+
+    def segment_tokens(self, remaining: int, chunk: int):
+        return self.guard.segment_tokens(remaining, chunk)
+
+    def segment_done(self):
+        self.guard.segment_done()
 
     def shrink_cache(self, batch: int, cap: int):
         """Runner.shrink_cache, and the programs compiled for the longer cache dropped with it: every step's shapes
@@ -615,143 +430,11 @@ class Engine(Runner):
         before = self._cache_len
         super().shrink_cache(batch, cap)
         if self._cache_len < before:
-            self._drop_programs()
+            self.guard.drop_programs()
 
     def _kv_bytes(self) -> int:
         return _tree_bytes(self._cache) if self._cache is not None else 0
 
-    def segment_tokens(self, remaining: int, chunk: int):
-        """Runner.segment_tokens: a streamed prompt longer than two chunks, whose experts do not all stay in the
-        cache, is prefilled in segments of up to SEGMENT_MAX positions layer by layer (each expert read once a
-        segment a layer, streaming.segment_steps).  Within a RAM budget a segment holds its buffers
-        (streaming.segment_bytes) in what the budget has free with the expert cache at its floor, and its MoE calls'
-        scratch (moe_call_bytes, their width lowered to fit) in what the plan keeps free for one prefill chunk's
-        activations (fit.chunk_acts: its attention blocks run at that chunk, never beside a MoE call).  The cache gives
-        that back first (``_keep_free``), and ``segment_done``'s refit returns it.  None (chunk by chunk) where that is
-        not two chunks, on a mesh, or with every expert resident."""
-        st = self.store
-        if (st is None or self.plan is not None or self.opts["fetch"] not in ("loop", "fused") or st.can_hold_all()
-                or remaining < 2 * chunk):
-            return None
-        item = jnp.dtype(self.dtype).itemsize
-        seg = min(int(remaining), SEGMENT_MAX)
-        kept = self._kept_plan()
-        if kept is None:
-            return seg, segment_width(self.cfg, chunk)
-        # its attention blocks run a prefill chunk's programs (Runner.forward's shapes): where those have not run
-        # at this cache length, one chunk goes first and compiles them beside no segment (the GLM-5.2 slice's first
-        # segment compiling them in its 0.3x box took 9.8 s where the chunk's compile takes ~3 s)
-        if self._stream_shapes(1, chunk, None, self._cache_batch > 1, False) not in self._shapes_run:
-            return None
-        acts = F.chunk_acts(kept.inputs, kept.plan)
-        width = segment_width(self.cfg, chunk, acts)
-        beyond = max(0, moe_call_bytes(self.cfg, width) - acts)
-        # its own programs (streaming._seg_fns) compile at the first segment: 0.3-0.9 s, and they hold ~3 MB
-        # (measured in-process on the GLM-4.5-Air slice), within what the budget keeps free between requests;
-        # reserving fit.LATER_COMPILE for them left no segment room in that slice's 0.3x box
-        later = self._later_compile()
-        room = self._free_bytes(0, later) + st.shrink_room() - beyond
-        while seg >= 2 * chunk and segment_bytes(self.cfg, seg, width, item) > room:
-            seg //= 2
-        if seg < 2 * chunk:
-            return None
-        self._keep_free(0, later, transient=segment_bytes(self.cfg, seg, width, item) + beyond)
-        return seg, width
-
-    def segment_done(self):
-        if self._kept_plan() is not None and not self._refit_pending:
-            self._refit_memory()
-
-    def memory_guard(self, kv_positions: int = 0, rows: int = 1):
-        """Before a request's prefill (the scheduler's admission): keep the process inside its RAM budget when the
-        run outgrows its memory plan -- the KV cache about to grow by ``kv_positions`` x ``rows`` past what the
-        plan reserved, or the programs compiled since the last refit (other prompt buckets, longer attention
-        windows: each keeps its code) -- by taking the deficit back from the expert cache (``shrink_cap``) while
-        keeping what ``_later_compile`` says free for the next compile.  Without it a long prompt in a tight memory
-        cgroup drove the process into reclaiming its own code pages while compiling (docs/real-scale.md, memory guard).
-        Where the growth and its compile do not fit even with the cache at one expert a layer, the request is
-        refused (RamBudgetError, one line; nothing changed): 8 rows of glm-jax-serve grown for a ~920-token prompt,
-        and 2 rows for a ~1900-token one, in the GLM-4.5-Air slice's 0.3x box were OOM-killed.
-        A no-op for a run without a fitted store or with an explicit --cache_cap."""
-        if self._kept_plan() is None:
-            return
-        per = M.kv_bytes_per_token(self.cfg, jnp.dtype(self.kv_dtype).itemsize)
-        grow = max(0, int(kv_positions)) * int(rows) * per
-        # a streamed prefill on one row of several: fetch=loop's layers work on one layer's slice of that row at a
-        # time (streaming.stream_step's row), the whole-model programs on a copy of the row's every layer
-        # (Runner.row_view), held beside the cache through the prefill and its compile.  That copy took a
-        # 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its budget, and its compile
-        # 270 s with the cgroup at its limit
-        view = (self._cache_len + max(0, int(kv_positions))) * per if self._cache_batch > 1 else 0
-        if self.opts["fetch"] == "loop":
-            view //= max(1, self.cfg.num_hidden_layers)
-        self._keep_free(grow, self._later_compile(), refuse=(kv_positions, rows) if grow else None, transient=view)
-
-    def _keep_free(self, grow: int, later: int, refuse=None, transient: int = 0):
-        """memory_guard and before_new_shapes: the expert cache gives back what the budget lacks for the KV cache's
-        ``grow`` bytes and ``later`` free for compiling (fit.refit_free), measured as the refit measures.
-        ``refuse`` (memory_guard's positions, rows): a growth that, with its programs' compile
-        (fit.LATER_COMPILE), does not fit the budget even with the cache at its floor raises RamBudgetError before
-        anything is given up (the budget's own margin, 0.1 of a cgroup's limit, is the process's file pages': 48 MB
-        short in the GLM-4.5-Air slice's 0.3x box was OOM-killed).  ``transient``: bytes the coming
-        forward holds beside the cache besides its compile (memory_guard: a row view's copy), kept free too."""
-        free = self._free_bytes(grow, later) - transient
-        if free < 0:
-            # measured again without what malloc holds free and the last fetch's transient slots (released at the
-            # next fetch anyway); every forward dispatched so far wrote the KV cache, so once it is ready none still
-            # reads a bank
-            if self._cache is not None:
-                jax.block_until_ready(self._cache)
-            self.store.release_transient()
-            MEM.trim()
-            free = self._free_bytes(grow, later) - transient
-        # a longer cache: the streamed programs compile again for it, at this request's prefill; what the budget
-        # lacks for that with the cache at its floor (at a working set of w)
-        def lacking(free_now, w=None):
-            return -(free_now + later - max(later, F.LATER_COMPILE) + self.store.shrink_room(w))
-
-        # what the cap's steps cannot give (at a working set of w)
-        def uncovered(free_now, w=None):
-            return -(free_now + self.store.shrink_room(w))
-
-        def lowered(short_at, short):
-            """The working set halved, down to one expert, while ``short_at(free at it, it)`` is still positive
-            (the store then fetches a decode's experts in rounds of it): (that working set, what is still short)."""
-            w = self._fit.inputs.working_set
-            while short > 0 and w > 1:
-                w = max(1, w // 2)
-                short = short_at(self._free_bytes(grow, later, w) - transient, w)
-            return w, short
-
-        short = lacking(free) if refuse else 0
-        if short > 0:
-            # before a refusal, as the plan lowers it before refusing a load.  The f16 K/V cache's plan in the
-            # GLM-4.5-Air slice's 0.3x box spends the bytes it saved on a working set of 8 (one round a decode) where
-            # f32's had 4; without this its 2 rows refused a ~920-token request that f32's served
-            w, short = lowered(lacking, short)
-            if short <= 0:
-                self._set_working_set(w)
-                free = self._free_bytes(grow, later) - transient
-        if short > 0:
-            n, rows = refuse
-            f = self._kept_plan().inputs
-            raise RamBudgetError(
-                f"this request needs the K/V cache grown by {n} positions x {rows} rows ({grow / 1e6:.0f} MB) and "
-                f"its programs compiled for the longer cache: {short / 1e6:.0f} MB more than the RAM budget "
-                f"({f.budget / 1e9:.2f} GB, {f.budget_from}) holds with the expert cache at one expert a layer, "
-                f"fetched one at a time; a "
-                f"shorter request, fewer rows ({self.opts.label('max_batch')}) or a larger budget "
-                f"({self.opts.label('ram_gb')})")
-        if free < 0 and uncovered(free) > 0:
-            # the cap's steps below the working set free one expert of every layer less the fetched layer's
-            # transient slot, so with one streamed layer nothing: where they cannot cover what is short, the working
-            # set is lowered first (the GLM-5.2 slice's server gave its whole cache, 32 -> 1, for 34 MB)
-            w, _ = lowered(uncovered, uncovered(free))
-            if w != self._fit.inputs.working_set:
-                self._set_working_set(w)
-                free = self._free_bytes(grow, later) - transient
-        if free < 0:
-            self.store.shrink_cap(-free)
 
     @property
     def compile_s(self) -> float:
@@ -767,6 +450,152 @@ class Engine(Runner):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _model_dir(path) -> str:
+    """The model directory ``Engine.load`` was given (default: the shipped model), checked to be one."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise GlmJaxError(f"Engine.load: path must be a directory name (str), got {type(path).__name__}")
+    path = os.fspath(path) if path else default_model_path()
+    if not os.path.isdir(path):
+        raise GlmJaxError(f"{path}: model directory not found" if not os.path.exists(path)
+                          else f"{path}: not a directory (expected a model directory)")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """How the weights load: dtypes, who computes (the experts' kernel, the dense weights'), the mesh plan."""
+    dtype: object
+    kv_dtype: object
+    kernel: str
+    plan: object
+    dense_kernel: str
+    fuse: bool
+    pack: Optional[bool]
+
+    @staticmethod
+    def choose(path: str, cfg: ModelConfig, opts) -> "_Weights":
+        dtype = _pick_dtype(opts["dtype"], path, cfg)
+        kernel = _pick_kernel(opts["kernels"])
+        plan = MESH.plan_for(opts, cfg, opts.label("mesh"))
+        # a tensor-parallel mesh: dense weights unfused, on the XLA path (mesh.py); the experts keep ``kernel``
+        fuse = plan is None or plan.model == 1
+        return _Weights(dtype=dtype, kv_dtype=pick_kv_dtype(opts["kv_cache_dtype"], dtype), kernel=kernel,
+                        plan=plan, dense_kernel=kernel if fuse else "xla", fuse=fuse,
+                        pack=None if fuse else True)    # tensor-parallel: stored bf16 / int8 dense weights stay so
+
+
+def _load_with_store(path: str, cfg: ModelConfig, opts, container: bool, how: _Weights):
+    """The dense weights into params and the routed experts behind an expert store (a container, or an HF dir
+    streamed / on a mesh), fitted to the RAM budget.  Returns (params, store, fitted: the memory plan or None)."""
+    src = store = fitted = None
+    verify = VERIFY_READS[opts["verify_reads"]]
+    try:
+        if container:     # manifest, config and sizes checked at open; the dense file's crc before use
+            src = C.open_container(path, cfg, verify=verify, direct_io=opts["direct_io"])
+            C.verify_dense(path, src.manifest)
+        if how.plan is None:  # what fits, from headers and the manifest: refused here, before any weights
+            src = src if src is not None else C.open_expert_source(path, cfg, verify=verify)
+            fitted = fit_memory(path, cfg, opts, src, how.dtype, how.kv_dtype, how.dense_kernel, how.pack)
+            if not fitted.all_fit:
+                # the budget binds: big blocks freed go back to the OS, so that the expert cache keeps
+                # the room the refit measures for it (memory.compact_heap)
+                MEM.compact_heap()
+            if container and fitted.direct_io != src.direct_io:
+                src.close()
+                src = C.open_container(path, cfg, verify=verify, direct_io=fitted.direct_io)
+            opts["direct_io"] = fitted.direct_io
+            opts["dense_format"] = fitted.dense_format
+            if fitted.prefill_chunk and fitted.prefill_chunk < opts["prefill_chunk"]:
+                opts["prefill_chunk"] = fitted.prefill_chunk
+        if container:
+            params = W.load_dense_params(path, cfg, dtype=how.dtype, file=src.dense_path, kernel=how.dense_kernel,
+                                         dense_fmt=opts["dense_format"], fuse=how.fuse, pack=how.pack)
+        else:
+            params = W.load_params(path, cfg, dtype=how.dtype, expert_fmt=None, kernel=how.dense_kernel,
+                                   dense_fmt=opts["dense_format"], fuse=how.fuse, pack=how.pack)
+        if fitted is not None:
+            # a RAM budget: the loader's programs (quantize, pack) never run again in this run, and
+            # what they hold would count against the expert cache (~20 MB in the 0.3x slice box)
+            jax.clear_caches()
+        MEM.trim()
+        if how.plan is not None:
+            src = src if src is not None else C.open_expert_source(path, cfg, verify=verify,
+                                                                   direct_io=opts["direct_io"])
+        store = _open_store(path, cfg, opts, src, fitted, how)
+    except BaseException:
+        if src is not None and store is None:
+            src.close()
+        raise
+    store.sim_disk_gbps, store.sim_expert_mb = opts["sim_disk_gbps"], opts["sim_expert_mb"]
+    return params, store, fitted
+
+
+def _open_store(path: str, cfg: ModelConfig, opts, src, fitted, how: _Weights):
+    """The expert store over ``src``, sized by the memory plan ``fitted`` (None: by the options)."""
+    plan = how.plan
+    cap = opts["cache_cap"] or None
+    if plan is not None and cap:           # --cache_cap: per layer, split over the expert shards
+        cap = max(1, -(-cap // plan.expert))
+    opener = S.ExpertStore.open if plan is None else functools.partial(S.ShardedStore.open, plan)
+    kv_item = jnp.dtype(how.kv_dtype).itemsize
+    return opener(path, cfg, cache_cap=cap,
+                  ram_gb=opts["ram_gb"] or None,
+                  direct_io=opts["direct_io"], io_threads=opts["io_threads"],
+                  read_chunk_mb=opts["read_chunk_mb"],
+                  pin=opts["pin"] or None, pin_gb=opts["pin_gb"],
+                  policy=opts["cache_policy"],
+                  # the whole process counts: what it holds now (runtime + dense weights) and a reserve for
+                  # compilation and the step's buffers
+                  used_bytes=MEM.private_bytes() + (RUNTIME_RESERVE if fitted is None else fitted.workspace)
+                  + prefix_store_reserve(opts),
+                  kv_bytes=(M.kv_bytes_per_token(cfg, kv_item) *
+                            (opts["max_seq_len"] or F.KV_DEFAULT_TOKENS) * opts["max_batch"]
+                            if fitted is None else fitted.kv_bytes),
+                  # slots for one decode / verify's union; a larger one (a prefill) is fetched and computed in
+                  # chunks of this many experts (streaming.py)
+                  max_working_set=(fitted.working_set if fitted is not None
+                                   and fitted.working_set else working_set(cfg, opts)),
+                  source=src,
+                  state_dir=opts["state_dir"],
+                  labels={k: opts.label(k) for k in ("pin", "ram_gb")}, kernel=how.kernel,
+                  **({} if fitted is None or cap else    # an explicit --cache_cap stays
+                     {"headroom_bytes": F.COMPILE_TRANSIENT}))
+
+
+def _settle_fetch(path: str, cfg: ModelConfig, opts, container: bool, store, fitted, plan) -> str:
+    """The fetch mode of a store-backed load (Engine builds its backend from it): under --fetch=auto / resident
+    with a container, every expert cached and (the plan's) room for the resident run's whole-model programs too:
+    the store preloaded, one compiled step per token over its slot arenas (no per-layer host round trip);
+    otherwise streamed: fused where the banks alias the store's arenas on one device (its decode runs without a
+    host call while every expert it meets is cached), else loop.  --fetch=resident refused where it can't hold."""
+    fetch = opts["fetch"]
+    resident = store.can_hold_all() and (fitted is None or fitted.all_fit)
+    if fitted is not None and (fitted.notes or (not resident and not opts["cache_cap"])):
+        # the memory plan in one line, whenever memory decided something
+        print(fitted.line(fitted.inputs, store.cache_cap, resident), file=sys.stderr)
+    if fetch == "resident" and container and store.can_hold_all() and not resident:
+        code = fitted.inputs.resident_code
+        store.close(save_usage=False)
+        fl = opts.label("fetch")
+        raise RamBudgetError(f"{path}: {fl}=resident: every expert fits, but not the compiled programs of a "
+                             f"resident run ({code / 1e9:.2f} GB at {cfg.num_hidden_layers} layers; raise "
+                             f"{opts.label('ram_gb')}, or leave {fl} unset: every expert cached, streamed)")
+    if fetch in ("auto", "resident") and container:
+        if resident:
+            store.preload_all()
+            return "resident"
+        if fetch == "resident":
+            cap, E = store.cache_cap, cfg.n_routed_experts
+            store.close(save_usage=False)
+            raise RamBudgetError(f"{path}: --fetch=resident needs every expert in RAM, but the budget "
+                                 f"holds {cap} of {E} per layer (raise {opts.label('ram_gb')} or "
+                                 f"--cache_cap, or use --fetch=loop)")
+        return "fused" if store.aliased and plan is None and (fitted is None or fitted.fused) else "loop"
+    if fetch == "resident":
+        raise GlmJaxError(f"{path}: --fetch=resident needs a plain HF checkpoint or a container")
+    return fetch
+
+
 def _check_mesh_options(opts, plan, fetch: str):
     """What a mesh does not run (one line naming the option)."""
     if fetch in ("callback", "fused"):
@@ -863,7 +692,7 @@ class _Stream:
                     yield self._pieces.pop(0)
             while self._pieces:
                 yield self._pieces.pop(0)
-            e._refit_memory()
+            e.guard.refit()
             self.result = sched.result(req, compile0)
             if e.plan is not None:           # the mesh line, as generate() gives it
                 self.result.stats.update(mesh=e.plan.describe(), processes=jax.process_count(),

@@ -190,7 +190,7 @@ def refit_free(inp: FitInputs, plan: "FitPlan", private: int, kv_now: int, cache
     less what is measured now (``private``: the weights, the cache's slots, the compiled programs), the KV still
     to grow into its reservation, the working set beyond the cache (memory.cache_slots), one prefill chunk's
     activations -- freed between forwards, so not in the measurement, but the next prefill allocates them again --
-    and ``later`` for programs not compiled yet (LATER_COMPILE; Engine._later_compile)."""
+    and ``later`` for programs not compiled yet (LATER_COMPILE; MemoryGuard._later_compile)."""
     buffers = inp.buffers - (min(cache_cap, inp.working_set) * inp.max_rec if inp.released else 0)
     return int(inp.budget - private - max(0, plan.kv_bytes - kv_now) - buffers - chunk_acts(inp, plan) - later)
 
@@ -243,7 +243,7 @@ def plan_rows(inputs_at, rows: int) -> tuple:
     fetch): the cache is [rows, positions], so a request longer than the reservation grows every row's K/V inside
     the box -- 8 rows of 256 positions in the GLM-4.5-Air slice's 0.3x box were OOM-killed by a ~920-token prompt
     (docs/real-scale.md); 2 rows of 1024 in the same bytes served it.  Where they could grow, the plan stays
-    (Engine.memory_guard takes a growth's room from the cache when it comes, and gives it back after)."""
+    (MemoryGuard.memory_guard takes a growth's room from the cache when it comes, and gives it back after)."""
     r = rows
     while True:
         inp = inputs_at(r)

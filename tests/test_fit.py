@@ -624,8 +624,8 @@ out["planned"], out["calls0"] = eng._kv_planned, list(calls)
 # a prompt whose KV would take what is free and 3 experts of every layer more
 eng.store.release_transient()
 MEM.trim()
-free = F.refit_free(eng._fit.inputs, eng._fit.plan, eng._private_bytes(), eng._kv_bytes(), out["cap0"],
-                    later=eng._later_compile())
+free = F.refit_free(eng.guard._fit.inputs, eng.guard._fit.plan, eng.guard._private_bytes(), eng._kv_bytes(), out["cap0"],
+                    later=eng.guard._later_compile())
 # (in the K/V cache's own dtype: counted at 4 bytes, an f16 cache's growth was half of that, and the test passed only
 # while free was small)
 eng.memory_guard(-(-(max(free, 0) + 3 * per) // M.kv_bytes_per_token(eng.cfg, np.dtype(eng.kv_dtype).itemsize)), 1)
@@ -636,7 +636,7 @@ out["cap2"] = eng.store.cache_cap
 calls.clear()
 eng.generate([1 + i % 250 for i in range(400)], max_new_tokens=2, stop_on_eos=False)
 out["calls3"], out["len3"], out["kv3"] = list(calls), eng._cache_len, eng._kv_bytes()
-step = eng._stream_fns["attn_route"]                   # one program per cache length (and chunk shape)
+step = eng.backend.programs.attn_route              # one program per cache length (and chunk shape)
 out["programs3"] = step._cache_size()
 # the long prompt done, a short one: the KV cache goes back to the planned 256 positions
 calls.clear()
@@ -725,11 +725,11 @@ def test_a_load_in_a_binding_budget_compacts_the_heap(over_budget_container, mon
     monkeypatch.setattr(MEM, "compact_heap", lambda *a: calls.append(a) or True)
     path = over_budget_container()
     eng = glm_jax.Engine.load(path, ram_gb=100.0, state_dir="off")
-    assert eng._fit is None or eng._fit.all_fit
+    assert eng.guard._fit is None or eng.guard._fit.all_fit
     eng.close()
     assert calls == []
     eng = glm_jax.Engine.load(path, ram_gb=(MEM.private_bytes() + 300e6) / 1e9, fetch="loop", state_dir="off")
-    assert not eng._fit.all_fit
+    assert not eng.guard._fit.all_fit
     eng.close()
     assert calls == [()]
 
@@ -746,7 +746,7 @@ hook = eng.before_new_shapes
 def spy():
     c = eng.store.cache_cap
     hook()
-    free = F.refit_free(eng._fit.inputs, eng._fit.plan, eng._private_bytes(), eng._kv_bytes(), eng.store.cache_cap)
+    free = F.refit_free(eng.guard._fit.inputs, eng.guard._fit.plan, eng.guard._private_bytes(), eng._kv_bytes(), eng.store.cache_cap)
     hooks.append([c, eng.store.cache_cap, free])
 eng.before_new_shapes = spy
 eng.generate(list(range(1, 17)), max_new_tokens=4, stop_on_eos=False)
@@ -754,8 +754,8 @@ per = eng.store.sizing["per_cap_bytes"]
 out["per"], out["cap0"], out["first"] = per, eng.store.cache_cap, len(hooks)
 eng.store.release_transient()
 MEM.trim()
-f, kw = eng._fit, dict(kv_now=eng._kv_bytes(), cache_cap=eng.store.cache_cap)
-out["free_warm"] = F.refit_free(f.inputs, f.plan, eng._private_bytes(), later=F.LATER_COMPILE_WARM, **kw)
+f, kw = eng.guard._fit, dict(kv_now=eng._kv_bytes(), cache_cap=eng.store.cache_cap)
+out["free_warm"] = F.refit_free(f.inputs, f.plan, eng.guard._private_bytes(), later=F.LATER_COMPILE_WARM, **kw)
 out["unfilled"] = eng.store.unfilled_bytes()
 # grow_cap stops at the slots the arenas were opened with (the plan's headroom): every layer there
 out["at_slots"] = all(ix.cap >= eng.store.layers[L].S - int(ix.pinned.sum()) for L, ix in eng.store.index.items())
@@ -807,10 +807,11 @@ def test_the_cache_holds_the_compile_reserve_between_requests_whose_programs_are
 
 
 def _guard_stub(inp, private, cap=3, W=8):
-    """An object with Engine's guard methods over a stub store (cap ``cap``, opened with working set ``W``) and the
-    kept plan of ``inp``: the guard's decisions on numbers, without a model."""
-    from glm_jax.engine import Engine, _Fitted
+    """An object with the memory guard's methods over a stub store (cap ``cap``, opened with working set ``W``) and
+    the kept plan of ``inp``: the guard's decisions on numbers, without a model."""
+    from glm_jax.engine import _Fitted
     from glm_jax.experts.store import ExpertStore
+    from glm_jax.runtime.memory_guard import MemoryGuard
 
     class Store:
         shrink_room, _step_bytes = ExpertStore.shrink_room, ExpertStore._step_bytes
@@ -837,8 +838,8 @@ def _guard_stub(inp, private, cap=3, W=8):
             return 0
 
     class Stub:
-        _keep_free, _free_bytes, _set_working_set = Engine._keep_free, Engine._free_bytes, Engine._set_working_set
-        _refit_memory = Engine._refit_memory
+        _keep_free, _free_bytes = MemoryGuard._keep_free, MemoryGuard._free_bytes
+        _set_working_set, _refit_memory = MemoryGuard._set_working_set, MemoryGuard.refit
 
         def __init__(self):
             self.store, self._cache, self._refit_pending = Store(), None, False
@@ -952,6 +953,8 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
     from glm_jax import memory as MEM
     from glm_jax.engine import SEGMENT_MAX, Engine
     from glm_jax.runtime import streaming as ST
+    from glm_jax.runtime.backends import backend_for
+    from glm_jax.runtime.memory_guard import MemoryGuard
 
     monkeypatch.setattr(MEM, "trim", lambda: None)
     inp = inputs(budget=800 * MB, kv_tokens=1024, kv_fixed=True, rec_sum=20 * MB, max_rec=10 * MB, working_set=8,
@@ -966,7 +969,9 @@ def test_a_long_prompts_segment_takes_what_the_cache_can_give_and_no_more(monkey
         stub.cfg, stub.dtype, stub.plan, stub._cache_len, stub._cache_batch = cfg, np.float32, None, 2048, 2
         stub._shapes_run = {(1, 32, 2048, None, True, False)}            # the chunk's programs ran at this length
         stub.opts = glm_jax.options.resolve({"fetch": "loop"})
-        stub.segment_tokens = Engine.segment_tokens.__get__(stub)
+        stub.backend = backend_for("loop", cfg)
+        stub.engine = stub
+        stub.segment_tokens = MemoryGuard.segment_tokens.__get__(stub)
         stub._stream_shapes = Engine._stream_shapes.__get__(stub)
         return stub
 
@@ -1010,15 +1015,15 @@ def test_the_warmup_hands_its_programs_memory_to_the_expert_cache(over_budget_co
 
     def warm(**kw):
         eng = glm_jax.Engine.load(path, fetch="loop", max_batch=2, state_dir="off", **kw)
-        refits, real_refit = [], eng._refit_memory
-        monkeypatch.setattr(eng, "_refit_memory", lambda: refits.append(eng._refit_pending) or real_refit())
+        refits, real_refit = [], eng.guard.refit
+        monkeypatch.setattr(eng.guard, "refit", lambda: refits.append(eng.guard._refit_pending) or real_refit())
         del cleared[:]
         eng.scheduler.warmup()
         return eng, refits
 
     eng, refits = warm(ram_gb=(MEM.private_bytes() + 300e6) / 1e9)
     try:
-        assert eng._kept_plan() is not None
+        assert eng.guard._kept_plan() is not None
         assert cleared == [1] and not eng._shapes_run and refits == [True]
         want = eng.generate([5, 6, 7, 8, 9], max_new_tokens=6, stop_on_eos=False)      # programs come back
         assert len(want.tokens) == 6 and eng._shapes_run

@@ -221,7 +221,7 @@ def test_second_generation_compiles_nothing(int4_dir, exp):
     eng = glm_jax.Engine.load(int4_dir, fetch="loop", cache_cap=3, draft=0, prefix_cache=False)
 
     def compiled():     # compiled variants of every jitted function the engine holds
-        fs = list(eng._jits.values()) + list(getattr(eng, "_stream_fns", {}).values())
+        fs = list(eng._jits.values()) + eng.backend.programs.jitted()
         return sum(g._cache_size() for f in fs for g in (f if isinstance(f, tuple) else (f,)))
     _gen(eng, exp, 4)
     assert compiled() > 0
@@ -314,16 +314,16 @@ def test_dsa_layers_share_compiled_programs(tmp_path):
     convert(src, dst, progress=False)
     eng = glm_jax.Engine.load(dst, fetch="loop", cache_cap=2, max_seq_len=64, kernels="xla")
     eng.logits(list(range(3, 11)))                                           # one forward: one shape
-    f = eng._stream_fns
+    f = eng.backend.programs
     kinds = {t for i, t in enumerate(types) if i > 0}                        # layer 0 is the dense one
-    assert f["attn_route"]._cache_size() <= len(kinds)                       # was one per MoE layer: 8
-    assert f["dense"]._cache_size() == 1
+    assert f.attn_route._cache_size() <= len(kinds)                          # was one per MoE layer: 8
+    assert f.dense._cache_size() == 1
     eng.close()
 
 
 def test_a_rows_prefill_runs_on_the_batch_cache_in_place_with_oracle_parity(exp, monkeypatch):
     """A streamed (fetch=loop) prefill on one row of several writes that row of each layer's cache in place
-    (stream_step's ``row``); before, it ran on a copy of the row's every layer (Runner.row_view), held beside the
+    (loop_step's ``row``); before, it ran on a copy of the row's every layer (Runner.row_view), held beside the
     cache: 50 MB past the budget for a 2600-token prompt of 2 rows in the GLM-4.5-Air slice's 0.3x box.
     Row 1's logits are transformers', row 0's cache is untouched, and no row copy is taken."""
     eng = glm_jax.Engine.load(SRC, fetch="loop", cache_cap=2, kv_cache_dtype="float32")
@@ -540,3 +540,20 @@ def test_a_batched_decode_overlaps_its_hits_with_its_misses(int4_dir, monkeypatc
         assert sum(d for n, d in seen if n == 2) >= 4, seen
     finally:
         eng.close()
+
+
+def test_each_fetch_mode_is_a_backend_chosen_by_its_name_and_the_store():
+    """backend_for maps a resolved --fetch to its backend once; fetch=fused on a store whose banks do not alias its
+    arenas runs the callback program; what the runtime asks of a mode is an attribute of its backend."""
+    from types import SimpleNamespace
+
+    from glm_jax.runtime import backends
+
+    cfg, aliased, copied = object(), SimpleNamespace(aliased=True), SimpleNamespace(aliased=False)
+    picked = {name: backends.backend_for(name, cfg, None, store)
+              for name, store in (("resident", None), ("loop", copied), ("callback", aliased), ("fused", aliased))}
+    assert [type(b).__name__ for b in picked.values()] == ["Resident", "Loop", "Callback", "Fused"]
+    assert type(backends.backend_for("fused", cfg, None, copied)).__name__ == "Callback"
+    assert [b.streamed for b in picked.values()] == [False, True, True, True]
+    assert [b.fused_decode for b in picked.values()] == [False, False, False, True]
+    assert [b.segments for b in picked.values()] == [False, True, False, True]

@@ -737,7 +737,7 @@ class ExpertStore:
     def limit_rounds(self, w: Optional[int]):
         """From the next fetch on, fetch at most ``w`` experts at a time (None: the working set the store was
         opened with): a larger union (a decode's experts) is fetched and computed in rounds of ``w``, so a fetch
-        holds at most ``w`` slots at once.  Engine.memory_guard lowers it to make room for a longer K/V cache
+        holds at most ``w`` slots at once.  MemoryGuard.memory_guard lowers it to make room for a longer K/V cache
         where the expert cache at its floor is not enough, and the refit puts it back when there is room."""
         with self._lock:
             self.round_limit = None if w is None or w >= (self.max_working_set or 0) else max(1, int(w))
@@ -943,7 +943,7 @@ class ExpertStore:
     def unfilled_bytes(self) -> int:
         """Bytes the cache's slots will take once every layer holds its cap (and pins) and that no page holds yet:
         a cap just grown (``grow_cap``) fills as experts are read, so a measurement of the process's memory before
-        then must add them (Engine.memory_guard, Engine._refit_memory)."""
+        then must add them (MemoryGuard.memory_guard, MemoryGuard.refit)."""
         with self._lock:
             return sum(max(0, int(self.index[L].pinned.sum()) + self.index[L].cap - len(lc.touched))
                        * sum(lc.slot_bytes.values()) for L, lc in self.layers.items())
@@ -974,7 +974,7 @@ class ExpertStore:
         their slots' pages returned to the OS now.  The engine calls it between forwards (no computation in flight
         reads a bank: module docstring) when the run outgrows its memory plan -- a KV cache grown past its
         reservation, programs compiled since -- and ``grow_cap`` hands the room back once it is measured free.
-        A step that frees nothing is not taken (Engine._keep_free lowers the working set for those).
+        A step that frees nothing is not taken (MemoryGuard._keep_free lowers the working set for those).
         Returns the cache cap (experts per layer)."""
         if not self.sizing.get("per_cap_bytes", 0) or need_bytes <= 0:
             return self.cache_cap

@@ -7,7 +7,8 @@ Data path, in reading order:
     attention.py    GQA attention + the KV cache (glm4_moe); dispatches to mla.py (MLA + DSA, glm_moe_dsa)
     router.py       the router -> RoutingState (the routing plugins rewrite it)
     moe.py          THE MOE SEAM: moe_routed and its backends (native kernels / XLA / a mesh's expert axis)
-    transformer.py  one decoder layer, step() (prefill / decode / verify), the MTP layer
+    transformer.py  one decoder layer (moe_route -> an ExpertSource's experts -> moe_output), step() (prefill /
+                    decode / verify), the MTP layer
     modules.py      the same model as flax NNX modules with logical axes (the sharding rules' input)
     kda.py, hyper.py, dsa_pool.py, glm5_next.py, glm5_next_modules.py   glm5_next (GLM-5.3): its mechanisms, its
                     forward and its NNX modules
@@ -19,6 +20,7 @@ from .attention import attention, attn_block, gqa_attention, init_cache, kv_byte
 from .layers import apply_rope_half, embed, head, head_logits, linear, mlp, positions_of, rms_norm, rope_cos_sin  # noqa: F401
 from .kda import STATE_KEYS  # noqa: F401
 from .mla import indexer_type, variant_layer  # noqa: F401
-from .moe import moe_combine, moe_finish, moe_routed, moe_terms  # noqa: F401
+from .moe import moe_combine, moe_finish, moe_real_rows, moe_routed, moe_terms, real_rows  # noqa: F401
 from .router import identity_plugin, route  # noqa: F401
-from .transformer import as_params, layer_forward, mtp_forward, mtp_input, mtp_output, step  # noqa: F401
+from .transformer import (ExpertSource, ResidentExperts, as_params, dense_layer, layer_forward, moe_output,  # noqa: F401
+                          moe_route, mtp_forward, mtp_input, mtp_output, step)

@@ -60,6 +60,19 @@ def moe_routed(x, ids, weights, valid, bank: ExpertBank, slot_of=None, gather: O
         return _mesh_moe(x, ids, weights, valid, bank, slot_of, gather, limit).astype(dt)
     return _moe_f32(x, ids, weights, valid, bank, slot_of, gather, limit).astype(dt)
 
+def moe_real_rows(x, ids, weights, valid, bank: ExpertBank, slot_of=None, rows: Optional[int] = None):
+    """``moe_routed`` where only rows [:rows] of x [N, H] can be real (static ``rows``: a padded decode / verify):
+    the seam's gather path on those rows alone (its per-(t, k) products are row-count invariant), zeros below them;
+    rows None: every row, the seam's own choice of path."""
+    if rows is None:
+        return moe_routed(x, ids, weights, valid, bank, slot_of)
+    part = moe_routed(x[:rows], ids[:rows], weights[:rows], valid[:rows], bank, slot_of, gather=True)
+    return real_rows(part, x, rows)
+
+def real_rows(part, like, rows: Optional[int]):
+    """``part`` [rows, H] as the first rows of an array shaped ``like`` (the rest zeros); rows None: ``part``."""
+    return part if rows is None else jnp.zeros_like(like).at[:rows].set(part)
+
 def swiglu(h, limit: Optional[float] = None):
     """h [..., 2I] (gate | up) -> silu(gate) * up, with the clamp where ``limit`` is set."""
     I = h.shape[-1] // 2

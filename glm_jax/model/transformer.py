@@ -5,10 +5,10 @@ B batch, T query tokens, S cache slots (= positions), H hidden, nh/nkv heads, hd
 Read it in data-path order: ``layers`` (norm, linear, rope, mlp, embed, head) -> ``attention`` (GQA, or ``mla``)
 -> ``router`` (-> RoutingState -> plugins) -> ``moe`` (THE MOE SEAM and its backends) -> this module.
 
-The layer is split into the pieces a streaming engine needs between host round trips:
-``attn_block`` (attention + residual), ``route`` (post-norm + router -> RoutingState), the routing plugins
-(``glm_jax_plugins``), ``moe_routed`` (the seam: routed experts for a routing plan and an ExpertBank) and
-``moe_finish`` (shared expert + residual).  ``step`` chains them for resident experts inside one jit.
+The layer is one body (``layer_forward``) whatever supplies the routed experts: ``moe_route`` (attention + residual,
+post-norm, router -> RoutingState, the routing plugins (``glm_jax_plugins``)), an ``ExpertSource`` (the resident
+bank here; an expert store in runtime/streaming.py) and ``moe_output`` (the seam on the real rows, shared expert,
+residual).  ``step`` chains it for resident experts inside one jit.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..kernels.formats import ExpertBank, qtake
 from .attention import attn_block
 from .config import ModelConfig
 from .layers import embed, head, head_logits, linear, mlp, positions_of, rms_norm
-from .moe import moe_finish, moe_routed
+from .moe import moe_finish, moe_real_rows
 from .router import identity_plugin, route
 
 
@@ -33,35 +33,87 @@ def as_params(params):
     (``nnx_model.Split``): merged here, inside the trace (nnx.split -> jax.jit -> nnx.merge)."""
     return params.params() if _is_split(params) else params
 
-def layer_forward(cfg: ModelConfig, lp, x, cache, start, layer: int, prev_sel, valid_bt, resident,
-                  plugin: Callable = identity_plugin, bank: Optional[ExpertBank] = None, slot_of=None,
-                  moe_rows: Optional[int] = None):
-    """One decoder layer on x [B, T, H] with resident experts (lp["experts"] or ``bank``).
+# ----------------------------------------------------------------------------- one decoder layer
+# The layer body, whatever supplies the routed experts:
+#     attention -> post-norm -> router -> plugins -> experts (an ExpertSource) -> routed + shared expert
+# ``layer_forward`` chains it inside one trace; a streamed forward that must read the routing on the host between
+# the router and the experts runs its two halves, ``moe_route`` and ``moe_output``, as two programs with the store's
+# fetch between them.  ``state`` is the layer's entry of the cache: a dict of arrays the attention reads and
+# writes (K/V); the body passes it through whole, so per-layer state other than K/V rides in the same dict.
 
-    moe_rows (static, B == 1): only rows [:moe_rows] can be real, so the routed experts run on those rows alone
-    (a decode padded to the verify width pays for one row of experts, not T; speculative.py).
-    Returns (y, cache, sel, routing) where routing is (before, after) RoutingState or None for dense layers."""
+class ExpertSource:
+    """What a MoE layer's routed experts come from (the resident bank here; runtime/streaming.py: an expert store
+    called from inside the program).  ``resident(mi)``: bool [E], what the plugins see as resident in MoE layer
+    ``mi`` (its index among the MoE layers); ``experts(mi, lp, hn, after, valid_bt)``: (bank, slot_of, rows) for
+    the routing ``after`` of hn [B, T, H] (rows: static, only rows [:rows] can be real, or None)."""
+
+    def resident(self, mi: int):
+        raise NotImplementedError
+
+    def experts(self, mi: int, lp, hn, after, valid_bt):
+        raise NotImplementedError
+
+
+class ResidentExperts(ExpertSource):
+    """The layer's own bank (lp["experts"]; lp["slot_of"]: where an expert store put them), or ``bank``.
+    ``masks`` [n_moe, E] bool: what the plugins see as resident (None: nothing).  ``moe_rows`` (static, B == 1):
+    only rows [:moe_rows] can be real, so the routed experts run on those rows alone (a decode padded to the
+    verify width pays for one row of experts, not T; speculative.py) -- where the full-width forward takes the
+    gather path too: its per-(t, k) products are row-count invariant (the dense all-slots path is not, so it keeps
+    the full width)."""
+
+    def __init__(self, cfg: ModelConfig, masks=None, moe_rows: Optional[int] = None,
+                 bank: Optional[ExpertBank] = None, slot_of=None):
+        self.cfg, self.masks, self.moe_rows, self.bank, self.slot_of = cfg, masks, moe_rows, bank, slot_of
+
+    def resident(self, mi: int):
+        return self.masks[mi] if self.masks is not None else jnp.zeros((self.cfg.n_routed_experts,), bool)
+
+    def experts(self, mi: int, lp, hn, after, valid_bt):
+        bank, slot_of = (lp["experts"], lp.get("slot_of")) if self.bank is None else (self.bank, self.slot_of)
+        B, T = hn.shape[:2]
+        R = self.moe_rows
+        short = (bank.kernel != "native" and R is not None and B == 1 and R < T and
+                 T * after.ids.shape[1] <= bank.local_slots)
+        return bank, slot_of, R if short else None
+
+
+def dense_layer(cfg: ModelConfig, lp, x, state, start, layer: int, prev_sel, valid_bt, attend=attn_block):
+    """A dense layer: attention, then the MLP on the real positions.  Returns (y, state, sel)."""
+    h, state, sel = attend(cfg, lp, x, state, start, layer, prev_sel, valid_bt)
+    return h + mlp(lp["mlp"], rms_norm(h, lp["post_norm"], cfg.rms_norm_eps), valid_bt), state, sel
+
+def moe_route(cfg: ModelConfig, lp, x, state, start, layer: int, prev_sel, valid_bt, resident,
+              plugin: Callable = identity_plugin, layer_id=None, attend=attn_block):
+    """A MoE layer's first half: attention -> post-norm -> router -> plugins.  ``layer`` picks the attention's
+    variant (static), ``layer_id`` (default ``layer``; may be traced) is the index the plugins see.
+    Returns (h, hn, state, sel, before, after) with before / after the RoutingState the plugins got / gave."""
     B, T, H = x.shape
-    h, cache, sel = attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+    h, state, sel = attend(cfg, lp, x, state, start, layer, prev_sel, valid_bt)
     hn = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
+    before = route(cfg, lp["moe"], hn.reshape(B * T, H), valid_bt.reshape(B * T), resident,
+                   layer if layer_id is None else layer_id, positions_of(start, T))
+    return h, hn, state, sel, before, plugin(before)
+
+def moe_output(mp, h, hn, ids, weights, valid, bank: ExpertBank, slot_of=None, rows: Optional[int] = None):
+    """A MoE layer's second half: the routed experts of the real rows (moe_real_rows) + the shared expert + the
+    residual.  A real position routes to >= 1 expert (plugins never empty one): ``valid`` marks the real ones."""
+    B, T, H = h.shape
+    routed = moe_real_rows(hn.reshape(B * T, H), ids, weights, valid, bank, slot_of, rows)
+    return moe_finish(mp, h, hn, routed.reshape(B, T, H), valid.any(-1).reshape(B, T))
+
+def layer_forward(cfg: ModelConfig, lp, x, state, start, layer: int, prev_sel, valid_bt, experts: ExpertSource,
+                  plugin: Callable = identity_plugin, mi: int = 0, layer_id=None, attend=attn_block):
+    """One decoder layer on x [B, T, H]: ``moe_route`` -> ``experts`` -> ``moe_output`` (dense layers: attention +
+    MLP).  ``mi``: the layer's index among the MoE layers.  Returns (y, state, sel, routing) where routing is
+    (before, after) RoutingState or None for dense layers."""
     if "moe" not in lp:
-        return h + mlp(lp["mlp"], hn, valid_bt), cache, sel, None
-    flat = hn.reshape(B * T, H)
-    before = route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident, layer, positions_of(start, T))
-    after = plugin(before)
-    if bank is None:        # resident experts: the layer's own bank (slot_of: where an expert store put them)
-        bank, slot_of = lp["experts"], lp.get("slot_of")
-    if (bank.kernel != "native" and moe_rows is not None and B == 1 and moe_rows < T and
-            T * after.ids.shape[1] <= bank.local_slots):
-        # only where the full-width forward takes the gather path too: its per-(t, k) products are row-count
-        # invariant (the dense all-slots path is not, so it keeps the full width)
-        R = moe_rows
-        part = moe_routed(flat[:R], after.ids[:R], after.weights[:R], after.valid[:R], bank, slot_of, gather=True)
-        routed = jnp.zeros_like(flat).at[:R].set(part)
-    else:
-        routed = moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
-    y = moe_finish(lp["moe"], h, hn, routed.reshape(B, T, H), valid_bt)
-    return y, cache, sel, (before, after)
+        return (*dense_layer(cfg, lp, x, state, start, layer, prev_sel, valid_bt, attend), None)
+    h, hn, state, sel, before, after = moe_route(cfg, lp, x, state, start, layer, prev_sel, valid_bt,
+                                                 experts.resident(mi), plugin, layer_id, attend)
+    bank, slot_of, rows = experts.experts(mi, lp, hn, after, valid_bt)
+    y = moe_output(lp["moe"], h, hn, after.ids, after.weights, after.valid, bank, slot_of, rows)
+    return y, state, sel, (before, after)
 
 def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=None,
          plugin: Callable = identity_plugin, moe_rows: Optional[int] = None, logit_rows=None):
@@ -80,16 +132,12 @@ def step(cfg: ModelConfig, params, cache, tokens, start, lengths=None, resident=
         lengths = jnp.full((B,), T, jnp.int32)
     valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
     x = embed(params, tokens)
+    experts = ResidentExperts(cfg, resident, moe_rows)
     new_cache = []
     routing = []
     sel = None
-    mi = 0
     for i, lp in enumerate(params["layers"]):
-        res = None
-        if "moe" in lp:
-            res = resident[mi] if resident is not None else jnp.zeros((cfg.n_routed_experts,), bool)
-            mi += 1
-        x, c, sel, r = layer_forward(cfg, lp, x, cache[i], start, i, sel, valid_bt, res, plugin, moe_rows=moe_rows)
+        x, c, sel, r = layer_forward(cfg, lp, x, cache[i], start, i, sel, valid_bt, experts, plugin, len(routing))
         new_cache.append(c)
         if r is not None:
             routing.append(r)
@@ -135,10 +183,9 @@ def mtp_forward(cfg: ModelConfig, params, cache, tokens, hidden, start, lengths=
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
     valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
-    res = resident if resident is not None else jnp.zeros((cfg.n_routed_experts,), bool)
+    experts = ResidentExperts(cfg, None if resident is None else resident[None], bank=bank, slot_of=slot_of)
     u = mtp_input(cfg, params, tokens, hidden, own_head)
-    g, c, _, r = layer_forward(cfg, params["mtp"]["layer"], u, cache[L], start, L, None, valid_bt, res, plugin,
-                               bank, slot_of)
+    g, c, _, r = layer_forward(cfg, params["mtp"]["layer"], u, cache[L], start, L, None, valid_bt, experts, plugin)
     logits, hn = mtp_output(cfg, params, g, own_head)
     new_cache = list(cache[:L]) + [c] + list(cache[L + 1:])
     return logits, hn, new_cache, [r]

@@ -29,7 +29,7 @@ from ..fit import KV_DEFAULT_TOKENS
 from ..model.glm5_next_modules import model_class
 from ..model.modules import Split
 from .stats import routing_summary
-from .streaming import segment_steps, stream_step
+from .streaming import segment_steps
 
 BIG_POS = 1 << 30     # start of a row that takes no part in a forward: its K/V writes fall outside the cache
 
@@ -120,7 +120,8 @@ def scatter_rows(full, part, rmap):
 
 class Runner:
     """Forward passes over the cache.  The attributes are set by the subclass (``engine.Engine``): path, cfg,
-    params, opts, store, plugin, dtype, kv_dtype, device, kernel, moe_layers."""
+    params, opts, store, plugin, dtype, kv_dtype, device, kernel, moe_layers, backend (backends.py: where the
+    routed experts come from, chosen once at load)."""
 
     def _init_runtime(self):
         self._cache = None
@@ -206,11 +207,11 @@ class Runner:
 
     def memory_guard(self, kv_positions: int = 0, rows: int = 1):
         """Called by the scheduler before a request's prefill, with the positions the KV cache is about to grow by
-        (x ``rows``): where the run has a RAM budget the engine keeps inside it (``Engine.memory_guard``)."""
+        (x ``rows``): where the run has a RAM budget the engine keeps inside it (``MemoryGuard.memory_guard``)."""
 
     def memory_settled(self):
         """Called by a server's scheduler when it goes idle after work: the engine may hand what is measured free
-        back to the expert cache (``Engine._refit_memory``)."""
+        back to the expert cache (``MemoryGuard.refit``)."""
 
     def warmed_up(self):
         """Called at the end of ``Scheduler.warmup``: the engine may drop the programs it compiled and hand the
@@ -349,24 +350,7 @@ class Runner:
         lengths = np.asarray(lengths, np.int32)
         self._check_open()
         lr = None if logit_rows is None else np.asarray(logit_rows, bool)
-        if self.opts["fetch"] == "resident":
-            if window is not None and (window >= self._cache_len or self.cfg.is_mla):
-                window = None      # DSA's top-k selection runs over every cache position: MLA is never windowed
-            kw = {"moe_rows": moe_rows}
-            if row is not None:
-                kw["row"] = np.int32(row)
-            if window is not None:
-                kw["window"] = window
-            logits, hidden, self._cache, summ = self._step_resident()(
-                self.step_params(), self._cache, tokens, start, lengths, self._resident_masks(), lr, **kw)
-            self._accumulate(summ)
-        else:
-            viewed = row is not None and self._cache_batch > 1
-            shapes = self._stream_shapes(B, T, moe_rows, viewed, lr is None)
-            if shapes not in self._shapes_run:
-                self.before_new_shapes()          # this forward's programs compile now (Engine: room for it)
-            logits, hidden, self._cache = stream_step(self, tokens, start, lengths, lr, row if viewed else None)
-            self._shapes_run.add(shapes)
+        logits, hidden, self._cache = self.backend.forward(self, tokens, start, lengths, lr, row, window, moe_rows)
         if not bool(all_finite(logits, lengths)):
             real = int(np.argmax(np.asarray(lengths) > 0))
             s0 = int(start[real])

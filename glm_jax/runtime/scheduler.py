@@ -548,13 +548,13 @@ class Scheduler:
         if same and cap < rt._cache_len and rt.kv_give_back() and sum(r is not None for r in self.rows) <= 1:
             # a longer request grew the cache past the memory plan's reservation and no running row needs those
             # positions now (this newcomer's row is the only one taken): give them back (the rows keep their K/V
-            # below), and the next refit hands what that frees to the expert cache (Engine._refit_memory)
+            # below), and the next refit hands what that frees to the expert cache (MemoryGuard.refit)
             keep = max(cap, bucket(rt.kv_reserve_tokens, 256))
             if keep < rt._cache_len:
                 rt.shrink_cache(self.B, keep)
                 self.row_toks = [t[:keep] if len(t) <= keep or not rt.recurrent_state else [] for t in self.row_toks]
         # the positions about to be allocated (a replaced cache is freed first), and the programs compiled since
-        # the last check: the engine makes room in its budget before the prefill (Engine.memory_guard)
+        # the last check: the engine makes room in its budget before the prefill (MemoryGuard.memory_guard)
         rt.memory_guard(max(0, cap - rt._cache_len) if same else cap, self.B)
         if not same:
             if any(r is not None and r.state != "prefill" for r in self.rows):
@@ -566,7 +566,7 @@ class Scheduler:
     def _windowed(self) -> bool:
         """Decode reads a window of the cache (GQA, every expert resident): its cost does not grow with the cache's
         length (DSA and a streamed store's step run over the whole cache)."""
-        return not self.rt.cfg.is_mla and self.rt.opts["fetch"] == "resident"
+        return not self.rt.cfg.is_mla and not self.rt.backend.streamed
 
     def _window(self, end: int) -> int:
         return min(self.rt._cache_len, bucket(end, MIN_WINDOW))
@@ -575,7 +575,7 @@ class Scheduler:
         """Whether a 1-4-token chunk may run at SHORT_PREFILL rows: where its rows' results are bitwise those of the
         16-row bucket (GQA, every expert resident; tested).  The streamed store's fused path gave other tokens from
         a 1-token suffix at 4 rows (b, fetch=fused: the 43rd greedy token), so it and MLA / DSA keep 16 rows."""
-        return self.rt.opts["fetch"] == "resident" and self.rt.cfg.model_type == "glm4_moe"
+        return not self.rt.backend.streamed and self.rt.cfg.model_type == "glm4_moe"
 
     def _prefill_chunk(self, req: Request):
         rt = self.rt
@@ -734,10 +734,10 @@ class Scheduler:
         hosted = [r for r in dec if r.spec is None and r.processor is not None]
         spec = [r for r in dec if r.spec is not None]
         c0, t0 = rt.compile_s, time.perf_counter()
-        if rt.opts["fetch"] != "resident":         # one batched forward for all of them (the store's union)
+        if rt.backend.streamed:                    # one batched forward for all of them (the store's union)
             plain, hosted = plain + hosted, []
         if plain:
-            if rt.opts["fetch"] == "resident" or self._fused_streams(plain, W):
+            if not rt.backend.streamed or self._fused_streams(plain, W):
                 self._fused(plain, n, W)
             else:
                 self._one_step(plain, W)
@@ -804,14 +804,15 @@ class Scheduler:
         inside it (every row plain -- no host-side logits processor --, the store's banks aliased, each step's
         union within one fetch); else one forward per step."""
         rt = self.rt
-        if rt.opts["fetch"] != "fused" or not rt.store.aliased or any(r.processor is not None for r in rows):
+        if not rt.backend.fused_decode or any(r.processor is not None for r in rows):
             return False
         return fused_applies(rt, self.B, W, self._rows_arrays(rows)[0].astype(np.int32))
 
-    def _fused(self, rows, n, W):
+    def _fused_dispatch(self, rows, n: int, W: int, budget, streamed_store: bool):
+        """The shape of a multi-step decode dispatch of ``rows``: (steps, the KV window, the rows it runs on (None:
+        all), the streaming interval (0: none), the native sink or None, optimistic: the store's program without
+        host calls)."""
         rt = self.rt
-        streamed_store = rt.opts["fetch"] == "fused"
-        active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
         # the host callback where someone reads tokens as they come (a stream; its stop strings, its cancel): the
         # loop then hands them over, stops rows and ends early for a newcomer itself, so it may run FUSED_CHUNK
         # steps; without it a dispatch runs what fits in --dispatch_ms.  A streamed dispatch of fewer steps (a
@@ -828,13 +829,20 @@ class Scheduler:
         # the store's path runs at max_batch over the whole cache, as fetch=loop's one step does (bitwise its output)
         window = self._window(end) if not rt.cfg.is_mla and not streamed_store else rt._cache_len
         rmap = None if streamed_store else self.decode_rows(rows, W)
-        w = self.B if rmap is None else len(rmap)
-        sel = slice(None) if rmap is None else rmap
         every = self.stream_interval if streamed else 0
         sink = self._native_sink() if every else None
         # the store's program without host calls first; after a dispatch it ended at a miss, the one with them,
         # until one of those runs without a miss (a cold cache: every optimistic try would end at its first step)
-        optimistic = streamed_store and not rt.opts["prefetch"] and not self._missed
+        optimistic = streamed_store and not rt.backend.prefetch and not self._missed
+        return n, window, rmap, every, sink, optimistic
+
+    def _fused(self, rows, n, W):
+        rt = self.rt
+        streamed_store = rt.backend.fused_decode
+        active, temp, topk, topp, eos_on, budget = self._rows_arrays(rows)
+        n, window, rmap, every, sink, optimistic = self._fused_dispatch(rows, n, W, budget, streamed_store)
+        w = self.B if rmap is None else len(rmap)
+        sel = slice(None) if rmap is None else rmap
         misses0 = _store_misses(rt)
         compiled = _fused_key(self.B, W, window, w, every, sink is not None, optimistic) in rt._jits
         fn = _fused_fn(rt, self.B, W, window, w, every, sink is not None, optimistic)
@@ -899,6 +907,11 @@ class Scheduler:
             out = full
         self.counters["dispatches"] += 1
         self.counters["decode_steps"] += steps
+        self._fused_deliver(rows, out, cnt, sel, live)
+
+    def _fused_deliver(self, rows, out, cnt, sel, live):
+        """A dispatch's tokens (``out`` [steps, B], ``cnt`` [B] per row, in row order) to their requests, past what
+        the loop streamed already (``live["sent"]``)."""
         sent = np.zeros(self.B, np.int64)
         sent[sel] = live["sent"]
         for r in rows:
@@ -1111,7 +1124,7 @@ def _fused_fn(rt, B: int, W: int, window: int, w: Optional[int] = None, every: i
     # store's state (fused_state: slot maps, resident masks, the routing log its bookkeeping is replayed from),
     # carried step to step
     fwd = (fused_forward(rt, B, W, 1 if (B == 1 and 1 < W <= 16) else None, optimistic)
-           if rt.opts["fetch"] == "fused" else None)
+           if rt.backend.fused_decode else None)
 
     def one(params, part, tok, pos, active, resident):
         toks = jnp.zeros((B, W), jnp.int32).at[:, 0].set(tok)

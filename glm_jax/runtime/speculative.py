@@ -226,7 +226,7 @@ class SpecRow:
         self.plan, self.rt = plan, rt
         self.k, self.W = plan.k, decode_width(rt, plan.k)
         self.mtp = plan.source == "mtp"
-        self.streamed = rt.opts["fetch"] != "resident"
+        self.streamed = rt.backend.streamed
         P = len(prompt_ids)
         self.out = out
         self.seq = list(prompt_ids) + list(out)

@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from .. import fileio
-from .. import model as M
+from .. import model
 from ..kernels.formats import ExpertBank
 from .stats import routing_summary as _routing_summary
 
@@ -37,124 +37,121 @@ OVERLAP_MAX_PAIRS = 512    # --overlap, native kernel: the most (position, k) pa
 
 def _layer_key(cfg, i):
     # GQA layers are interchangeable (one compile); DSA layers differ by indexer type only (one compile per type)
-    return M.variant_layer(cfg, i) if cfg.is_mla else 0
+    return model.variant_layer(cfg, i) if cfg.is_mla else 0
 
 
-def _fns(engine):
-    fns = getattr(engine, "_stream_fns", None)
-    if fns is not None:
-        return fns
-    cfg = engine.cfg
-    plugin = engine.plugin or M.identity_plugin
-    want_stats = engine.plugin is not None
-    @jax.jit
-    def embed(params, tokens):
-        return M.embed(params, tokens)
+def row_attention(row):
+    """The attention a streamed layer runs: attn_block on the cache, or with ``row`` (traced int32) on that row of
+    it alone, written back in place (the cache is donated): one layer's row is the transient, where a copy of the
+    row's every layer (Runner.row_view) took a 2600-token prefill of 2 rows in the GLM-4.5-Air slice's 0.3x box
+    50 MB past its budget."""
+    if row is None:
+        return model.attn_block
 
-    def attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row):
-        """attn_block on the cache, or with ``row`` (traced int32) on that row of it alone, written back in place
-        (the cache is donated): one layer's row is the transient, where a copy of the row's every layer
-        (Runner.row_view) took a 2600-token prefill of 2 rows in the GLM-4.5-Air slice's 0.3x box 50 MB past its
-        budget."""
-        if row is None:
-            return M.attn_block(cfg, lp, x, cache, start, layer, prev_sel, valid_bt)
+    def attend(cfg, lp, x, cache, start, layer, prev_sel, valid_bt):
         part = {k: jax.lax.dynamic_slice_in_dim(v, row, 1, axis=0) for k, v in cache.items()}
-        h, part, sel = M.attn_block(cfg, lp, x, part, start, layer, prev_sel, valid_bt)
+        h, part, sel = model.attn_block(cfg, lp, x, part, start, layer, prev_sel, valid_bt)
         return h, {k: jax.lax.dynamic_update_slice_in_dim(v, part[k].astype(v.dtype), row, axis=0)
                    for k, v in cache.items()}, sel
+    return attend
 
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-    def dense(layer, lp, x, cache, start, prev_sel, valid_bt, row=None):
-        h, cache, sel = attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row)
-        return h + M.mlp(lp["mlp"], M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps), valid_bt), cache, sel
 
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-    def attn_route(layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router, layer_id, row=None):
+class StreamPrograms:
+    """fetch=loop's programs, each shared by every layer of its kind (one compile): a layer's two halves around the
+    host's fetch (``attn_route``: model.moe_route, ``moe_part``: model.moe_output), dense layers, the head, and
+    the splits of the experts' half that --overlap and a union beyond one fetch use (per-(t, k) terms merged, then
+    combined in routing order: bitwise ``moe_part``'s output)."""
+
+    def __init__(self, cfg, plugin=None):
+        self.cfg = cfg
+        self.plugin = plugin or model.identity_plugin
+        self.want_stats = plugin is not None
+        self.embed = jax.jit(model.embed)
+        self.dense = jax.jit(self._dense, static_argnums=(0,), donate_argnums=(3,))
+        self.attn_route = jax.jit(self._attn_route, static_argnums=(0,), donate_argnums=(3,))
+        self.moe_part = jax.jit(self._moe_part, static_argnums=(0,))
+        self.moe_early = jax.jit(self._moe_early, static_argnums=(0,))
+        self.moe_late = jax.jit(self._moe_late, static_argnums=(0,))
+        self.terms_merge = jax.jit(self._terms_merge, static_argnums=(0,))
+        self.combine_finish = jax.jit(self._combine_finish)
+        self.head = jax.jit(self._head)
+
+    def jitted(self) -> list:
+        """Every program above (their compiled variants: ``_cache_size``)."""
+        return [self.embed, self.dense, self.attn_route, self.moe_part, self.moe_early, self.moe_late,
+                self.terms_merge, self.combine_finish, self.head]
+
+    def _dense(self, layer, lp, x, cache, start, prev_sel, valid_bt, row=None):
+        return model.dense_layer(self.cfg, lp, x, cache, start, layer, prev_sel, valid_bt, row_attention(row))
+
+    def _attn_route(self, layer, lp, x, cache, start, prev_sel, valid_bt, resident, next_router, layer_id,
+                    row=None):
         """``layer`` (static) picks the compiled variant (_layer_key); ``layer_id`` (traced) is the true index the
-        plugins see."""
+        plugins see; ``next_router``: the next MoE layer's router, run on this layer's post-attention state (its
+        experts predicted for --prefetch)."""
+        cfg = self.cfg
         B, T, H = x.shape
-        h, cache, sel = attn_on(layer, lp, x, cache, start, prev_sel, valid_bt, row)
-        hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-        flat = hn.reshape(B * T, H)
-        before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident, layer_id, M.positions_of(start, T))
-        after = plugin(before)
-        pred = None
-        if next_router is not None:   # router lookahead: layer L+1's router on layer L's post-attention state
-            pred = M.route(cfg, next_router, flat, valid_bt.reshape(B * T), resident).ids
-        summ = _routing_summary([(before, after)], want_stats)
-        return h, hn, cache, sel, after.ids, after.weights, after.valid, pred, summ
+        h, hn, cache, sel, before, after = model.moe_route(cfg, lp, x, cache, start, layer, prev_sel, valid_bt,
+                                                       resident, self.plugin, layer_id, row_attention(row))
+        predicted = None
+        if next_router is not None:
+            predicted = model.route(cfg, next_router, hn.reshape(B * T, H), valid_bt.reshape(B * T), resident).ids
+        summary = _routing_summary([(before, after)], self.want_stats)
+        return h, hn, cache, sel, after.ids, after.weights, after.valid, predicted, summary
 
-    def routed_rows(rows, h, hn, ids, w, valid, bank, slot_of):
-        """The seam; with static ``rows`` only rows [:rows] can be real (a padded decode / verify, see
-        model.layer_forward's moe_rows: same gather-path products, one row's experts instead of T)."""
-        B, T, H = h.shape
-        flat = hn.reshape(B * T, H)
-        if rows is None:
-            return M.moe_routed(flat, ids, w, valid, bank, slot_of).reshape(B, T, H)
-        part = M.moe_routed(flat[:rows], ids[:rows], w[:rows], valid[:rows], bank, slot_of, gather=True)
-        return jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, H)
-
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def moe_part(rows, mp, h, hn, ids, w, valid, bank, slot_of):
+    @staticmethod
+    def _moe_part(rows, mp, h, hn, ids, w, valid, bank, slot_of):
         """The seam + shared expert: the layer's output."""
-        real = valid.any(-1).reshape(h.shape[:2])   # a real position routes to >= 1 expert (plugins never empty one)
-        return M.moe_finish(mp, h, hn, routed_rows(rows, h, hn, ids, w, valid, bank, slot_of), real)
+        return model.moe_output(mp, h, hn, ids, w, valid, bank, slot_of, rows)
 
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def moe_early(rows, mp, hn, ids, hit, bank, slot_of):
+    @staticmethod
+    def _moe_early(rows, mp, hn, ids, hit, bank, slot_of):
         """--overlap, dispatched once the misses' reads are issued (store.fetch's ``during``): the resident (hit)
         experts' per-(t, k) terms and the shared expert.  Its work is native kernels, so XLA:CPU deems it cheap
         (< 1000 flops) and runs it inline on the calling thread: dispatched before the reads, it ran before them."""
         B, T, H = hn.shape
         r = B * T if rows is None else rows
         flat = hn.reshape(B * T, H)[:r]
-        return M.moe_terms(flat, ids[:r], hit[:r], bank, slot_of), M.mlp(mp["shared"], hn)
+        return model.moe_terms(flat, ids[:r], hit[:r], bank, slot_of), model.mlp(mp["shared"], hn)
 
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def moe_late(rows, h, hn, ids, w, valid, hit, y_hit, shared, bank, slot_of):
+    @staticmethod
+    def _moe_late(rows, h, hn, ids, w, valid, hit, y_hit, shared, bank, slot_of):
         """--overlap, after the misses are read: the terms of those not computed yet (``hit``: the entries computed
         already, the early ones and terms_merge's), merged per (t, k) and combined in the same order as moe_part --
         bitwise the same output whatever the split was."""
         B, T, H = h.shape
         r = B * T if rows is None else rows
         flat = hn.reshape(B * T, H)
-        y = jnp.where(hit[:r, :, None], y_hit, M.moe_terms(flat[:r], ids[:r], valid[:r] & ~hit[:r], bank, slot_of))
-        part = M.moe_combine(y, w[:r], valid[:r]).astype(flat.dtype)
-        routed = part if rows is None else jnp.zeros_like(flat).at[:r].set(part)
-        return h + routed.reshape(B, T, H) + shared
+        y = jnp.where(hit[:r, :, None], y_hit, model.moe_terms(flat[:r], ids[:r], valid[:r] & ~hit[:r], bank, slot_of))
+        part = model.moe_combine(y, w[:r], valid[:r]).astype(flat.dtype)
+        return h + model.real_rows(part, flat, rows).reshape(B, T, H) + shared
 
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def terms_merge(rows, y, hn, ids, m, bank, slot_of):
+    @staticmethod
+    def _terms_merge(rows, y, hn, ids, m, bank, slot_of):
         """The per-(t, k) terms of the entries ``m`` merged into ``y`` (the first ``rows`` positions, as moe_early's):
         a chunk of a large union (prefill), or --overlap's group of the misses whose reads have landed while later
         ones are still being read (store.fetch's ``landed``)."""
         B, T, H = hn.shape
         r = B * T if rows is None else rows
-        yc = M.moe_terms(hn.reshape(B * T, H)[:r], ids[:r], m[:r], bank, slot_of)
-        return jnp.where(m[:r, :, None], yc, y)
+        terms = model.moe_terms(hn.reshape(B * T, H)[:r], ids[:r], m[:r], bank, slot_of)
+        return jnp.where(m[:r, :, None], terms, y)
 
-    @jax.jit
-    def combine_finish(mp, h, hn, y, w, valid):
+    @staticmethod
+    def _combine_finish(mp, h, hn, y, w, valid):
         """After the last chunk: the terms summed in routing order + the shared expert."""
-        routed = M.moe_combine(y, w, valid).astype(h.dtype).reshape(h.shape)
-        return M.moe_finish(mp, h, hn, routed, valid.any(-1).reshape(h.shape[:2]))
+        routed = model.moe_combine(y, w, valid).astype(h.dtype).reshape(h.shape)
+        return model.moe_finish(mp, h, hn, routed, valid.any(-1).reshape(h.shape[:2]))
 
-    @jax.jit
-    def head(norm, lm_head, x, rows):
-        hidden = M.rms_norm(x, norm, cfg.rms_norm_eps)
-        return M.head_logits(hidden, lm_head, rows), hidden
-
-    engine._stream_fns = fns = dict(embed=embed, dense=dense, attn_route=attn_route, moe_part=moe_part,
-                                    moe_early=moe_early, moe_late=moe_late, head=head, terms_merge=terms_merge,
-                                    combine_finish=combine_finish)
-    return fns
+    def _head(self, norm, lm_head, x, rows):
+        hidden = model.rms_norm(x, norm, self.cfg.rms_norm_eps)
+        return model.head_logits(hidden, lm_head, rows), hidden
 
 
 def _acc(engine, key, v):
     engine._route_acc[key] = engine._route_acc.get(key, 0.0) + float(v)
 
 
-def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
+def _chunked_moe(engine, programs, layer, mp, h, hn, ids, ids_np, w, valid, union):
     """A union larger than one fetch can hold (a prefill within a small RAM budget): fetch it in chunks of
     ``store.call_limit`` experts; each chunk's per-(t, k) terms are computed and merged before the next fetch (which
     may reuse its slots, so each chunk is waited for), then summed in routing order with the shared expert.  Peak
@@ -166,122 +163,148 @@ def _chunked_moe(engine, f, layer, mp, h, hn, ids, ids_np, w, valid, union):
         part = union[c0:c0 + lim]
         bank, slot_of = store.fetch(layer, part)
         m = valid & jnp.asarray(np.isin(ids_np, part))
-        y = f["terms_merge"](None, y, hn, ids, m, bank, jnp.asarray(slot_of))
+        y = programs.terms_merge(None, y, hn, ids, m, bank, jnp.asarray(slot_of))
         y.block_until_ready()
     _acc(engine, "chunked_unions", 1)
-    return f["combine_finish"](mp, h, hn, y, w, valid)
+    return programs.combine_finish(mp, h, hn, y, w, valid)
 
 
-def stream_step(engine, tokens, start, lengths, logit_rows=None, row=None):
-    """engine.forward for fetch=loop|callback|fused.  Returns (logits, hidden, cache).  ``row``: tokens [1, T] run
-    on that row of the batch cache alone (the loop's layers read and write it in place; the whole-model programs
-    run on the row's copy, Runner.row_view)."""
-    callback = engine.opts["fetch"] == "callback" or (engine.opts["fetch"] == "fused" and not engine.store.aliased)
-    fused = not callback and engine.opts["fetch"] == "fused" and fused_applies(engine, *tokens.shape, lengths)
-    if row is not None and (callback or fused):
-        with engine.row_view(row):
-            logits, hidden, engine._cache = stream_step(engine, tokens, start, lengths, logit_rows)
-        return logits, hidden, engine._cache
-    if callback:
-        return _callback_step(engine, tokens, start, lengths, logit_rows)
-    if fused:
-        return _fused_step(engine, tokens, start, lengths, logit_rows)
+class _OverlapSplit:
+    """--overlap: a MoE layer's hits (+ the shared expert) dispatched once the misses' reads are issued (store.fetch's
+    ``during``: they run beside the reads), then each group of the misses that has landed while later ones are still
+    being read (``landed``); ``moe_late`` computes the rest and combines every term in routing order."""
+
+    def __init__(self, programs, rows, moe_params, hn, ids, ids_np, valid_np, hit, bank, slot_of):
+        self.programs, self.rows, self.moe_params, self.hn, self.ids = programs, rows, moe_params, hn, ids
+        self.ids_np, self.valid_np, self.hit, self.bank, self.slot_of = ids_np, valid_np, hit, bank, slot_of
+        self.started = False
+        self.done = self.terms = self.shared = None
+
+    def during(self):
+        self.started = True
+        self.done = self.hit
+        self.terms, self.shared = self.programs.moe_early(self.rows, self.moe_params, self.hn, self.ids, self.hit,
+                                                          self.bank, self.slot_of)
+
+    def landed(self, experts, bank, slot_of):
+        m = self.valid_np & np.isin(self.ids_np, experts)
+        self.done = self.done | m
+        self.terms = self.programs.terms_merge(self.rows, self.terms, self.hn, self.ids, m, bank, slot_of)
+
+
+class _LoopForward:
+    """One fetch=loop forward's host side across its MoE layers: the routing read back, the store's fetch, the
+    route trace, the next layer's predicted experts (--prefetch), the hit/miss split (--overlap)."""
+
+    def __init__(self, engine, programs, B: int, T: int, lengths, positions_valid):
+        self.engine, self.programs, self.store = engine, programs, engine.store
+        self.n_real = int(np.max(np.asarray(lengths)))
+        self.short = B == 1 and T <= 16 and self.n_real < T    # a padded decode / verify: the real rows' experts
+        self.positions = B * T
+        self.positions_valid = positions_valid
+        self.trace = [] if engine.backend.route_trace else None
+        self.predicted = None
+        # the hit/miss split in one process only: with several, each one's store holds and reads its own shard, so
+        # the split would be each process's own, and every process must run the same programs for their
+        # collectives to pair up
+        self.overlap = engine.backend.overlap and jax.process_count() == 1
+
+    def moe_layer(self, i, lp, h, hn, ids, w, valid, predicted, summary, next_layer):
+        """MoE layer ``i`` after its first program: its union fetched, then its second program.  Returns its output."""
+        engine, store, programs = self.engine, self.store, self.programs
+        ids_np, valid_np = np.asarray(ids), np.asarray(valid)       # the one host sync per MoE layer
+        union = np.unique(ids_np[valid_np])
+        if self.predicted is not None:
+            _acc(engine, "prefetch_recall_hits", len(np.intersect1d(self.predicted, union)))
+            _acc(engine, "prefetch_recall_total", len(union))
+            self.predicted = None
+        if len(union) > store.call_limit(i):
+            self._count(i, union, summary)
+            return _chunked_moe(engine, programs, i, lp["moe"], h, hn, ids, ids_np, w, valid, union)
+        entries = (self.n_real if self.short else self.positions) * ids_np.shape[-1]   # the (t, k) pairs computed
+        rows = self.n_real if self.short and entries <= store._layer(i).S else None
+        split = self._split(i, lp, hn, ids, ids_np, valid_np, union, rows, entries)
+        bank, slot_of = store.fetch(i, union, during=split and split.during, landed=split and split.landed)
+        if self.trace is not None:
+            self.trace.append([i, union.tolist()])
+        if predicted is not None:
+            self.predicted = np.unique(np.asarray(predicted)[self.positions_valid.reshape(-1)])
+            store.prefetch(next_layer, self.predicted)      # background loads while this layer computes
+        self._count(None, union, summary)
+        if split is None or not split.started:
+            return programs.moe_part(rows, lp["moe"], h, hn, ids, w, valid, bank, slot_of)
+        return programs.moe_late(rows, h, hn, ids, w, valid, split.done, split.terms, split.shared, bank, slot_of)
+
+    def _count(self, traced_layer, union, summary):
+        if traced_layer is not None and self.trace is not None:
+            self.trace.append([traced_layer, union.tolist()])
+        _acc(self.engine, "union_experts", len(union))
+        _acc(self.engine, "moe_layer_forwards", 1)
+        self.engine._accumulate(summary)
+
+    def _split(self, i, lp, hn, ids, ids_np, valid_np, union, rows, entries):
+        """--overlap's split of layer ``i``, where it applies: the XLA gather path reads only its slots; the native
+        kernel computes any pairs, its per-(t, k) terms kept to decode-sized forwards (a 512-token chunk's would be
+        64 MB at H 4096); a layer with a miss and a hit (or several misses)."""
+        store = self.store
+        if not self.overlap or not (entries <= store._layer(i).S or (
+                store._layer(i).bank.kernel == "native" and entries <= OVERLAP_MAX_PAIRS)):
+            return None
+        resident_now = store.resident_mask(i)
+        resident = resident_now[union]
+        if resident.all() or not (resident.any() or len(union) > 1):
+            return None
+        bank, slot_of = store.peek(i)
+        return _OverlapSplit(self.programs, rows, lp["moe"], hn, ids, ids_np, valid_np,
+                             valid_np & resident_now[ids_np], bank, slot_of)
+
+
+def loop_step(engine, tokens, start, lengths, logit_rows=None, row=None):
+    """fetch=loop's forward: per MoE layer, the first program (attention -> router -> plugins), the routing read
+    back, ``store.fetch`` of its union, the second program (experts -> shared expert); dense layers one program each.
+    Returns (logits, hidden, cache).  ``row``: tokens [1, T] on that row of the batch cache, each layer's read and
+    written in place."""
     # the host's arrays go to the programs as numpy arrays (the call transfers them): a jnp.asarray / jnp op here
     # is an eager dispatch of its own: ~9% of a 0.3x-box token (py-spy)
-    rw = None if row is None else np.int32(row)
-    cfg, params, store = engine.cfg, engine.params, engine.store
-    f = _fns(engine)
+    row_index = None if row is None else np.int32(row)
+    cfg, params = engine.cfg, engine.params
+    programs = engine.backend.programs
     B, T = tokens.shape
-    valid_bt = valid_np = np.arange(T)[None, :] < np.asarray(lengths)[:, None]
-    x = f["embed"]({"embed": params["embed"], "norm": params["norm"]}, tokens)
+    valid_bt = np.arange(T)[None, :] < np.asarray(lengths)[:, None]
+    x = programs.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
     cache = engine._cache
-    n_real = int(np.max(np.asarray(lengths)))
-    short = B == 1 and T <= 16 and n_real < T       # a padded decode / verify: experts for the real rows only
+    forward = _LoopForward(engine, programs, B, T, lengths, valid_bt)
     sel = None
     layers = params["layers"]
     moe_idx = [i for i, lp in enumerate(layers) if "moe" in lp]
-    pending_pred = None
-    trace = [] if engine.opts["route_trace"] else None
-    # the hit/miss split in one process only: with several, each one's store holds and reads its own shard, so the
-    # split would be each process's own, and every process must run the same programs for their collectives to pair up
-    overlap = engine.opts["overlap"] and jax.process_count() == 1
     for i, lp in enumerate(layers):
         k = _layer_key(cfg, i)
         if "moe" not in lp:
-            x, cache[i], sel = f["dense"](k, lp, x, cache[i], start, sel, valid_bt, rw)
+            x, cache[i], sel = programs.dense(k, lp, x, cache[i], start, sel, valid_bt, row_index)
             continue
-        nxt = None
-        if engine.opts["prefetch"]:
-            later = [j for j in moe_idx if j > i]
-            nxt = layers[later[0]]["moe"] if later else None
-        h, hn, cache[i], sel, ids, w, valid, pred, summ = f["attn_route"](
-            k, lp, x, cache[i], start, sel, valid_bt, engine.resident_for(i), nxt, np.int32(i), rw)
-        ids_np, valid_np_k = np.asarray(ids), np.asarray(valid)       # the one host sync per MoE layer
-        union = np.unique(ids_np[valid_np_k])
-        if pending_pred is not None:
-            _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pending_pred, union)))
-            _acc(engine, "prefetch_recall_total", len(union))
-            pending_pred = None
-        if len(union) > store.call_limit(i):
-            if trace is not None:
-                trace.append([i, union.tolist()])
-            _acc(engine, "union_experts", len(union))
-            _acc(engine, "moe_layer_forwards", 1)
-            engine._accumulate(summ)
-            x = _chunked_moe(engine, f, i, lp["moe"], h, hn, ids, ids_np, w, valid, union)
-            continue
-        entries = (n_real if short else B * T) * ids_np.shape[-1]     # the (position, k) pairs the seam computes
-        rows = n_real if short and entries <= store._layer(i).S else None
-        early, during, landed = [], None, None
-        # the XLA gather path reads only its slots; the native kernel computes any pairs, its per-(t, k) terms kept
-        # to decode-sized forwards (a 512-token chunk's would be 64 MB at H 4096)
-        if overlap and (entries <= store._layer(i).S or (
-                store._layer(i).bank.kernel == "native" and entries <= OVERLAP_MAX_PAIRS)):
-            res_now = store.resident_mask(i)
-            resident = res_now[union]
-            if not resident.all() and (resident.any() or len(union) > 1):
-                # the hits (+ shared expert), dispatched once the misses' reads are issued: they run beside them;
-                # then each group of the misses that has landed while later ones are still being read
-                b0, s0 = store.peek(i)
-                hit = valid_np_k & res_now[ids_np]
-
-                def during():
-                    early[:] = (hit,) + tuple(f["moe_early"](rows, lp["moe"], hn, ids, hit, b0, s0))
-
-                def landed(es, b1, s1):
-                    m = valid_np_k & np.isin(ids_np, es)
-                    early[:2] = early[0] | m, f["terms_merge"](rows, early[1], hn, ids, m, b1, s1)
-        bank, slot_of = store.fetch(i, union, during=during, landed=landed)
-        early = early or None
-        if trace is not None:
-            trace.append([i, union.tolist()])
-        if pred is not None:
-            pn = np.asarray(pred)[valid_np.reshape(-1)]
-            pending_pred = np.unique(pn)
-            store.prefetch(later[0], pending_pred)      # background loads while this layer computes
-        _acc(engine, "union_experts", len(union))
-        _acc(engine, "moe_layer_forwards", 1)
-        engine._accumulate(summ)
-        if early is None:
-            x = f["moe_part"](rows, lp["moe"], h, hn, ids, w, valid, bank, slot_of)
-        else:
-            x = f["moe_late"](rows, h, hn, ids, w, valid, early[0], early[1], early[2], bank, slot_of)
-    logits, hidden = f["head"](params["norm"], params["lm_head"], x, valid_bt if logit_rows is None else logit_rows)
-    if trace:
-        write_route_trace(engine, trace)
+        later = [j for j in moe_idx if j > i]
+        next_layer = later[0] if engine.backend.prefetch and later else None
+        next_router = None if next_layer is None else layers[next_layer]["moe"]
+        h, hn, cache[i], sel, ids, w, valid, predicted, summary = programs.attn_route(
+            k, lp, x, cache[i], start, sel, valid_bt, engine.resident_for(i), next_router, np.int32(i), row_index)
+        x = forward.moe_layer(i, lp, h, hn, ids, w, valid, predicted, summary, next_layer)
+    logits, hidden = programs.head(params["norm"], params["lm_head"], x,
+                                   valid_bt if logit_rows is None else logit_rows)
+    if forward.trace:
+        write_route_trace(engine, forward.trace)
     return logits, hidden, cache
 
 
 def write_route_trace(engine, trace: list):
     """Append one forward's routing to --route_trace (fileio.append_output).  A failed write (a full disk, a FIFO
     nobody reads) is one warning line, the trace is then off for this engine, and the generation goes on."""
-    path = engine.opts["route_trace"]
-    if getattr(engine, "_route_trace_off", False):
+    path = engine.backend.route_trace
+    if engine.backend.trace_off:
         return
     try:
         fileio.append_output(path, json.dumps(trace) + "\n")
     except OSError as e:
-        engine._route_trace_off = True
+        engine.backend.trace_off = True
         print(f"glm-jax: warning: --route_trace={path}: cannot write ({e.strerror or e}); the routing trace is "
               "off for the rest of this run", file=sys.stderr, flush=True)
 
@@ -292,19 +315,19 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
     loop style: jit(input + attention + router + plugins) -> host union -> store.fetch -> jit(seam + shared) ->
     jit(shared_head).  Uses and updates the engine's MTP cache entry.  Returns (logits [B,T,V], hn [B,T,H])."""
     cfg, params, store = engine.cfg, engine.params, engine.store
-    f = _fns(engine)
+    programs = engine.backend.programs
     L = cfg.num_hidden_layers
     key = ("mtp_io", own_head)
     io = engine._jits.get(key)
     if io is None:
-        io = engine._jits[key] = (jax.jit(functools.partial(M.mtp_input, cfg, own_embed=own_head)),
-                                  jax.jit(functools.partial(M.mtp_output, cfg, own_head=own_head)))
+        io = engine._jits[key] = (jax.jit(functools.partial(model.mtp_input, cfg, own_embed=own_head)),
+                                  jax.jit(functools.partial(model.mtp_output, cfg, own_head=own_head)))
     B, T = tokens.shape
     valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
     u = io[0](params, tokens, hidden)
     lp = params["mtp"]["layer"]
     cache = engine._cache
-    h, hn, cache[L], _, ids, w, valid, _, summ = f["attn_route"](
+    h, hn, cache[L], _, ids, w, valid, _, summ = programs.attn_route(
         _layer_key(cfg, L), lp, u, cache[L], start, None, valid_bt, jnp.asarray(engine.resident_for(L)), None,
         np.int32(L))
     engine._check_routing(summ)
@@ -312,15 +335,15 @@ def mtp_stream(engine, tokens, hidden, start, lengths, own_head: bool = False):
     union = np.unique(ids_np[np.asarray(valid)])
     _acc(engine, "mtp_union_experts", len(union))
     if len(union) > store.call_limit(L):
-        g = _chunked_moe(engine, f, L, lp["moe"], h, hn, ids, ids_np, w, valid, union)
+        g = _chunked_moe(engine, programs, L, lp["moe"], h, hn, ids, ids_np, w, valid, union)
     else:
         bank, slot_of = store.fetch(L, union)
-        g = f["moe_part"](None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
+        g = programs.moe_part(None, lp["moe"], h, hn, ids, w, valid, bank, jnp.asarray(slot_of))
     return io[1](params, g)
 
 
 # ----------------------------------------------------------------------------- callback mode
-def _callback_step(engine, tokens, start, lengths, logit_rows=None):
+def callback_step(engine, tokens, start, lengths, logit_rows=None):
     cfg = engine.cfg
     B, T = tokens.shape
     n_real = int(np.max(np.asarray(lengths)))
@@ -340,7 +363,7 @@ def _callback_step(engine, tokens, start, lengths, logit_rows=None):
 
 def _build_callback_step(engine, n_pos, rows=None):
     cfg, store = engine.cfg, engine.store
-    plugin = engine.plugin or M.identity_plugin
+    plugin = engine.plugin or model.identity_plugin
     want_stats = engine.plugin is not None
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     W = min(E, K * (rows if rows is not None else n_pos))
@@ -364,43 +387,45 @@ def _build_callback_step(engine, n_pos, rows=None):
         compact[union] = np.arange(len(union), dtype=np.int32)
         return out, compact, np.int32(len(union))
 
+    class HostExperts(model.ExpertSource):
+        """Each MoE layer's experts from the store through an ordered io_callback (host_fetch): a compact bank of
+        the union's experts, gathered on the host."""
+
+        def __init__(self, resident):
+            self.masks, self.unions = resident, []
+
+        def resident(self, mi):
+            return self.masks[mi]
+
+        def experts(self, mi, lp, hn, after, valid_bt):
+            layer = cfg.moe_layers[mi]
+            r = hn.shape[0] * hn.shape[1] if rows is None else rows
+            shapes = (specs[layer], jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, layer), shapes, after.ids[:r],
+                                                 after.valid[:r], ordered=True)
+            self.unions.append(n_union)
+            b0 = store._layer(layer).bank
+            bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
+                              fmt=store._layer(layer).layout.fmt, kernel=b0.kernel, layout=b0.layout,
+                              hidden=b0.hidden, inter=b0.inter)
+            return bank, slot_of, rows      # the real rows: the same gather-path products as fetch=loop's
+
     def f(params, cache, tokens, start, lengths, resident):
-        B, T = tokens.shape
+        T = tokens.shape[1]
         valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
-        x = M.embed(params, tokens)
+        x = model.embed(params, tokens)
+        experts = HostExperts(resident)
         sel = None
         new_cache = list(cache)
-        summs, unions = [], []
-        mi = 0
+        summs = []
         for i, lp in enumerate(params["layers"]):
-            h, new_cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, i, sel)
-            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-            if "moe" not in lp:
-                x = h + M.mlp(lp["mlp"], hn)
-                continue
-            flat = hn.reshape(B * T, -1)
-            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resident[mi], i, M.positions_of(start, T))
-            mi += 1
-            after = plugin(before)
-            r = B * T if rows is None else rows
-            shapes = (specs[i], jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-            arrs, slot_of, n_union = io_callback(functools.partial(host_fetch, i), shapes, after.ids[:r],
-                                                 after.valid[:r], ordered=True)
-            fmt = store._layer(i).layout.fmt
-            b0 = store._layer(i).bank
-            bank = ExpertBank(arrs["gate_up"], arrs["down"], arrs.get("gate_up_scale"), arrs.get("down_scale"),
-                              fmt=fmt, kernel=b0.kernel, layout=b0.layout, hidden=b0.hidden, inter=b0.inter)
-            if rows is None:
-                routed = M.moe_routed(flat, after.ids, after.weights, after.valid, bank, slot_of)
-            else:   # same gather-path products as fetch=loop's real-row path
-                part = M.moe_routed(flat[:r], after.ids[:r], after.weights[:r], after.valid[:r], bank, slot_of,
-                                    gather=True)
-                routed = jnp.zeros_like(flat).at[:r].set(part)
-            x = M.moe_finish(lp["moe"], h, hn, routed.reshape(h.shape))
-            summs.append((before, after))
-            unions.append(n_union)
-        hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
-        return M.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats), jnp.stack(unions)
+            x, new_cache[i], sel, r = model.layer_forward(cfg, lp, x, cache[i], start, i, sel, valid_bt, experts,
+                                                          plugin, len(summs))
+            if r is not None:
+                summs.append(r)
+        hidden = model.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        return (model.head(params, hidden), hidden, new_cache, _routing_summary(summs, want_stats),
+                jnp.stack(experts.unions))
 
     return jax.jit(f, donate_argnums=(1,))
 
@@ -441,6 +466,18 @@ def fused_applies(engine, B: int, T: int, lengths) -> bool:
     return all(need <= store.call_limit(i) for i in _moe_idx(cfg))
 
 
+class ReplayLog:
+    """fetch=fused's host side of a program's store calls: the next MoE layer's predicted experts (--prefetch's
+    recall, by layer), the route trace lines of the layers so far, and how many of the program's store calls are
+    done (``fused_replay`` replays the skipped ones up to the next real one)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.predicted, self.trace, self.next = {}, [], 0
+
+
 def _moe_idx(cfg) -> list:
     return [i for i in cfg.moe_layers if i < cfg.num_hidden_layers]
 
@@ -456,7 +493,7 @@ def fused_state(engine, steps: int, B: int, T: int) -> dict:
     cfg, store = engine.cfg, engine.store
     idx = _moe_idx(cfg)
     K = cfg.num_experts_per_tok
-    engine._fused_pred, engine._fused_trace, engine._fused_next = {}, [], 0
+    engine.backend.replay.reset()
     # numpy, handed to the program as its arguments (jnp ops here were ~1.2 ms of small programs per dispatch)
     return dict(cur=np.stack([store._layer(i).slot_of for i in idx]).astype(np.int32),
                 res=np.stack([engine.resident_for(i) for i in idx]).reshape(len(idx), cfg.n_routed_experts),
@@ -468,15 +505,16 @@ def fused_state(engine, steps: int, B: int, T: int) -> dict:
 def _fused_access(engine, layer: int, last: bool, ids, valid):
     """One MoE layer's store call, as fetch=loop makes it: the union, the fetch, the trace, the counters."""
     union = np.unique(ids[valid])
-    pend = engine._fused_pred.pop(layer, None)
+    replay = engine.backend.replay
+    pend = replay.predicted.pop(layer, None)
     if pend is not None:
         _acc(engine, "prefetch_recall_hits", len(np.intersect1d(pend, union)))
         _acc(engine, "prefetch_recall_total", len(union))
     _, slot_of = engine.store.fetch(layer, union)
-    if engine.opts["route_trace"]:
-        engine._fused_trace.append([layer, union.tolist()])
+    if engine.backend.route_trace:
+        replay.trace.append([layer, union.tolist()])
         if last:
-            tr, engine._fused_trace = engine._fused_trace, []
+            tr, replay.trace = replay.trace, []
             write_route_trace(engine, tr)
     _acc(engine, "union_experts", len(union))
     _acc(engine, "moe_layer_forwards", 1)
@@ -490,16 +528,16 @@ def fused_replay(engine, log_ids, log_valid, upto: int):
     prefetch recall pending), else one ``store.fetch`` per call."""
     idx = _moe_idx(engine.cfg)
     n = len(idx)
-    q = engine._fused_next
+    q = engine.backend.replay.next
     if q >= upto:
         return
     log_ids, log_valid = np.asarray(log_ids), np.asarray(log_valid)
     store = engine.store
-    if engine.opts["route_trace"] or engine._fused_pred or not hasattr(store, "replay_hits"):
+    if engine.backend.route_trace or engine.backend.replay.predicted or not hasattr(store, "replay_hits"):
         for j in range(q, upto):
             s, mi = divmod(j, n)
             _fused_access(engine, idx[mi], mi == n - 1, log_ids[s, mi], log_valid[s, mi])
-        engine._fused_next = upto
+        engine.backend.replay.next = upto
         return
     # one bulk call per layer (each layer's bookkeeping is its own, the counters are sums): a dispatch of 32 steps
     # of a 3-MoE-layer model made 96 fetch calls here, ~2.4 ms between two dispatches on b
@@ -518,7 +556,7 @@ def fused_replay(engine, log_ids, log_valid, upto: int):
         else:
             for u in unions:
                 _fused_access(engine, idx[mi], mi == n - 1, u, np.ones(len(u), bool))
-    engine._fused_next = upto
+    engine.backend.replay.next = upto
 
 
 def _fused_host(engine, mi: int, nxt, step, ids, valid, log_ids, log_valid, pred=None, valid_pos=None):
@@ -531,12 +569,12 @@ def _fused_host(engine, mi: int, nxt, step, ids, valid, log_ids, log_valid, pred
     q = int(step) * len(idx) + mi
     fused_replay(engine, log_ids, log_valid, q)
     slot_of = _fused_access(engine, layer, mi == len(idx) - 1, np.asarray(ids), np.asarray(valid))
-    engine._fused_next = q + 1
+    engine.backend.replay.next = q + 1
     res = np.asarray(engine.resident_for(layer), bool)
     nres = res
     if pred is not None:
         pn = np.unique(np.asarray(pred)[np.asarray(valid_pos)])
-        engine._fused_pred[nxt] = pn
+        engine.backend.replay.predicted[nxt] = pn
         engine.store.prefetch(nxt, pn)                     # background loads while this layer computes
         nres = np.asarray(engine.resident_for(nxt), bool)
     return np.asarray(slot_of, np.int32), np.asarray(engine.store._layer(layer).slot_of, np.int32), res, nres
@@ -553,42 +591,38 @@ def fused_forward(engine, B: int, T: int, short_rows=None, optimistic: bool = Fa
     Holding no host callback, the program is dispatched through JAX's C++ path (a program with one paid ~4-7 ms
     per dispatch on b) and can be kept in the persistent compile cache."""
     cfg, store = engine.cfg, engine.store
-    plugin = engine.plugin or M.identity_plugin
+    plugin = engine.plugin or model.identity_plugin
     want_stats = engine.plugin is not None
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     moe_idx = _moe_idx(cfg)
-    prefetch = bool(engine.opts["prefetch"])
+    prefetch = engine.backend.prefetch
     shapes = (jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((E,), jnp.int32),
               jax.ShapeDtypeStruct((E,), jnp.bool_), jax.ShapeDtypeStruct((E,), jnp.bool_))
     slots = {i: store._layer(i).S for i in moe_idx}
 
-    def f(params, banks, cache, tokens, start, lengths, st, logit_rows=None):
-        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
-        x = M.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
-        cache = list(cache)
-        sel, summs, mi = None, [], 0
-        cur, resm, step, miss = st["cur"], st["res"], st["step"], st["miss"]
-        log_ids, log_valid = st["log_ids"], st["log_valid"]
-        layers = params["layers"]
-        for i, lp in enumerate(layers):
-            k = _layer_key(cfg, i)
-            h, cache[i], sel = M.attn_block(cfg, lp, x, cache[i], start, k, sel, valid_bt)
-            hn = M.rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-            if "moe" not in lp:
-                x = h + M.mlp(lp["mlp"], hn, valid_bt)
-                continue
-            flat = hn.reshape(B * T, -1)
-            before = M.route(cfg, lp["moe"], flat, valid_bt.reshape(B * T), resm[mi], jnp.int32(i),
-                             M.positions_of(start, T))
-            after = plugin(before)
+    class StoreExperts(model.ExpertSource):
+        """Each MoE layer's experts from the store's arenas (the program's ``banks``), the store called from inside
+        the program only for a layer with a miss (or every layer with --prefetch); carries the store's state
+        (slot maps, resident masks, the routing log) through the program."""
+
+        def __init__(self, banks, layers, st):
+            self.banks, self.layers = banks, layers
+            self.st = dict(st)
+
+        def resident(self, mi):
+            return self.st["res"][mi]
+
+        def experts(self, mi, lp, hn, after, valid_bt):
+            st = self.st
+            cur, resm, step = st["cur"], st["res"], st["step"]
             ids, valid = after.ids, after.valid
-            log_ids = log_ids.at[step, mi].set(ids)
-            log_valid = log_valid.at[step, mi].set(valid)
-            later = [j for j in moe_idx if j > i]
-            nxt = later[0] if later else None
-            args = (step, ids, valid, log_ids, log_valid)
+            st["log_ids"] = st["log_ids"].at[step, mi].set(ids)
+            st["log_valid"] = st["log_valid"].at[step, mi].set(valid)
+            nxt = moe_idx[mi + 1] if mi + 1 < len(moe_idx) else None
+            args = (step, ids, valid, st["log_ids"], st["log_valid"])
             if prefetch and nxt is not None:
-                pred = M.route(cfg, layers[nxt]["moe"], flat, valid_bt.reshape(B * T), resm[mi]).ids
+                pred = model.route(cfg, self.layers[nxt]["moe"], hn.reshape(B * T, -1), valid_bt.reshape(B * T),
+                               resm[mi]).ids
                 args += (pred, valid_bt.reshape(-1))
             host = functools.partial(_fused_host, engine, mi, nxt)
             call = lambda: io_callback(host, shapes, *args, ordered=True)     # noqa: E731
@@ -598,30 +632,33 @@ def fused_forward(engine, B: int, T: int, short_rows=None, optimistic: bool = Fa
             else:               # every routed expert resident: no host call (its bookkeeping is replayed)
                 have = jnp.all(jnp.where(valid, cur[mi][jnp.clip(ids, 0, E - 1)] >= 0, True))
                 if optimistic:  # a missing expert's slot is -1: the kernels skip it, the step is discarded
-                    miss, got = miss | ~have, hit()
+                    st["miss"], got = st["miss"] | ~have, hit()
                 else:
                     got = jax.lax.cond(have, hit, call)
             slot_of, now, mres, nres = got
-            cur = cur.at[mi].set(now)
-            resm = resm.at[mi].set(mres)
+            st["cur"] = cur.at[mi].set(now)
+            st["res"] = resm = resm.at[mi].set(mres)
             if prefetch and nxt is not None:           # the next layer's mask after this layer's prefetch
-                resm = resm.at[mi + 1].set(nres)
+                st["res"] = resm.at[mi + 1].set(nres)
             # the bank is read only after this layer's fetch: every use of it depends on slot_of
-            slot_of, bank = jax.lax.optimization_barrier((slot_of, banks[mi]))
-            rows = short_rows if short_rows is not None and B * T * K <= slots[i] else None
-            real = valid.any(-1).reshape(B, T)
-            if rows is None:
-                routed = M.moe_routed(flat, ids, after.weights, valid, bank, slot_of).reshape(B, T, -1)
-            else:
-                part = M.moe_routed(flat[:rows], ids[:rows], after.weights[:rows], valid[:rows], bank, slot_of,
-                                    gather=True)
-                routed = jnp.zeros_like(flat).at[:rows].set(part).reshape(B, T, -1)
-            x = M.moe_finish(lp["moe"], h, hn, routed, real)
-            summs.append((before, after))
-            mi += 1
-        hidden = M.rms_norm(x, params["norm"], cfg.rms_norm_eps)
-        logits = M.head_logits(hidden, params["lm_head"], valid_bt if logit_rows is None else logit_rows)
-        st = dict(cur=cur, res=resm, step=step + 1, miss=miss, log_ids=log_ids, log_valid=log_valid)
+            slot_of, bank = jax.lax.optimization_barrier((slot_of, self.banks[mi]))
+            rows = short_rows if short_rows is not None and B * T * K <= slots[moe_idx[mi]] else None
+            return bank, slot_of, rows
+
+    def f(params, banks, cache, tokens, start, lengths, st, logit_rows=None):
+        valid_bt = jnp.arange(T)[None, :] < lengths[:, None]
+        x = model.embed({"embed": params["embed"], "norm": params["norm"]}, tokens)
+        cache = list(cache)
+        experts = StoreExperts(banks, params["layers"], st)
+        sel, summs = None, []
+        for i, lp in enumerate(params["layers"]):
+            x, cache[i], sel, r = model.layer_forward(cfg, lp, x, cache[i], start, _layer_key(cfg, i), sel,
+                                                      valid_bt, experts, plugin, len(summs), jnp.int32(i))
+            if r is not None:
+                summs.append(r)
+        hidden = model.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        logits = model.head_logits(hidden, params["lm_head"], valid_bt if logit_rows is None else logit_rows)
+        st = dict(experts.st, step=experts.st["step"] + 1)
         return logits, hidden, cache, _routing_summary(summs, want_stats), st
 
     return f
@@ -632,11 +669,11 @@ def fused_finish(engine, st, steps: int):
     fused_replay(engine, st["log_ids"], st["log_valid"], steps * len(_moe_idx(engine.cfg)))
 
 
-def _fused_step(engine, tokens, start, lengths, logit_rows=None):
+def fused_step(engine, tokens, start, lengths, logit_rows=None):
     B, T = tokens.shape
     n_real = int(np.max(np.asarray(lengths)))
     short = n_real if (B == 1 and T <= 16 and n_real < T) else None
-    key = ("fused_step", B, T, engine._cache_len, short, logit_rows is None, bool(engine.opts["prefetch"]))
+    key = ("fused_step", B, T, engine._cache_len, short, logit_rows is None, engine.backend.prefetch)
     fn = engine._jits.get(key)
     if fn is None:
         fn = engine._jits[key] = jax.jit(fused_forward(engine, B, T, short), donate_argnums=(2,))
@@ -694,12 +731,12 @@ def _seg_fns(engine, c: int, G: int):
     @functools.partial(jax.jit, donate_argnums=(0,))
     def shared(acc, hn, real, mp):
         """acc (the attention's output h) + the shared expert of hn, at the real positions."""
-        return acc + M.mlp(mp["shared"], hn[None], real)[0].astype(acc.dtype)
+        return acc + model.mlp(mp["shared"], hn[None], real)[0].astype(acc.dtype)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def routed(acc, hn, ids, w, m, bank, slot_of):
         """acc + the routed experts ``m`` marks (one round's fetch), every position of the buffer in one call."""
-        return acc + M.moe_routed(hn, ids, w, m, bank, slot_of).astype(acc.dtype)
+        return acc + model.moe_routed(hn, ids, w, m, bank, slot_of).astype(acc.dtype)
 
     fns = engine._jits[key] = dict(take=take, put=put, shared=shared, routed=routed)
     return fns
@@ -737,6 +774,146 @@ def _round_order(union, ids, m, resident, lim):
     return np.concatenate([head[resident[head]], head[~resident[head]], tail])
 
 
+class _Segment:
+    """One ``segment_steps`` run's state: the segment's positions in blocks of ``chunk`` (attention) and in groups of
+    ``width`` (the MoE calls: G blocks a group), the layer's input / output buffers and their normed copies (one per
+    group), and the programs (taken afresh after each pause: the caller's step may have dropped them)."""
+
+    def __init__(self, engine, tokens, start: int, chunk: int, width: int, row, slice_s):
+        self.engine, self.slice_s = engine, slice_s
+        self.chunk = c = int(chunk)
+        self.per_group = max(1, int(width) // c)               # blocks a MoE call covers
+        n = int(len(tokens))
+        self.blocks = -(-n // c)
+        self.groups = -(-self.blocks // self.per_group)
+        self.width = self.per_group * c
+        self.row_index = None if row is None else jnp.int32(row)
+        self.starts = [jnp.asarray([start + j * c], jnp.int32) for j in range(self.blocks)]
+        self.lens = [min(c, n - j * c) for j in range(self.blocks)]
+        self.valid = [jnp.asarray(np.arange(c)[None, :] < self.lens[j]) for j in range(self.blocks)]
+        self.sels = [None] * self.blocks
+        self.trace = [] if engine.backend.route_trace else None
+        self.programs, self.buffers = engine.backend.programs, _seg_fns(engine, c, self.per_group)
+        self._embed(tokens)
+        self.t_last = time.perf_counter()
+
+    def place(self, j: int):
+        """Block j's group and its offset in the group's buffer."""
+        return j // self.per_group, np.int32((j % self.per_group) * self.chunk)
+
+    def _embed(self, tokens):
+        params, c = self.engine.params, self.chunk
+        emb = {"embed": params["embed"], "norm": params["norm"]}
+        self.bufs = None
+        for j in range(self.blocks):
+            toks = np.zeros((1, c), np.int32)
+            toks[0, :self.lens[j]] = tokens[j * c:j * c + self.lens[j]]
+            x = self.programs.embed(emb, jnp.asarray(toks))
+            if self.bufs is None:       # (host zeros: no op-by-op program compiled and kept for these shapes)
+                self.bufs = [jnp.asarray(np.zeros((self.width, x.shape[-1]), x.dtype)) for _ in range(self.groups)]
+                self.hns = [jnp.asarray(np.zeros((self.width, x.shape[-1]), x.dtype)) for _ in range(self.groups)]
+            gi, off = self.place(j)
+            self.bufs[gi] = self.buffers["put"](self.bufs[gi], x, off)
+        real = [np.zeros((self.width,), bool) for _ in range(self.groups)]
+        for j in range(self.blocks):
+            gi, off = self.place(j)
+            real[gi][off:off + self.lens[j]] = True
+        self.real = [jnp.asarray(r.reshape(1, self.width)) for r in real]
+
+    def due(self) -> bool:
+        return self.slice_s is not None and time.perf_counter() - self.t_last >= self.slice_s
+
+    def paused(self):
+        """After the yield: the caller's step may have dropped / recompiled the programs."""
+        self.t_last = time.perf_counter()
+        self.programs = self.engine.backend.programs
+        self.buffers = _seg_fns(self.engine, self.chunk, self.per_group)
+
+    def dense_layer(self, i: int, lp):
+        engine = self.engine
+        for j in range(self.blocks):
+            gi, off = self.place(j)
+            x, engine._cache[i], self.sels[j] = self.programs.dense(
+                _layer_key(engine.cfg, i), lp, self.buffers["take"](self.bufs[gi], off), engine._cache[i],
+                self.starts[j], self.sels[j], self.valid[j], self.row_index)
+            self.bufs[gi] = self.buffers["put"](self.bufs[gi], x, off)
+            if self.due():
+                jax.block_until_ready(self.bufs)
+                yield
+                self.paused()
+
+    def route(self, i: int, lp):
+        """Layer i's attention and routing, block by block; returns (ids, weights, mask) [groups, width, K]."""
+        engine = self.engine
+        K = engine.cfg.num_experts_per_tok
+        shape = (self.groups, self.width, K)
+        ids_np, w_np, m_np = np.zeros(shape, np.int32), np.zeros(shape, np.float32), np.zeros(shape, bool)
+        resident = jnp.asarray(engine.resident_for(i))
+        for j in range(self.blocks):
+            gi, off = self.place(j)
+            h, hn, engine._cache[i], self.sels[j], ids, w, valid, _, summary = self.programs.attn_route(
+                _layer_key(engine.cfg, i), lp, self.buffers["take"](self.bufs[gi], off), engine._cache[i],
+                self.starts[j], self.sels[j], self.valid[j], resident, None, np.int32(i), self.row_index)
+            engine._accumulate(summary)
+            self.bufs[gi] = self.buffers["put"](self.bufs[gi], h, off)
+            self.hns[gi] = self.buffers["put"](self.hns[gi], hn, off)
+            ids_np[gi, off:off + self.chunk] = np.asarray(ids)
+            m_np[gi, off:off + self.chunk] = np.asarray(valid)
+            w_np[gi, off:off + self.chunk] = np.asarray(w, np.float32)
+            if self.due():
+                jax.block_until_ready((self.bufs, self.hns))
+                yield
+                self.paused()
+                resident = jnp.asarray(engine.resident_for(i))      # (the step may have changed the layer's cache)
+        return ids_np, w_np, m_np
+
+    def moe_layer(self, i: int, lp):
+        engine, store = self.engine, self.engine.store
+        ids_np, w_np, m_np = yield from self.route(i, lp)
+        for gi in range(self.groups):
+            self.bufs[gi] = self.buffers["shared"](self.bufs[gi], self.hns[gi], self.real[gi], lp["moe"])
+        union = np.unique(ids_np[m_np])
+        if self.trace is not None:
+            self.trace.append([i, union.tolist()])
+        _acc(engine, "union_experts", len(union))
+        _acc(engine, "moe_layer_forwards", 1)
+        _acc(engine, "segment_layers", 1)
+        union = _round_order(union, ids_np, m_np, store.resident_mask(i), store.call_limit(i))
+        ids_d, w_all = [jnp.asarray(a) for a in ids_np], [jnp.asarray(a) for a in w_np]
+        cap = self.width * SEGMENT_PAIR_CAP
+        r0 = 0
+        while r0 < len(union):
+            limit = store.call_limit(i)          # (a step between rounds may have lowered the working set)
+            part = union[r0:r0 + limit]
+            r0 += len(part)
+            bank, slot_of = store.fetch(i, part)
+            slot_of = jnp.asarray(slot_of)
+            for gi in range(self.groups):
+                mg = m_np[gi] & np.isin(ids_np[gi], part)
+                for a, b in _pair_splits(mg, cap):
+                    mm = np.zeros_like(mg)
+                    mm[a:b] = mg[a:b]
+                    self.bufs[gi] = self.buffers["routed"](self.bufs[gi], self.hns[gi], ids_d[gi], w_all[gi],
+                                                           jnp.asarray(mm), bank, slot_of)
+            jax.block_until_ready(self.bufs)           # the next round's fetch may take these slots
+            if self.due() and r0 < len(union):
+                yield
+                self.paused()
+
+    def finish(self):
+        """(logits [1, chunk, V] of the last block, the last token's index in it)."""
+        params = self.engine.params
+        last = self.blocks - 1
+        gi, off = self.place(last)
+        x = self.buffers["take"](self.bufs[gi], off)
+        logit_rows = np.zeros((1, self.chunk), bool)
+        logit_rows[0, self.lens[last] - 1] = True
+        logits, _ = self.programs.head(params["norm"], params["lm_head"], x, jnp.asarray(logit_rows))
+        if self.trace:
+            write_route_trace(self.engine, self.trace)
+        return logits, self.lens[last] - 1
+
+
 def segment_steps(engine, tokens: np.ndarray, start: int, chunk: int, width: int, row=None,
                   slice_s: Optional[float] = None):
     """A prompt's ``n`` tokens (positions start..start+n-1) prefilled layer by layer: each layer runs its attention
@@ -754,114 +931,14 @@ def segment_steps(engine, tokens: np.ndarray, start: int, chunk: int, width: int
     and round therefore takes ``engine._cache`` and the store's slots afresh after a yield (a round fetches its
     experts when it starts).  Its return value (StopIteration's) is (logits [1, chunk, V] of the last block, the
     last token's index in it)."""
-    cfg, params, store = engine.cfg, engine.params, engine.store
-    c = int(chunk)
-    G = max(1, int(width) // c)
-    n = int(len(tokens))
-    nb = -(-n // c)
-    ng = -(-nb // G)
-    W = G * c
-    rw = None if row is None else jnp.int32(row)
-    starts = [jnp.asarray([start + j * c], jnp.int32) for j in range(nb)]
-    lens = [min(c, n - j * c) for j in range(nb)]
-    valid = [jnp.asarray(np.arange(c)[None, :] < lens[j]) for j in range(nb)]
-    emb = {"embed": params["embed"], "norm": params["norm"]}
-    f, g = _fns(engine), _seg_fns(engine, c, G)
-    bufs = None
-    for j in range(nb):
-        toks = np.zeros((1, c), np.int32)
-        toks[0, :lens[j]] = tokens[j * c:j * c + lens[j]]
-        x = f["embed"](emb, jnp.asarray(toks))
-        if bufs is None:       # (host zeros: no op-by-op program compiled and kept for these shapes)
-            bufs = [jnp.asarray(np.zeros((W, x.shape[-1]), x.dtype)) for _ in range(ng)]
-            hns = [jnp.asarray(np.zeros((W, x.shape[-1]), x.dtype)) for _ in range(ng)]
-        bufs[j // G] = g["put"](bufs[j // G], x, np.int32((j % G) * c))
-    K = cfg.num_experts_per_tok
-    real = [np.zeros((W,), bool) for _ in range(ng)]
-    for j in range(nb):
-        real[j // G][(j % G) * c:(j % G) * c + lens[j]] = True
-    real_d = [jnp.asarray(r.reshape(1, W)) for r in real]
-    sels = [None] * nb
-    trace = [] if engine.opts["route_trace"] else None
-    t_last = [time.perf_counter()]
-
-    def due() -> bool:
-        return slice_s is not None and time.perf_counter() - t_last[0] >= slice_s
-
-    def paused():              # after the yield: the caller's step may have dropped / recompiled the programs
-        t_last[0] = time.perf_counter()
-        return _fns(engine), _seg_fns(engine, c, G)
-
-    for i, lp in enumerate(params["layers"]):
-        k = _layer_key(cfg, i)
+    segment = _Segment(engine, tokens, start, chunk, width, row, slice_s)
+    layers = engine.params["layers"]
+    for i, lp in enumerate(layers):
         if "moe" not in lp:
-            for j in range(nb):
-                off = np.int32((j % G) * c)
-                x, engine._cache[i], sels[j] = f["dense"](k, lp, g["take"](bufs[j // G], off), engine._cache[i],
-                                                          starts[j], sels[j], valid[j], rw)
-                bufs[j // G] = g["put"](bufs[j // G], x, off)
-                if due():
-                    jax.block_until_ready(bufs)
-                    yield
-                    f, g = paused()
+            yield from segment.dense_layer(i, lp)
             continue
-        ids_np = np.zeros((ng, W, K), np.int32)
-        w_np = np.zeros((ng, W, K), np.float32)
-        m_np = np.zeros((ng, W, K), bool)
-        res = jnp.asarray(engine.resident_for(i))
-        for j in range(nb):
-            gi, off = j // G, np.int32((j % G) * c)
-            h, hn, engine._cache[i], sels[j], ids, w, vm, _, summ = f["attn_route"](
-                k, lp, g["take"](bufs[gi], off), engine._cache[i], starts[j], sels[j], valid[j], res, None,
-                np.int32(i), rw)
-            engine._accumulate(summ)
-            bufs[gi] = g["put"](bufs[gi], h, off)
-            hns[gi] = g["put"](hns[gi], hn, off)
-            o = (j % G) * c
-            ids_np[gi, o:o + c] = np.asarray(ids)
-            m_np[gi, o:o + c] = np.asarray(vm)
-            w_np[gi, o:o + c] = np.asarray(w, np.float32)
-            if due():
-                jax.block_until_ready((bufs, hns))
-                yield
-                f, g = paused()
-                res = jnp.asarray(engine.resident_for(i))      # (the step may have changed the layer's cache)
-        for gi in range(ng):
-            bufs[gi] = g["shared"](bufs[gi], hns[gi], real_d[gi], lp["moe"])
-        union = np.unique(ids_np[m_np])
-        if trace is not None:
-            trace.append([i, union.tolist()])
-        _acc(engine, "union_experts", len(union))
-        _acc(engine, "moe_layer_forwards", 1)
-        _acc(engine, "segment_layers", 1)
-        union = _round_order(union, ids_np, m_np, store.resident_mask(i), store.call_limit(i))
-        ids_d, w_all = [jnp.asarray(a) for a in ids_np], [jnp.asarray(a) for a in w_np]
-        cap = W * SEGMENT_PAIR_CAP
-        r0 = 0
-        while r0 < len(union):
-            lim = store.call_limit(i)          # (a step between rounds may have lowered the working set)
-            part = union[r0:r0 + lim]
-            r0 += len(part)
-            bank, slot_of = store.fetch(i, part)
-            so = jnp.asarray(slot_of)
-            for gi in range(ng):
-                mg = m_np[gi] & np.isin(ids_np[gi], part)
-                for a, b in _pair_splits(mg, cap):
-                    mm = np.zeros_like(mg)
-                    mm[a:b] = mg[a:b]
-                    bufs[gi] = g["routed"](bufs[gi], hns[gi], ids_d[gi], w_all[gi], jnp.asarray(mm), bank, so)
-            jax.block_until_ready(bufs)           # the next round's fetch may take these slots
-            if due() and r0 < len(union):
-                yield
-                f, g = paused()
-        if due() and i + 1 < len(params["layers"]):
+        yield from segment.moe_layer(i, lp)
+        if segment.due() and i + 1 < len(layers):
             yield
-            f, g = paused()
-    last = nb - 1
-    x = g["take"](bufs[last // G], np.int32((last % G) * c))
-    lr = np.zeros((1, c), bool)
-    lr[0, lens[last] - 1] = True
-    logits, _ = f["head"](params["norm"], params["lm_head"], x, jnp.asarray(lr))
-    if trace:
-        write_route_trace(engine, trace)
-    return logits, lens[last] - 1
+            segment.paused()
+    return segment.finish()
