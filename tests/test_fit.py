@@ -508,7 +508,7 @@ def test_rows_nobody_asked_for_are_halved_before_a_refusal():
 
 _REFUSE_CHILD = r"""
 import json, sys
-import glm_jax
+import glm_jax.engine                            # the whole runtime imported before it is measured
 from glm_jax import memory as MEM
 from glm_jax.experts.store import RamBudgetError
 budget = (MEM.private_bytes() + 300e6) / 1e9     # the runtime as it is in a fresh process + 300 MB
@@ -549,7 +549,7 @@ def test_a_request_whose_kv_growth_does_not_fit_even_at_the_cache_floor_is_refus
 
 _ROWS_CHILD = r"""
 import json, sys
-import glm_jax
+import glm_jax.engine                            # the whole runtime imported before it is measured
 from glm_jax import options as O, memory as MEM
 budget = (MEM.private_bytes() + 330e6) / 1e9     # the runtime as it is in a fresh process + 330 MB
 opts = O.resolve(dict(ram_gb=budget, fetch="loop", state_dir="off"))
@@ -609,7 +609,7 @@ def test_the_refit_keeps_a_prefill_chunks_activations_out_of_the_cache():
 _OUTGROW_CHILD = r"""
 import json, sys
 import numpy as np
-import glm_jax
+import glm_jax.engine                            # the whole runtime imported before it is measured
 from glm_jax import fit as F
 from glm_jax import memory as MEM
 from glm_jax import model as M
@@ -736,7 +736,7 @@ def test_a_load_in_a_binding_budget_compacts_the_heap(over_budget_container, mon
 
 _WARM_CHILD = r"""
 import json, sys
-import glm_jax
+import glm_jax.engine                            # the whole runtime imported before it is measured
 from glm_jax import fit as F
 from glm_jax import memory as MEM
 budget = (MEM.private_bytes() + 300e6) / 1e9
