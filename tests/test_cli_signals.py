@@ -84,23 +84,24 @@ def test_logits_past_the_context_limit():
         eng.close()
 
 
-def _console_entry():
-    """The `glm-jax` console script as pyproject.toml declares it (module, function)."""
+def _console_entry(script):
+    """A console script as pyproject.toml declares it (module, function)."""
     import tomllib
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        mod, fn = tomllib.load(f)["project"]["scripts"]["glm-jax"].split(":")
+        mod, fn = tomllib.load(f)["project"]["scripts"][script].split(":")
     return mod, fn
 
 
+@pytest.mark.parametrize("script", ["glm-jax", "glm-jax-serve", "glm-jax-convert", "glm-jax-eval"])
 @pytest.mark.parametrize("sig,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_while_importing_is_one_line(tmp_path, sig, rc):
+def test_signal_while_importing_is_one_line(tmp_path, sig, rc, script):
     # a stand-in jax whose import delivers the signal: it arrives exactly while the entry is importing the engine
     (tmp_path / "jax").mkdir()
     (tmp_path / "jax" / "__init__.py").write_text(f"import os\nos.kill(os.getpid(), {int(sig)})\n")
-    mod, fn = _console_entry()
+    mod, fn = _console_entry(script)
     env = _env()
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
     p = subprocess.run([sys.executable, "-c", f"import {mod}; {mod}.{fn}()"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert p.returncode == rc and "Traceback" not in p.stderr, p.stderr
-    assert p.stderr.strip().count("\n") == 0 and "glm-jax:" in p.stderr, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and f"{script}:" in p.stderr, p.stderr

@@ -10,7 +10,7 @@
 
 With ``check`` (calls the model wrote freely, tool_choice auto: no grammar held them to the schema) a call's events
 are held until it ends and go out only if its arguments validate against the function's ``parameters``
-(``schema_error``: types, enum / const, required and undeclared keys, lengths, ranges, items, anyOf / allOf); one
+(``schema_error``: jsonschema, with undeclared keys refused as the grammar refuses them); one
 that does not is dropped and counted in ``invalid`` (name, reason) -- never content, as its markup never is.
 
 ``finish()`` ends the text: a call still open (cut off by max_tokens or EOS) is dropped (``truncated`` set) and never
@@ -24,6 +24,9 @@ import json
 import re
 import secrets
 from typing import Optional
+
+import jsonschema
+import referencing.exceptions
 
 from .. import chat as C
 
@@ -53,76 +56,33 @@ def param_types(tools) -> dict:
     return out
 
 
-_TYPES = {"string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-          "null": lambda v: v is None, "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or
-          (isinstance(v, float) and v.is_integer())}
+def _closed(s):
+    """``s`` as the call grammar reads it: an object schema that declares properties and says nothing of others takes
+    no other key (the grammar never writes one), so a freely written call is held to the same rule."""
+    if isinstance(s, list):
+        return [_closed(x) for x in s]
+    if not isinstance(s, dict):
+        return s
+    out = {k: _closed(x) for k, x in s.items()}
+    if isinstance(s.get("properties"), dict) and s["properties"] and "additionalProperties" not in s:
+        out["additionalProperties"] = False
+    return out
 
 
 def schema_error(v, s, path: str = "arguments") -> Optional[str]:
-    """Why ``v`` does not validate against JSON schema ``s`` (the subset the call grammar constrains), or None."""
-    if s is False:
-        return f"{path}: not allowed"
-    if not isinstance(s, dict):
+    """Why ``v`` does not validate against the JSON schema ``s`` (jsonschema, draft 2020-12, on ``_closed(s)``), or
+    None; a schema jsonschema can't use (not Python's regex dialect, a broken ``$ref``) was the grammar's to decide."""
+    if not isinstance(s, (dict, bool)):
         return None
-    if "const" in s and v != s["const"]:
-        return f"{path}: not the const value"
-    if isinstance(s.get("enum"), list) and v not in s["enum"]:
-        return f"{path}: {json.dumps(v, ensure_ascii=False)[:80]} is not one of the enum values"
-    for k in ("anyOf", "oneOf"):
-        if isinstance(s.get(k), list) and s[k] and all(schema_error(v, b, path) for b in s[k]):
-            return f"{path}: matches none of {k}"
-    for b in s.get("allOf") or [] if isinstance(s.get("allOf"), list) else []:
-        if schema_error(v, b, path):
-            return schema_error(v, b, path)
-    t = s.get("type")
-    types = [t] if isinstance(t, str) else t if isinstance(t, list) else []
-    if types and not any(_TYPES.get(x, lambda v: True)(v) for x in types):
-        return f"{path}: expected {' or '.join(map(str, types))}"
-    if isinstance(v, str):
-        return _string_error(v, s, path)
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        lo, hi = s.get("minimum"), s.get("maximum")
-        if (isinstance(lo, (int, float)) and v < lo) or (isinstance(hi, (int, float)) and v > hi):
-            return f"{path}: {v} is out of range"
-    if isinstance(v, list):
-        if len(v) < s.get("minItems", 0) or len(v) > s.get("maxItems", len(v)):
-            return f"{path}: {len(v)} items is out of range"
-        return next((e for i, x in enumerate(v) if (e := schema_error(x, s.get("items"), f"{path}[{i}]"))), None)
-    if isinstance(v, dict):
-        return _object_error(v, s, path)
-    return None
-
-
-def _string_error(v: str, s: dict, path: str) -> Optional[str]:
-    if len(v) < s.get("minLength", 0) or len(v) > s.get("maxLength", len(v)):
-        return f"{path}: length {len(v)} is out of range"
     try:
-        if isinstance(s.get("pattern"), str) and not re.search(s["pattern"], v):
-            return f"{path}: does not match the pattern"
-    except re.error:                                  # not Python's dialect: the grammar's compiler decided
-        pass
-    return None
-
-
-def _object_error(v: dict, s: dict, path: str) -> Optional[str]:
-    props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
-    req = s.get("required") if isinstance(s.get("required"), list) else []
-    miss = [k for k in req if k not in v]
-    if miss:
-        return f"{path}: missing required {miss[0]!r}"
-    extra = s.get("additionalProperties")
-    for k, x in v.items():
-        if k in props:
-            e = schema_error(x, props[k], f"{path}.{k}")
-        elif props and not isinstance(extra, dict) or extra is False:   # the grammar takes no undeclared key
-            e = f"{path}: undeclared key {k!r}"
-        else:
-            e = schema_error(x, extra, f"{path}.{k}")
-        if e:
-            return e
-    return None
+        jsonschema.Draft202012Validator.check_schema(s)
+        err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(_closed(s)).iter_errors(v))
+    except (re.error, jsonschema.exceptions.SchemaError, referencing.exceptions.Unresolvable):
+        return None
+    if err is None:
+        return None
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in err.absolute_path)
+    return f"{path}{where}: {err.message[:200]}"
 
 
 class ToolCallParser:
