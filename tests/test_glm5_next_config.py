@@ -55,3 +55,26 @@ def test_bad_fields_name_the_field(over, field):
     raw = dict(TEXT, model_type="glm5_next", **over)
     with pytest.raises(ConfigError, match=f"field '{field}'"):
         config_from_dict(raw, "x/config.json")
+
+
+def test_a_container_records_glm5_next_fields_and_no_other_family_gains_any():
+    """A container's manifest records every math field of its config, so a container converted from another GLM-5.3
+    variant (another hc_mult, KDA width or swiglu_limit) is refused instead of computed wrong; the fields absent from
+    other families keep their manifests (and config hashes) as they were."""
+    import dataclasses
+    import json
+    import os
+
+    from glm_jax.experts.container import CONFIG_FIELDS_DEFAULTED, config_fields
+    from glm_jax.model.config import load_config
+
+    golden = os.path.join(os.path.dirname(__file__), "golden")
+    nxt = config_fields(load_config(os.path.join(golden, "glm5next")))
+    for f in ("layer_types", "hc_mult", "hc_sinkhorn_iters", "linear_num_heads", "linear_head_dim",
+              "linear_conv_kernel_dim", "swiglu_limit", "index_kpool"):
+        assert f in nxt, f
+    other = load_config(os.path.join(golden, "dsa_sparse"))
+    rec = config_fields(other)
+    assert not set(rec) & (set(CONFIG_FIELDS_DEFAULTED) - {"rope_interleave"}), rec
+    changed = dataclasses.replace(load_config(os.path.join(golden, "glm5next")), hc_mult=2)
+    assert json.dumps(config_fields(changed), sort_keys=True) != json.dumps(nxt, sort_keys=True)

@@ -253,7 +253,12 @@ CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
 CONFIG_FIELDS_IGNORED = ("max_position_embeddings", "eos_token_ids", "bos_token_id", "pad_token_id", "source")
 # Fields added after containers were written: recorded only where they differ from this default (a container of
 # an older glm-jax-convert, where they are absent, had the default)
-CONFIG_FIELDS_DEFAULTED = {"rope_interleave": True}
+CONFIG_FIELDS_DEFAULTED = {"rope_interleave": True,
+                           # glm5_next's own fields: absent from every other family's manifest, as before
+                           "layer_types": (), "linear_num_heads": None, "linear_head_dim": None,
+                           "linear_conv_kernel_dim": None, "linear_lower_bound": None, "hc_mult": 0, "hc_eps": 1e-6,
+                           "hc_sinkhorn_iters": 0, "swiglu_limit": None, "index_kpool": 0,
+                           "index_kpool_always_select_tail": True}
 
 
 def config_fields(cfg: ModelConfig) -> dict:
